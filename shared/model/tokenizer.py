@@ -1,0 +1,179 @@
+"""Tokenizer and chat template, from a GGUF file or a Hugging Face directory. Never imports torch.
+
+The GGUF vocabulary (a byte-level BPE, `tokenizer.ggml.model == "gpt2"`) is rebuilt as a
+`tokenizers.Tokenizer` the way Hugging Face's GGUF converter does, so token ids match
+`AutoTokenizer.from_pretrained(dir, gguf_file=...)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+_CONTROL_TOKEN_TYPE = 3
+_USER_DEFINED_TOKEN_TYPE = 4
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the messages (for example a role it does not know)."""
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+
+
+class KVTokenizer:
+    """Encodes text, decodes ids (also incrementally), renders the chat template."""
+
+    def __init__(self, tok: Tokenizer, info: TokenizerInfo) -> None:
+        self._tok = tok
+        self.info = info
+        self.eos_token_ids = info.eos_token_ids
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.fingerprint = hashlib.sha256(tok.to_str().encode()).hexdigest()
+        self._template = None
+        if info.chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(info.chat_template)
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> KVTokenizer:
+        p = Path(path)
+        if p.is_file() and p.suffix == ".gguf":
+            return cls.from_gguf(p)
+        return cls.from_hf_dir(p)
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> KVTokenizer:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        fields = reader.fields
+        kind = fields["tokenizer.ggml.model"].contents()
+        if kind != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE)")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"].contents()
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+        types: list[int] = fields["tokenizer.ggml.token_type"].contents()
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty in (_CONTROL_TOKEN_TYPE, _USER_DEFINED_TOKEN_TYPE)
+        ]
+        tok.add_special_tokens(special)
+
+        def _tok_at(key: str) -> str | None:
+            f = fields.get(key)
+            return None if f is None else tokens[int(f.contents())]
+
+        eos_field = fields.get("tokenizer.ggml.eos_token_id")
+        template_field = fields.get("tokenizer.chat_template")
+        info = TokenizerInfo(
+            bos_token=_tok_at("tokenizer.ggml.bos_token_id"),
+            eos_token=_tok_at("tokenizer.ggml.eos_token_id"),
+            eos_token_ids=() if eos_field is None else (int(eos_field.contents()),),
+            chat_template=None if template_field is None else template_field.contents(),
+        )
+        return cls(tok, info)
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> KVTokenizer:
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        cfg: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").exists():
+            cfg = json.loads((path / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+
+        def _content(v: Any) -> str | None:
+            return v.get("content") if isinstance(v, dict) else v
+
+        eos = _content(cfg.get("eos_token"))
+        eos_id = tok.token_to_id(eos) if eos else None
+        info = TokenizerInfo(
+            bos_token=_content(cfg.get("bos_token")),
+            eos_token=eos,
+            eos_token_ids=() if eos_id is None else (eos_id,),
+            chat_template=template if isinstance(template, str) else None,
+        )
+        return cls(tok, info)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        tok = self._tok.id_to_token(token_id)
+        return None if tok is None else str(tok)
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; send a raw prompt")
+        try:
+            return str(
+                self._template.render(
+                    messages=list(messages),
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=self.info.bos_token or "",
+                    eos_token=self.info.eos_token or "",
+                )
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # a template error is the caller's input, not ours
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
+
+
+def _raise_template_error(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas without splitting a UTF-8 character.
+
+    Holds back the tail while it decodes to the replacement character (an incomplete
+    multi-byte sequence), as vLLM's incremental detokenizer does.
+    """
+
+    def __init__(self, tokenizer: KVTokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._emitted = ""
+
+    @property
+    def text(self) -> str:
+        return self._emitted
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        full = self._tok.decode(self._ids, self._skip)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = full[len(self._emitted) :]
+        self._emitted = full
+        return delta
