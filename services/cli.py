@@ -1,3 +1,56 @@
-"""The `kvserve` command."""
-def main() -> None:
-    print("kvserve")
+"""The `kvserve` command. Each subcommand lives in its own module with `register(subparsers)`;
+a module's `run(args) -> int` does the work. User errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+
+# subcommand -> module under kvserve.services (imported lazily: `kvserve capacity` needs no torch)
+SUBCOMMANDS = {
+    "fetch-model": "fetch_model",
+    "generate": "generate",
+    "capacity": "capacity",
+    "bench": "bench.main",
+}
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Only import the module of the chosen subcommand (fast start, no torch where none needed).
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, module in SUBCOMMANDS.items():
+        if chosen in SUBCOMMANDS and name != chosen:
+            sub.add_parser(name)
+            continue
+        mod = importlib.import_module(f"kvserve.services.{module}")
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except CliError as e:
+        print(f"kvserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"kvserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

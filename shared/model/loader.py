@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from kvserve.shared.config import FETCH_MODEL_COMMAND, ModelConfig
+from kvserve.shared.model.gguf_file import gguf_model_config, open_gguf
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -65,46 +65,6 @@ def load_weights(path: str | Path, dtype: torch.dtype = torch.float32) -> Loaded
     raise ValueError(f"{p}: expected a .gguf file or a directory with config.json")
 
 
-def gguf_field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def gguf_model_config(reader: Any) -> ModelConfig:
-    arch = gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (only llama)")
-    num_heads = int(gguf_field(reader, "llama.attention.head_count"))
-    hidden = int(gguf_field(reader, "llama.embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = gguf_field(reader, "llama.vocab_size") or len(
-        reader.fields["tokenizer.ggml.tokens"].data
-    )
-    scaling_type = gguf_field(reader, "llama.rope.scaling.type")
-    scaling = None
-    if scaling_type and scaling_type != "none":
-        factor = gguf_field(reader, "llama.rope.scaling.factor")
-        scaling = (("factor", float(factor)), ("rope_type", str(scaling_type)))
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(gguf_field(reader, "llama.feed_forward_length")),
-        num_layers=int(gguf_field(reader, "llama.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv") or num_heads),
-        head_dim=int(gguf_field(reader, "llama.rope.dimension_count") or hidden // num_heads),
-        rope_theta=float(gguf_field(reader, "llama.rope.freq_base") or 10000.0),
-        rope_scaling=scaling,
-        rms_norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(gguf_field(reader, "llama.context_length") or 2048),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
-
-
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF's rotate-half halves)."""
     # w: [n_head * head_dim, in]
@@ -115,7 +75,7 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(str(path.resolve()))
     config = gguf_model_config(reader)
     fp = hashlib.sha256()
     weights: dict[str, torch.Tensor] = {}
@@ -123,7 +83,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
         raw = np.asarray(t.data)
         fp.update(t.name.encode() + b"\0" + str(list(t.shape)).encode() + b"\0")
         fp.update(raw.tobytes())
-        arr = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32, copy=False)
+        arr = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
         name = _gguf_to_hf_name(t.name)
         if name.endswith("self_attn.q_proj.weight"):
             arr = _unpermute_rope_rows(arr, config.num_heads)

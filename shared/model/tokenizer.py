@@ -57,9 +57,9 @@ class KVTokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path) -> KVTokenizer:
-        import gguf
+        from kvserve.shared.model.gguf_file import open_gguf
 
-        reader = gguf.GGUFReader(str(path))
+        reader = open_gguf(str(path.resolve()))
         fields = reader.fields
         kind = fields["tokenizer.ggml.model"].contents()
         if kind != "gpt2":

@@ -1,0 +1,335 @@
+"""Engine: requests in, token and text deltas out, one `step()` at a time.
+
+A step is: schedule -> run the model -> sample -> append tokens, fork n > 1 siblings, detect
+stops -> emit deltas. Not thread-safe: one thread drives it (see AsyncEngine for the async API).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+from kvserve.kernels.backend import get_backend
+from kvserve.shared.config import EngineConfig, ModelConfig
+from kvserve.shared.engine.block_pool import BlockPool
+from kvserve.shared.engine.kv_cache import KVCache, kv_bytes_per_token, resolve_kv_dtype
+from kvserve.shared.engine.model_runner import ModelRunner
+from kvserve.shared.engine.sampler import Sampler, SampleRow
+from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
+from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence
+from kvserve.shared.model.llama import LlamaModel
+from kvserve.shared.model.loader import LoadedWeights, load_weights
+from kvserve.shared.model.tokenizer import IncrementalDetokenizer, KVTokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CompletionDelta:
+    """What one completion (one of n, or the best beam) produced since the last output."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    completions: list[CompletionDelta]
+    finished: bool
+
+
+@dataclass
+class _Completion:
+    """Per-completion output state: detokenizer and how much was already emitted."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    sent_tokens: int = 0
+    sent_text: int = 0
+    text: str = ""  # full text so far (truncated at a stop string once found)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    completions: dict[int, _Completion] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.completions) == self.params.n and all(
+            c.seq.is_finished for c in self.completions.values()
+        )
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        tokenizer: KVTokenizer | None = None,
+        weights: LoadedWeights | None = None,
+    ) -> None:
+        """`weights` and `tokenizer` may be passed in to share one load between engines."""
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = DTYPES[config.dtype]
+        loaded = weights or load_weights(config.model_path, dtype)
+        self.model_config: ModelConfig = loaded.config
+        self.model_fingerprint = loaded.fingerprint
+        self.tokenizer = tokenizer or KVTokenizer.from_path(config.model_path)
+        model = LlamaModel(loaded.config, loaded.weights).to(config.device).eval()
+        cc = config.cache
+        self.kv_dtype = resolve_kv_dtype(cc.kv_dtype, dtype)
+        self.block_size = cc.block_size
+        num_blocks = cc.num_blocks or max(
+            1,
+            cc.memory_budget_bytes
+            // (kv_bytes_per_token(loaded.config, self.kv_dtype) * cc.block_size),
+        )
+        self.max_model_len = loaded.config.max_position_embeddings
+        cache = KVCache(loaded.config, num_blocks, cc.block_size, self.kv_dtype, config.device)
+        backend = get_backend(config.attention_backend, config.device)
+        self.runner = ModelRunner(model, cache, backend)
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size)
+        self.sampler = Sampler()
+        self.eos_token_ids = set(self.model_config.eos_token_ids) | set(
+            self.tokenizer.eos_token_ids
+        )
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        # n > 1 siblings created while their parent's row is sampled, forked right after.
+        self._pending_children: dict[tuple[SeqId, int], Sequence] = {}
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (naming the field) for a request that can never run."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError("prompt", f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds the context window of {self.max_model_len} tokens",
+            )
+        if -(-total // self.block_size) > self.pool.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens", f"a sequence of {total} tokens cannot fit in the KV cache"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
+    ) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
+        self.validate(prompt_token_ids, params)
+        prompt = list(prompt_token_ids)
+        req = _Request(request_id, prompt, params)
+        seq = self._new_seq(req, 0, prompt)
+        seq.pending_forks = params.n - 1
+        self._requests[request_id] = req
+        self.scheduler.add(seq)
+
+    def _new_seq(self, req: _Request, index: int, token_ids: list[int]) -> Sequence:
+        params = req.params
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator()
+            gen.manual_seed(params.seed + index if params.seed is not None else torch.seed())
+        seq = Sequence(
+            seq_id=SeqId(next(self._seq_ids)),
+            request_id=req.request_id,
+            index=index,
+            token_ids=list(token_ids),
+            num_prompt_tokens=len(req.prompt),
+            params=params,
+            arrival=next(self._arrivals),
+            generator=gen,
+        )
+        req.completions[index] = _Completion(
+            seq, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        )
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at once. False if it is unknown or finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for c in req.completions.values():
+            if not c.seq.is_finished:
+                self.scheduler.finish(c.seq, FinishReason.ABORT)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        out = self.runner.run(batch)
+        for s in batch.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        self.num_steps += 1
+        touched = self._sample(out.sampling_seqs, out.logits)
+        return [self._output(self._requests[r]) for r in touched if r in self._requests]
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[str]:
+        """Sample one token per sequence; a sequence with pending forks samples once per
+        sibling from the same row and forks the siblings, sharing its blocks."""
+        row_idx: list[int] = []
+        targets: list[tuple[Sequence, int]] = []  # (sequence, sibling index or -1 for itself)
+        for i, seq in enumerate(seqs):
+            row_idx.append(i)
+            targets.append((seq, -1))
+            for j in range(seq.pending_forks):
+                row_idx.append(i)
+                targets.append((seq, j + 1))
+        rows = [self._sample_row(seq, j) for seq, j in targets]
+        if len(row_idx) != len(seqs):
+            logits = logits[torch.tensor(row_idx)]
+        tokens, logprobs = self.sampler(logits, rows)
+        touched: dict[str, None] = {}
+        for (seq, j), tok, lp in zip(targets, tokens, logprobs, strict=True):
+            target = seq if j < 0 else self._fork(seq, j)
+            self._append(target, tok, lp)
+            touched[seq.request_id] = None
+        for seq in seqs:
+            seq.pending_forks = 0
+        return list(touched)
+
+    def _sample_row(self, seq: Sequence, sibling: int) -> SampleRow:
+        if sibling < 0:
+            return SampleRow(seq.params, seq.generator)
+        # The sibling's generator is created now, seeded like its index (seed + index).
+        req = self._requests[seq.request_id]
+        child = self._new_seq(req, sibling, seq.token_ids)
+        self._pending_children[(seq.seq_id, sibling)] = child
+        return SampleRow(child.params, child.generator)
+
+    def _fork(self, parent: Sequence, sibling: int) -> Sequence:
+        child = self._pending_children.pop((parent.seq_id, sibling))
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.block_table = list(parent.block_table)
+        self.pool.share(child.block_table)
+        self.scheduler.add_running(child)
+        return child
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.token_ids.append(token)
+        if seq.params.logprobs:
+            seq.logprobs.append(logprob)
+        seq.cumulative_logprob += logprob
+        comp = self._requests[seq.request_id].completions[seq.index]
+        comp.text += comp.detok.add(token)
+        reason = self._stop_reason(seq, comp, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, comp: _Completion, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if p.stop:
+            # Only the new text (plus a stop string's length before it) can hold a new match.
+            window = max(len(s) for s in p.stop) + 32
+            start = max(0, len(comp.text) - window)
+            hits = [i for s in p.stop if (i := comp.text.find(s, start)) >= 0]
+            if hits:
+                comp.text = comp.text[: min(hits)]
+                return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, req: _Request) -> RequestOutput:
+        finished = req.finished
+        hold = max((len(s) for s in req.params.stop), default=1) - 1
+        deltas = []
+        for idx in sorted(req.completions):
+            c = req.completions[idx]
+            seq = c.seq
+            toks = seq.output_token_ids
+            # Hold back text that could still become a stop string, unless this one is done.
+            visible = len(c.text) if seq.is_finished else max(c.sent_text, len(c.text) - hold)
+            delta = CompletionDelta(
+                index=idx,
+                token_ids=toks[c.sent_tokens :],
+                text=c.text[c.sent_text : visible],
+                logprobs=seq.logprobs[c.sent_tokens :] if seq.params.logprobs else [],
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            )
+            c.sent_tokens, c.sent_text = len(toks), visible
+            deltas.append(delta)
+        first = req.completions[0].seq
+        if finished:
+            del self._requests[req.request_id]
+        return RequestOutput(req.request_id, req.prompt, first.num_cached_tokens, deltas, finished)
+
+    @torch.inference_mode()
+    def score(self, token_ids: Seq[int]) -> torch.Tensor:
+        """Logits [T, vocab] (float32) at every position of `token_ids`, computed in one pass
+        outside the scheduler (for perplexity and fidelity checks); changes no request."""
+        self.validate(token_ids, SamplingParams(max_tokens=1))
+        seq = Sequence(
+            SeqId(-1), "score", 0, list(token_ids), len(token_ids), SamplingParams(), arrival=-1
+        )
+        blocks = self.pool.allocate(seq.blocks_needed(len(token_ids), self.block_size))
+        if blocks is None:
+            raise RuntimeError("not enough free KV blocks to score this sequence")
+        seq.block_table = blocks
+        try:
+            batch = Batch(scheduled=[ScheduledSeq(seq, len(token_ids))])
+            _, hidden = self.runner.forward(batch)
+            return self.runner.model.compute_logits(hidden)
+        finally:
+            self.pool.free(blocks)
+
+    # ---- convenience ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Iterable[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams],
+    ) -> list[list[list[int]]]:
+        """Run prompts to completion; returns, per prompt, the token ids of each completion."""
+        prompts = list(prompts)
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{os.getpid()}-{next(self._seq_ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, dict[int, list[int]]] = {rid: {} for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                for d in out.completions:
+                    results[out.request_id].setdefault(d.index, []).extend(d.token_ids)
+        return [[results[rid][i] for i in sorted(results[rid])] for rid in ids]

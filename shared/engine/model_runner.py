@@ -1,0 +1,108 @@
+"""ModelRunner: turns a Batch into tensors, runs the model over the paged cache, returns the
+logits of the sequences that sample this step. Owns the KVCache tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvserve.kernels.backend import AttentionBackend
+from kvserve.shared.engine.kv_cache import KVCache
+from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
+from kvserve.shared.engine.sequence import Sequence
+from kvserve.shared.model.attention import AttentionMetadata
+from kvserve.shared.model.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Logits [len(sampling_seqs), vocab] (float32), row i for sampling_seqs[i]."""
+
+    sampling_seqs: list[Sequence]
+    logits: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: KVCache, backend: AttentionBackend) -> None:
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.block_size = cache.block_size
+        self.device = model.device
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> StepOutput:
+        ordered, hidden = self.forward(batch)
+        rows, sampling = [], []
+        offset = 0
+        for s in ordered:
+            offset += s.num_new_tokens
+            if s.samples:
+                rows.append(offset - 1)
+                sampling.append(s.seq)
+        if not rows:
+            return StepOutput([], hidden.new_empty((0, 0)))
+        idx = torch.tensor(rows, device=self.device)
+        return StepOutput(sampling, self.model.compute_logits(hidden[idx]))
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """Run the model over the batch; returns the token order and hidden states [T, H]."""
+        for src, dst in batch.block_copies:
+            self.cache.copy_block(src, dst)
+        # Prefill chunks (more than one new token) first, then single-token decodes.
+        prefills = [s for s in batch.scheduled if s.num_new_tokens > 1]
+        decodes = [s for s in batch.scheduled if s.num_new_tokens == 1]
+        ordered = prefills + decodes
+        input_ids, positions, slots = self._flatten(ordered)
+        meta = self._metadata(prefills, decodes, slots)
+        return ordered, self.model(input_ids, positions, meta, self.cache, self.backend)
+
+    def _flatten(
+        self, ordered: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in ordered:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            ids.extend(seq.token_ids[start:end])
+            table = seq.block_table
+            for p in range(start, end):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            torch.tensor(slots, dtype=torch.long, device=dev),
+        )
+
+    def _tables(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        width = max((len(s.seq.block_table) for s in seqs), default=0)
+        rows = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seqs), width)
+
+    def _metadata(
+        self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq], slots: torch.Tensor
+    ) -> AttentionMetadata:
+        dev = self.device
+        cu = [0]
+        for s in prefills:
+            cu.append(cu[-1] + s.num_new_tokens)
+
+        def ctx(seqs: list[ScheduledSeq]) -> torch.Tensor:
+            lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in seqs]
+            return torch.tensor(lens, dtype=torch.int32, device=dev)
+
+        return AttentionMetadata(
+            slot_mapping=slots,
+            num_prefill_tokens=cu[-1],
+            prefill_cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_context_lens=ctx(prefills),
+            prefill_block_tables=self._tables(prefills),
+            decode_context_lens=ctx(decodes),
+            decode_block_tables=self._tables(decodes),
+        )

@@ -1,0 +1,53 @@
+"""Sampler: logits -> one token per row, with the logprob of that token.
+
+Greedy rows take the argmax. Sampled rows apply temperature, then top-k, then top-p, and draw
+with the row's own `torch.Generator` when it has one (a seeded request gives the same output
+whatever it is batched with). Logprobs are of the model's distribution (log-softmax of the raw
+logits), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvserve.shared.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [V] (already temperature-scaled) with tokens outside top-k / top-p set to -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+class Sampler:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SampleRow]
+    ) -> tuple[list[int], list[float]]:
+        """logits [N, V] float32 -> (token ids [N], logprobs [N])."""
+        logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+        tokens = torch.argmax(logits, dim=-1)  # greedy default, [N]
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.greedy:
+                continue
+            scaled = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+            probs = torch.softmax(scaled, dim=-1)
+            tokens[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        return tokens.tolist(), chosen.tolist()

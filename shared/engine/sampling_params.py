@@ -1,0 +1,64 @@
+"""Per-request sampling settings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; `param` names the offending field (OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy. `n` samples share the prompt; `beam_width` > 1 switches to
+    beam search (deterministic, HF semantics; excludes n > 1 and sampling)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(
+                "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"
+            )
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                "temperature", f"temperature must be >= 0, got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", f"top_k must be >= 0, got {self.top_k}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise InvalidRequestError("n", f"n must be >= 1, got {self.n}")
+        if self.beam_width < 1:
+            raise InvalidRequestError(
+                "beam_width", f"beam_width must be >= 1, got {self.beam_width}"
+            )
+        if self.beam_width > 1 and (self.n > 1 or self.temperature > 0):
+            raise InvalidRequestError(
+                "beam_width", "beam search is deterministic: use it with n=1 and temperature=0"
+            )
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop", "stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,171 @@
+"""Iteration-level scheduler with chunked prefill and preemption by recompute.
+
+Each `schedule()` fills one step's token budget: first the running sequences, oldest first (a
+decode takes 1 token, an unfinished prompt a chunk), then waiting sequences in arrival order while
+blocks and the budget allow. When a running sequence needs a block and none is free, the newest
+running sequence is preempted: its blocks are freed, `num_computed_tokens` drops to 0 and it goes
+back to the front of the waiting queue to be recomputed (prompt and tokens generated so far).
+No waiting sequence is admitted in a step that preempted.
+
+Owns: the waiting queue and the running list. Mutates: sequences' block tables,
+`num_computed_tokens` (only on preemption) and status; the BlockPool's reference counts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.shared.config import SchedulerConfig
+from kvserve.shared.engine.block_pool import BlockPool
+from kvserve.shared.engine.sequence import (
+    BlockId,
+    FinishReason,
+    Sequence,
+    SequenceStatus,
+)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step brings the sequence up to date, so its last logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class Batch:
+    """One step's work. `block_copies` (src, dst) must run before the forward pass."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+# Called on admission of a waiting sequence with no computed tokens: may attach cached prefix
+# blocks and advance num_computed_tokens (prefix caching); returns nothing.
+PrefixMatcher = Callable[[Sequence], None]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        block_size: int,
+        prefix_matcher: PrefixMatcher | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_matcher = prefix_matcher
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sequence (n > 1 sibling, beam) whose blocks are already shared."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self._reserve(seq, n, batch):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        if batch.preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0 and self.prefix_matcher is not None:
+                self.prefix_matcher(seq)
+            n = self._chunk(seq, budget)
+            if n == 0 or not self._reserve(seq, n, batch):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.max_prefill_chunk)
+
+    def _reserve(self, seq: Sequence, n: int, batch: Batch) -> bool:
+        """Give `seq` the blocks to write tokens [num_computed, num_computed + n): new blocks,
+        plus a private copy of the block it writes first if that one is shared. All or nothing."""
+        bs = self.block_size
+        first = seq.num_computed_tokens // bs
+        cow = first < len(seq.block_table) and self.pool.is_shared(seq.block_table[first])
+        need = seq.blocks_needed(seq.num_computed_tokens + n, bs) + int(cow)
+        new = self.pool.allocate(need)
+        if new is None:
+            return False
+        if cow:
+            src = seq.block_table[first]
+            dst = new.pop()
+            batch.block_copies.append((src, dst))
+            seq.block_table[first] = dst
+            self.pool.free([src])
+        seq.block_table.extend(new)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(reversed(seq.block_table))
+        seq.block_table = []
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish (or abort) a sequence wherever it is; its blocks are freed at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

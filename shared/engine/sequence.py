@@ -1,0 +1,72 @@
+"""A Sequence: token ids, how many of them are in the KV cache, its block table, its state.
+
+There is no prefill or decode phase: each step the scheduler lets `num_computed_tokens` catch up
+with `num_tokens`; a prompt chunk, a prefix hit and a decode token are the same path.
+Owned by the Scheduler; the Engine appends sampled tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+import torch
+from kvserve.shared.engine.sampling_params import SamplingParams
+
+SeqId = NewType("SeqId", int)
+BlockId = NewType("BlockId", int)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: SeqId
+    request_id: str
+    index: int  # which of the request's n completions (or beams) this is
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: int  # admission order; the newest running sequence is preempted first
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[BlockId] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0
+    # Siblings of n > 1 wait for the parent's prompt; they are forked when it is computed.
+    pending_forks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        """Blocks the table must hold to cover `num_tokens` tokens, beyond those it has."""
+        return max(0, -(-num_tokens // block_size) - len(self.block_table))

@@ -1,0 +1,32 @@
+"""What one forward step's attention needs to know about the batch's layout in the paged cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Tokens of a step are laid out prefill chunks first, then decode tokens.
+
+    - `slot_mapping` [T]: cache slot of every token of the step (both parts).
+    - prefill part: `num_prefill_tokens` tokens from `len(prefill_context_lens)` sequences;
+      `prefill_cu_query_lens` [P + 1] their offsets, `prefill_context_lens` [P] cache length
+      after this step, `prefill_block_tables` [P, max_blocks].
+    - decode part: one token each for `len(decode_context_lens)` sequences,
+      `decode_block_tables` [D, max_blocks].
+    """
+
+    slot_mapping: torch.Tensor
+    num_prefill_tokens: int
+    prefill_cu_query_lens: torch.Tensor
+    prefill_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    decode_block_tables: torch.Tensor
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return int(self.decode_context_lens.shape[0])

@@ -1,0 +1,57 @@
+"""Reading GGUF metadata (no torch): one parse per file, the model config it describes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from kvserve.shared.config import ModelConfig
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str) -> Any:
+    """One parsed GGUF file per path (parsing its metadata takes seconds; weights and
+    tokenizer both need it)."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def gguf_field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (only llama)")
+    num_heads = int(gguf_field(reader, "llama.attention.head_count"))
+    hidden = int(gguf_field(reader, "llama.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = gguf_field(reader, "llama.vocab_size") or len(
+        reader.fields["tokenizer.ggml.tokens"].data
+    )
+    scaling_type = gguf_field(reader, "llama.rope.scaling.type")
+    scaling = None
+    if scaling_type and scaling_type != "none":
+        factor = gguf_field(reader, "llama.rope.scaling.factor")
+        scaling = (("factor", float(factor)), ("rope_type", str(scaling_type)))
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(gguf_field(reader, "llama.feed_forward_length")),
+        num_layers=int(gguf_field(reader, "llama.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv") or num_heads),
+        head_dim=int(gguf_field(reader, "llama.rope.dimension_count") or hidden // num_heads),
+        rope_theta=float(gguf_field(reader, "llama.rope.freq_base") or 10000.0),
+        rope_scaling=scaling,
+        rms_norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=int(gguf_field(reader, "llama.context_length") or 2048),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )

@@ -1,0 +1,226 @@
+"""A Llama-family decoder in plain PyTorch, reading and writing the paged KV cache.
+
+RMSNorm, RoPE (default / linear / llama3 scaling), SwiGLU MLP, attention with any number of KV
+heads (MHA, GQA, MQA), tied or untied LM head. Q/K/V and gate/up projections are fused into one
+matmul each. The forward pass is token-flat: [T] tokens of many sequences at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from kvserve.kernels.backend import AttentionBackend
+from kvserve.shared.config import ModelConfig
+from kvserve.shared.engine.kv_cache import KVCache
+from kvserve.shared.model.attention import AttentionMetadata
+from torch import nn
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], as Hugging Face computes them (float32)."""
+    dim = config.head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling_dict or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for positions, computed the way HF does (so the rotation is bit-identical)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+
+    def _table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos.shape[0] < n or self._cos.device != device:
+            size = max(n, 2 * self._cos.shape[0], 256)
+            pos = torch.arange(size, device=device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq.to(device)[None, :]  # [size, d/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [size, d]
+            self._cos, self._sin = emb.cos(), emb.sin()
+        return self._cos, self._sin
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, h, d]; k [T, kvh, d]
+        cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
+        cos = cos_t[positions].to(q.dtype)[:, None, :]  # [T, 1, d]
+        sin = sin_t[positions].to(q.dtype)[:, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, w: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        p = f"model.layers.{layer}.self_attn."
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv = nn.Parameter(
+            torch.cat([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]]),
+            requires_grad=False,
+        )
+        self.o = nn.Parameter(w[p + "o_proj.weight"], requires_grad=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: RotaryEmbedding,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv)  # [T, (h + 2 kvh) d]
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        q, k = rope(positions, q.view(T, h, d), k.view(T, kvh, d))
+        v = v.view(T, kvh, d)
+        kc, vc = cache.k[self.layer], cache.v[self.layer]
+        ks, vs = cache.k_scale[self.layer], cache.v_scale[self.layer]
+        backend.store_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
+        P = meta.num_prefill_tokens
+        parts = []
+        if P:
+            parts.append(
+                backend.prefill_attention(
+                    q[:P],
+                    kc,
+                    vc,
+                    meta.prefill_block_tables,
+                    meta.prefill_cu_query_lens,
+                    meta.prefill_context_lens,
+                    self.scale,
+                    ks,
+                    vs,
+                )
+            )
+        if meta.num_decode_tokens:
+            parts.append(
+                backend.paged_decode_attention(
+                    q[P:],
+                    kc,
+                    vc,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    self.scale,
+                    ks,
+                    vs,
+                )
+            )
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, h, d]
+        return F.linear(out.reshape(T, h * d), self.o)
+
+
+class MLP(nn.Module):
+    def __init__(self, layer: int, w: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        p = f"model.layers.{layer}.mlp."
+        self.gate_up = nn.Parameter(
+            torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), requires_grad=False
+        )
+        self.down = nn.Parameter(w[p + "down_proj.weight"], requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, w: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        p = f"model.layers.{layer}."
+        eps = config.rms_norm_eps
+        self.input_norm = RMSNorm(w[p + "input_layernorm.weight"], eps)
+        self.attn = Attention(config, layer, w)
+        self.post_attn_norm = RMSNorm(w[p + "post_attention_layernorm.weight"], eps)
+        self.mlp = MLP(layer, w)
+
+
+class LlamaModel(nn.Module):
+    """Weights are taken (not copied) from `weights` under Hugging Face names."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, weights) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
+        lm_head = weights.get("lm_head.weight")
+        if config.tie_word_embeddings or lm_head is None:
+            lm_head = self.embed
+        self.lm_head = lm_head
+        self.rope = RotaryEmbedding(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        cache: KVCache,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        x = F.embedding(input_ids, self.embed)
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            x = x + layer.attn(layer.input_norm(x), self.rope, positions, meta, cache, backend)
+            x = x + layer.mlp(layer.post_attn_norm(x))
+        return self.norm(x)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] in float32."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,78 @@
+"""Shared fixtures: the default model is loaded once per test session."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_model_path
+from kvserve.shared.model.loader import LoadedWeights, load_weights
+from kvserve.shared.model.tokenizer import KVTokenizer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    path = default_model_path()
+    if not path.exists():
+        pytest.fail(f"default model missing at {path}; run `kvserve fetch-model` (ops/setup.sh)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def weights(model_path: Path) -> LoadedWeights:
+    return load_weights(model_path, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: Path) -> KVTokenizer:
+    return KVTokenizer.from_path(model_path)
+
+
+@pytest.fixture(scope="session")
+def make_engine(model_path, weights, tokenizer):  # type: ignore[no-untyped-def]
+    """Build an Engine on the shared weights: make_engine(num_blocks=..., max_num_batched_tokens=...)."""
+    from kvserve.shared.engine.engine import Engine
+
+    def make(
+        num_blocks: int | None = 512,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 512,
+        max_prefill_chunk: int = 512,
+        max_num_seqs: int = 128,
+        **engine_kwargs: object,
+    ) -> Engine:
+        cfg = EngineConfig(
+            model_path=str(model_path),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_prefill_chunk=max_prefill_chunk,
+            ),
+        )
+        if engine_kwargs:
+            cfg = dataclasses.replace(cfg, **engine_kwargs)  # type: ignore[arg-type]
+        return Engine(cfg, tokenizer=tokenizer, weights=weights)
+
+    return make
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash function is in two sentences.",
+    "List three primary colors.",
+    "Translate 'good morning' into Spanish.",
+    "What is 17 times 23?",
+    "Give me a short tip for writing clean Python code.",
+    "Who wrote the novel Pride and Prejudice?",
+]
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(tokenizer: KVTokenizer) -> list[list[int]]:
+    return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
