@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 from kvserve.kernels.backend import get_backend
 from kvserve.shared.config import EngineConfig, ModelConfig
+from kvserve.shared.engine.beam_search import BeamSearch
 from kvserve.shared.engine.block_pool import BlockPool
 from kvserve.shared.engine.kv_cache import KVCache, kv_bytes_per_token, resolve_kv_dtype
 from kvserve.shared.engine.model_runner import ModelRunner
 from kvserve.shared.engine.sampler import Sampler, SampleRow
 from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
-from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence
+from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
 from kvserve.shared.model.llama import LlamaModel
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.tokenizer import IncrementalDetokenizer, KVTokenizer
@@ -66,6 +67,9 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     completions: dict[int, _Completion] = field(default_factory=dict)
+    beam: BeamSearch | None = None
+    beam_seqs: list[Sequence] = field(default_factory=list)  # live beams, in beam order
+    beam_rows: dict[SeqId, torch.Tensor] = field(default_factory=dict)  # this step's rows
 
     @property
     def finished(self) -> bool:
@@ -148,6 +152,16 @@ class Engine:
         req = _Request(request_id, prompt, params)
         seq = self._new_seq(req, 0, prompt)
         seq.pending_forks = params.n - 1
+        if params.beam_width > 1:
+            eos = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            req.beam = BeamSearch(
+                params.beam_width,
+                params.max_tokens,
+                eos,
+                params.length_penalty,
+                params.early_stopping,
+            )
+            req.beam_seqs = [seq]
         self._requests[request_id] = req
         self.scheduler.add(seq)
 
@@ -177,9 +191,9 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        for c in req.completions.values():
-            if not c.seq.is_finished:
-                self.scheduler.finish(c.seq, FinishReason.ABORT)
+        for seq in [c.seq for c in req.completions.values()] + req.beam_seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -199,7 +213,14 @@ class Engine:
         for s in batch.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
         self.num_steps += 1
-        touched = self._sample(out.sampling_seqs, out.logits)
+        beam = [i for i, q in enumerate(out.sampling_seqs) if self._requests[q.request_id].beam]
+        if beam:
+            touched = self._beam_step(out.sampling_seqs, out.logits, beam)
+            keep = [i for i in range(len(out.sampling_seqs)) if i not in set(beam)]
+            seqs = [out.sampling_seqs[i] for i in keep]
+            touched += self._sample(seqs, out.logits[keep])
+        else:
+            touched = self._sample(out.sampling_seqs, out.logits)
         return [self._output(self._requests[r]) for r in touched if r in self._requests]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[str]:
@@ -225,6 +246,91 @@ class Engine:
         for seq in seqs:
             seq.pending_forks = 0
         return list(touched)
+
+    def _beam_step(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> list[str]:
+        """Stash each beam's log-softmax row; advance every beam request whose live beams all
+        have theirs (a preempted beam makes its siblings wait, computed, for it)."""
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        ready: dict[str, _Request] = {}
+        for i, row in zip(rows, logprobs, strict=True):
+            req = self._requests[seqs[i].request_id]
+            req.beam_rows[seqs[i].seq_id] = row
+            if len(req.beam_rows) == len(req.beam_seqs):
+                ready[req.request_id] = req
+        done = []
+        for req in ready.values():
+            if self._advance_beams(req):
+                done.append(req.request_id)
+        return done
+
+    def _advance_beams(self, req: _Request) -> bool:
+        """One beam-search step: fork the chosen parents (blocks shared, copy-on-write on
+        the next write), drop unchosen beams. Returns True when the search has finished."""
+        assert req.beam is not None
+        rows = torch.stack([req.beam_rows.pop(s.seq_id) for s in req.beam_seqs])
+        cands = req.beam.step(rows)
+        if req.beam.done:
+            for seq in req.beam_seqs:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+            req.beam_seqs = []
+            self._finish_beam_request(req)
+            return True
+        parents = req.beam_seqs
+        chosen: list[Sequence] = []
+        taken: set[int] = set()
+        for c in cands:  # fork before any parent appends its token
+            if c.parent in taken:
+                chosen.append(self._fork_beam(req, parents[c.parent]))
+            else:
+                taken.add(c.parent)
+                chosen.append(parents[c.parent])
+        for i, seq in enumerate(parents):
+            if i not in taken:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+        for seq, c in zip(chosen, cands, strict=True):
+            seq.token_ids.append(c.token)
+            seq.cumulative_logprob = c.score
+        req.beam_seqs = chosen
+        return False
+
+    def _fork_beam(self, req: _Request, parent: Sequence) -> Sequence:
+        child = Sequence(
+            seq_id=SeqId(next(self._seq_ids)),
+            request_id=req.request_id,
+            index=0,
+            token_ids=list(parent.token_ids),
+            num_prompt_tokens=parent.num_prompt_tokens,
+            params=parent.params,
+            arrival=next(self._arrivals),
+            num_computed_tokens=parent.num_computed_tokens,
+            block_table=list(parent.block_table),
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+        self.pool.share(child.block_table)
+        self.scheduler.add_running(child)
+        return child
+
+    def _finish_beam_request(self, req: _Request) -> None:
+        """The best hypothesis becomes completion 0."""
+        assert req.beam is not None
+        best = req.beam.best()
+        comp = req.completions[0]
+        result = Sequence(
+            seq_id=comp.seq.seq_id,
+            request_id=req.request_id,
+            index=0,
+            token_ids=req.prompt + list(best.token_ids),
+            num_prompt_tokens=len(req.prompt),
+            params=req.params,
+            arrival=comp.seq.arrival,
+            num_cached_tokens=comp.seq.num_cached_tokens,
+        )
+        result.status = SequenceStatus.FINISHED
+        ends_in_eos = bool(best.token_ids) and best.token_ids[-1] in req.beam.eos
+        result.finish_reason = FinishReason.STOP if ends_in_eos else FinishReason.LENGTH
+        comp.seq = result
+        for tok in best.token_ids:
+            comp.text += comp.detok.add(tok)
 
     def _sample_row(self, seq: Sequence, sibling: int) -> SampleRow:
         if sibling < 0:

@@ -18,14 +18,6 @@ LOGIT_ATOL = 1e-3
 GEN_TOKENS = 64
 
 
-@pytest.fixture(scope="module")
-def hf_gguf_model(model_path: Path):  # type: ignore[no-untyped-def]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
-    return model.eval()
-
-
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
     ids = torch.tensor([prompt])
     out = model.generate(
