@@ -1,0 +1,81 @@
+"""`kvserve generate PROMPT`: run the engine in-process and stream the generated text to stdout
+(timings to stderr). Applies the model's chat template unless --raw."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvserve.services.cli import CliError
+from kvserve.shared.config import KV_DTYPES, CacheConfig, EngineConfig, default_model_path
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--beam-width", type=int, default=1, help="beam search with K beams")
+    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    p.add_argument("--model", default=str(default_model_path()), help="GGUF file or HF dir")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    p.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.shared.engine.engine import Engine
+    from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
+
+    if not args.prompt:
+        raise CliError("prompt must not be empty")
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, beam_width=args.beam_width,
+            length_penalty=args.length_penalty, stop=tuple(args.stop),
+        )
+    except InvalidRequestError as e:
+        raise CliError(f"--{e.param.replace('_', '-')}: {e}") from e
+    t0 = time.perf_counter()
+    engine = Engine(
+        EngineConfig(
+            model_path=args.model,
+            cache=CacheConfig(kv_dtype=args.kv_dtype),
+            attention_backend=args.attention_backend,
+        )
+    )
+    load_s = time.perf_counter() - t0
+    tok = engine.tokenizer
+    ids = tok.encode(args.prompt) if args.raw else tok.encode_chat(
+        [{"role": "user", "content": args.prompt}]
+    )
+    try:
+        engine.add_request("cli", ids, params)
+    except InvalidRequestError as e:
+        raise CliError(f"{e.param}: {e}") from e
+    t1 = time.perf_counter()
+    first: float | None = None
+    n_out = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for d in out.completions:
+                if d.token_ids and first is None:
+                    first = time.perf_counter() - t1
+                n_out += len(d.token_ids)
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+    total = time.perf_counter() - t1
+    sys.stdout.write("\n")
+    print(
+        f"[load {load_s:.2f}s, prompt {len(ids)} tokens, ttft {first or 0:.3f}s, "
+        f"{n_out} tokens in {total:.2f}s, {n_out / total if total else 0:.1f} tok/s]",
+        file=sys.stderr,
+    )
+    return 0

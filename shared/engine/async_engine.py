@@ -1,0 +1,132 @@
+"""AsyncEngine: the asyncio API the services use — add a request, iterate its outputs as they
+are produced, abort it.
+
+One background thread owns the Engine and runs `step()` while there is work (torch releases
+the GIL in its kernels, so the event loop stays responsive). Requests and aborts reach that
+thread through a queue; outputs come back through per-request asyncio queues. A consumer that
+stops iterating (cancelled, client gone) aborts its request, freeing its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from kvserve.shared.engine.engine import Engine, RequestOutput
+from kvserve.shared.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, _Add] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._sinks)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs (deltas) until the finished one. Raises
+        InvalidRequestError before yielding anything for a request that can never run."""
+        self.engine.validate(prompt_token_ids, params)
+        self.start()
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._inbox.put(
+            _Add(request_id, list(prompt_token_ids), params, sink, asyncio.get_running_loop())
+        )
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain(block):
+                    return
+                for out in self.engine.step():
+                    self._deliver(out)
+        except BaseException as e:  # surface to every waiting request, then stop
+            self._error = e
+            for add in list(self._sinks.values()):
+                add.loop.call_soon_threadsafe(add.sink.put_nowait, e)
+            self._sinks.clear()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued adds/aborts; wait for one if `block`. False when asked to stop."""
+        while True:
+            try:
+                cmd = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Abort):
+                self.engine.abort_request(cmd.request_id)
+                self._sinks.pop(cmd.request_id, None)
+                continue
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            except Exception as e:
+                cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, e)
+                continue
+            self._sinks[cmd.request_id] = cmd
+
+    def _deliver(self, out: RequestOutput) -> None:
+        add = self._sinks.get(out.request_id)
+        if add is None:
+            return
+        if out.finished:
+            del self._sinks[out.request_id]
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
+            add.loop.call_soon_threadsafe(add.sink.put_nowait, out)
