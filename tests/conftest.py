@@ -43,11 +43,18 @@ def make_engine(model_path, weights, tokenizer):  # type: ignore[no-untyped-def]
         max_num_batched_tokens: int = 512,
         max_prefill_chunk: int = 512,
         max_num_seqs: int = 128,
+        enable_prefix_caching: bool = True,
+        kv_dtype: str = "auto",
         **engine_kwargs: object,
     ) -> Engine:
         cfg = EngineConfig(
             model_path=str(model_path),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_dtype=kv_dtype,
+            ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,

@@ -7,6 +7,9 @@ Invariants (checked by `check()` and a hypothesis state machine in the tests):
   block released longest ago is reused first;
 - a block shared by several sequences (n > 1 siblings, beams, a common prefix) has one reference
   per holder; a holder that must write into a shared block forks it first (copy-on-write).
+- with prefix caching, a free block that holds a cached full block is not in `_free` but
+  evictable in the PrefixIndex; `allocate` takes plain free blocks first, then evicts cached
+  ones (least recently used leaf first). free = plain free + evictable.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from kvserve.shared.engine.prefix_index import PrefixIndex
 from kvserve.shared.engine.sequence import BlockId
+from kvserve.shared.store.hashing import BlockHash
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
@@ -26,14 +31,16 @@ class BlockPool:
         self._free: OrderedDict[BlockId, None] = OrderedDict(
             (BlockId(b), None) for b in range(num_blocks)
         )
+        self.index: PrefixIndex | None = PrefixIndex() if enable_caching else None
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + (self.index.num_evictable if self.index else 0)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def usage(self) -> float:
@@ -41,18 +48,43 @@ class BlockPool:
 
     def free_block_ids(self) -> list[BlockId]:
         """Free blocks in the order `allocate` would take them."""
-        return list(self._free)
+        cached = self.index.eviction_order() if self.index else []
+        return list(self._free) + cached
 
     def allocate(self, n: int) -> list[BlockId] | None:
         """Take `n` free blocks (reference count 1 each), or None, changing nothing, if fewer
-        than `n` are free."""
-        if n > len(self._free):
+        than `n` are free. Plain free blocks go first; then cached blocks are evicted."""
+        if n > self.num_free:
             return None
-        blocks = []
-        for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+        blocks = [self._free.popitem(last=False)[0] for _ in range(min(n, len(self._free)))]
+        if len(blocks) < n:
+            assert self.index is not None
+            evicted = self.index.evict(n - len(blocks))
+            self.num_evicted += len(evicted)
+            blocks += evicted
+        for b in blocks:
             self.ref_counts[b] = 1
-            blocks.append(b)
+        return blocks
+
+    # ---- prefix caching -------------------------------------------------------------------
+
+    def cache(self, parent: BlockId | None, h: BlockHash, block: BlockId) -> bool:
+        """Publish a referenced, fully computed block under hash `h`; `parent` is the block
+        before it in the same block table. False if not cached (caching off, hash already
+        cached by another block, or parent not cached)."""
+        if self.index is None or self.ref_counts[block] < 1:
+            return False
+        return self.index.insert(parent, h, block)
+
+    def match_prefix(self, hashes: list[BlockHash]) -> list[BlockId]:
+        """Take a reference on each block of the longest cached prefix of `hashes`."""
+        if self.index is None:
+            return []
+        blocks = self.index.match(hashes)
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                self.index.acquire(b)
+            self.ref_counts[b] += 1
         return blocks
 
     def share(self, blocks: Iterable[BlockId]) -> None:
@@ -70,7 +102,10 @@ class BlockPool:
                 raise ValueError(f"double free of block {b}")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free[b] = None
+                if self.index is not None and b in self.index:
+                    self.index.release(b)
+                else:
+                    self._free[b] = None
 
     def is_shared(self, block: BlockId) -> bool:
         return self.ref_counts[block] > 1
@@ -80,4 +115,7 @@ class BlockPool:
         for b in range(self.num_blocks):
             rc = self.ref_counts[b]
             assert rc >= 0, f"negative reference count on block {b}"
-            assert (rc == 0) == (BlockId(b) in self._free), f"block {b}: free list disagrees"
+            in_free = BlockId(b) in self._free
+            evictable = self.index is not None and self.index.is_evictable(BlockId(b))
+            assert not (in_free and evictable), f"block {b} both plain free and cached"
+            assert (rc == 0) == (in_free or evictable), f"block {b}: free list disagrees"

@@ -26,6 +26,12 @@ from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, Sequen
 from kvserve.shared.model.llama import LlamaModel
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.tokenizer import IncrementalDetokenizer, KVTokenizer
+from kvserve.shared.store.hashing import (
+    BlockHash,
+    InvalidSaltError,
+    root_hash,
+    validate_cache_salt,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,6 +72,7 @@ class _Request:
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    root_hash: BlockHash | None = None
     completions: dict[int, _Completion] = field(default_factory=dict)
     beam: BeamSearch | None = None
     beam_seqs: list[Sequence] = field(default_factory=list)  # live beams, in beam order
@@ -108,8 +115,15 @@ class Engine:
         cache = KVCache(loaded.config, num_blocks, cc.block_size, self.kv_dtype, config.device)
         backend = get_backend(config.attention_backend, config.device)
         self.runner = ModelRunner(model, cache, backend)
-        self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size)
+        self.pool = BlockPool(num_blocks, enable_caching=cc.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.pool,
+            cc.block_size,
+            self._match_prefix if cc.enable_prefix_caching else None,
+        )
+        self.tokenizer_fingerprint = self.tokenizer.fingerprint
+        self.kv_format = str(self.kv_dtype).removeprefix("torch.")
         self.sampler = Sampler()
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids
@@ -143,13 +157,22 @@ class Engine:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> None:
+        """Queue a request. Requests with different `cache_salt`s never share a block."""
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
+        try:
+            validate_cache_salt(cache_salt)
+        except InvalidSaltError as e:
+            raise InvalidRequestError("cache_salt", str(e)) from e
         prompt = list(prompt_token_ids)
-        req = _Request(request_id, prompt, params)
+        req = _Request(request_id, prompt, params, root_hash=self.root_hash(cache_salt))
         seq = self._new_seq(req, 0, prompt)
         seq.pending_forks = params.n - 1
         if params.beam_width > 1:
@@ -180,11 +203,52 @@ class Engine:
             params=params,
             arrival=next(self._arrivals),
             generator=gen,
+            root_hash=req.root_hash,
         )
         req.completions[index] = _Completion(
             seq, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         )
         return seq
+
+    def root_hash(self, cache_salt: str | None = None) -> BlockHash:
+        return root_hash(
+            self.model_fingerprint,
+            self.tokenizer_fingerprint,
+            self.kv_format,
+            self.block_size,
+            cache_salt,
+        )
+
+    # ---- prefix caching -------------------------------------------------------------------
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Attach the longest cached run of full blocks. The last token is always computed
+        (its logits are needed), so at most (num_tokens - 1) // block_size blocks match."""
+        limit = (seq.num_tokens - 1) // self.block_size
+        blocks = self.pool.match_prefix(seq.full_block_hashes(limit, self.block_size))
+        seq.block_table = blocks
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        seq.num_published = len(blocks)
+
+    def _publish_full_blocks(self, seq: Sequence) -> None:
+        """Put the sequence's newly computed full blocks in the prefix index."""
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_published or seq.root_hash is None:
+            return
+        hashes = seq.full_block_hashes(full, self.block_size)
+        for i in range(seq.num_published, full):
+            parent = seq.block_table[i - 1] if i else None
+            self.pool.cache(parent, hashes[i], seq.block_table[i])
+        seq.num_published = full
+
+    @property
+    def prefix_cache_stats(self) -> dict[str, int]:
+        return {
+            "queries_tokens": self.scheduler.prefix_query_tokens,
+            "hits_tokens": self.scheduler.prefix_hit_tokens,
+            "cached_blocks": len(self.pool.index) if self.pool.index else 0,
+            "evicted_blocks": self.pool.num_evicted,
+        }
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks at once. False if it is unknown or finished."""
@@ -212,6 +276,8 @@ class Engine:
         out = self.runner.run(batch)
         for s in batch.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            if self.pool.index is not None:
+                self._publish_full_blocks(s.seq)
         self.num_steps += 1
         beam = [i for i, q in enumerate(out.sampling_seqs) if self._requests[q.request_id].beam]
         if beam:
@@ -305,6 +371,9 @@ class Engine:
             num_computed_tokens=parent.num_computed_tokens,
             block_table=list(parent.block_table),
             num_cached_tokens=parent.num_cached_tokens,
+            root_hash=parent.root_hash,
+            block_hashes=list(parent.block_hashes),
+            num_published=parent.num_published,
         )
         self.pool.share(child.block_table)
         self.scheduler.add_running(child)
@@ -346,6 +415,8 @@ class Engine:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_published = parent.num_published
         self.pool.share(child.block_table)
         self.scheduler.add_running(child)
         return child

@@ -74,6 +74,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefix_matcher = prefix_matcher
         self.num_preemptions = 0
+        # Prefix-cache accounting in tokens, counted at a request's first admission.
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -117,8 +120,15 @@ class Scheduler:
                 self.prefix_matcher(seq)
             n = self._chunk(seq, budget)
             if n == 0 or not self._reserve(seq, n, batch):
+                if seq.block_table:  # give back a prefix hit rather than sit on it
+                    self._release(seq)
+                    seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.prefix_query_tokens += seq.num_tokens
+                self.prefix_hit_tokens += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.scheduled.append(ScheduledSeq(seq, n))
@@ -159,6 +169,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.pool.free(reversed(seq.block_table))
         seq.block_table = []
+        seq.num_published = 0
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish (or abort) a sequence wherever it is; its blocks are freed at once."""

@@ -13,6 +13,7 @@ from typing import NewType
 
 import torch
 from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.store.hashing import BlockHash, block_hashes
 
 SeqId = NewType("SeqId", int)
 BlockId = NewType("BlockId", int)
@@ -50,6 +51,11 @@ class Sequence:
     num_preemptions: int = 0
     # Siblings of n > 1 wait for the parent's prompt; they are forked when it is computed.
     pending_forks: int = 0
+    # Prefix caching: the root (model, tokenizer, KV format, block size, salt) and the chained
+    # hashes of the full blocks known so far; blocks [0, num_published) are in the index.
+    root_hash: BlockHash | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_published: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +72,17 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def full_block_hashes(self, num_blocks: int, block_size: int) -> list[BlockHash]:
+        """Hashes of the first `num_blocks` full blocks (computed once, extended lazily)."""
+        assert self.root_hash is not None
+        have = len(self.block_hashes)
+        if num_blocks > have:
+            parent = self.block_hashes[-1] if have else None
+            self.block_hashes += block_hashes(
+                self.root_hash, self.token_ids[: num_blocks * block_size], block_size, have, parent
+            )
+        return self.block_hashes[:num_blocks]
 
     def blocks_needed(self, num_tokens: int, block_size: int) -> int:
         """Blocks the table must hold to cover `num_tokens` tokens, beyond those it has."""

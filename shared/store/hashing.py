@@ -1,0 +1,85 @@
+"""Block identity: chained SHA-256 block hashes under a root that binds everything a block's
+contents depend on.
+
+- root = sha256(msgpack([schema_version, model_fingerprint, tokenizer_fingerprint, kv_format,
+  block_size, cache_salt])): a block computed by another model, tokenizer, KV format, block size
+  or tenant can never match.
+- h_0 = sha256(root || tokens_0), h_i = sha256(h_{i-1} || tokens_i), tokens as little-endian
+  uint32. Only full blocks are hashed. Never Python's hash(), never pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from collections.abc import Sequence
+from typing import NewType
+
+import msgpack
+
+SCHEMA_VERSION = 1
+BlockHash = NewType("BlockHash", bytes)
+
+MAX_SALT_LEN = 128
+_SALT_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
+
+
+class InvalidSaltError(ValueError):
+    pass
+
+
+def validate_cache_salt(salt: str | None) -> str | None:
+    """A cache salt is 1..128 characters of [A-Za-z0-9._:-]; None means no salt."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_LEN or not _SALT_RE.match(salt):
+        raise InvalidSaltError(
+            f"cache_salt must be 1..{MAX_SALT_LEN} characters of [A-Za-z0-9._:-]"
+        )
+    return salt
+
+
+def root_hash(
+    model_fingerprint: str,
+    tokenizer_fingerprint: str,
+    kv_format: str,
+    block_size: int,
+    cache_salt: str | None = None,
+) -> BlockHash:
+    header = [
+        SCHEMA_VERSION,
+        model_fingerprint,
+        tokenizer_fingerprint,
+        kv_format,
+        block_size,
+        cache_salt or "",
+    ]
+    return BlockHash(hashlib.sha256(msgpack.packb(header)).digest())
+
+
+def encode_tokens(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def chain_hash(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
+    return BlockHash(hashlib.sha256(parent + encode_tokens(tokens)).digest())
+
+
+def block_hashes(
+    root: BlockHash,
+    token_ids: Sequence[int],
+    block_size: int,
+    start: int = 0,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids` from block `start` on; `parent` is the hash of
+    block start - 1 (or the root when start == 0)."""
+    prev = root if start == 0 else parent
+    if prev is None:
+        raise ValueError("parent hash needed when start > 0")
+    out = []
+    for i in range(start, len(token_ids) // block_size):
+        prev = chain_hash(prev, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(prev)
+    return out
