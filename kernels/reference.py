@@ -135,7 +135,7 @@ def prefill_attention(
     Query i of sequence b (0 <= i < q_len) sits at position context_len - q_len + i and sees keys
     0 ..= that position.
     """
-    T, h, d = query.shape
+    _T, h, _d = query.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(query)
     starts = cu_query_lens.tolist()

@@ -37,9 +37,14 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("prompt must not be empty")
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, beam_width=args.beam_width,
-            length_penalty=args.length_penalty, stop=tuple(args.stop),
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            beam_width=args.beam_width,
+            length_penalty=args.length_penalty,
+            stop=tuple(args.stop),
         )
     except InvalidRequestError as e:
         raise CliError(f"--{e.param.replace('_', '-')}: {e}") from e
@@ -53,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
     )
     load_s = time.perf_counter() - t0
     tok = engine.tokenizer
-    ids = tok.encode(args.prompt) if args.raw else tok.encode_chat(
-        [{"role": "user", "content": args.prompt}]
+    ids = (
+        tok.encode(args.prompt)
+        if args.raw
+        else tok.encode_chat([{"role": "user", "content": args.prompt}])
     )
     try:
         engine.add_request("cli", ids, params)

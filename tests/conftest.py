@@ -34,7 +34,7 @@ def tokenizer(model_path: Path) -> KVTokenizer:
 
 @pytest.fixture(scope="session")
 def make_engine(model_path, weights, tokenizer):  # type: ignore[no-untyped-def]
-    """Build an Engine on the shared weights: make_engine(num_blocks=..., max_num_batched_tokens=...)."""
+    """Build an Engine on the shared weights: make_engine(num_blocks=..., ...)."""
     from kvserve.shared.engine.engine import Engine
 
     def make(

@@ -305,10 +305,12 @@ class Engine:
             logits = logits[torch.tensor(row_idx)]
         tokens, logprobs = self.sampler(logits, rows)
         touched: dict[str, None] = {}
-        for (seq, j), tok, lp in zip(targets, tokens, logprobs, strict=True):
-            target = seq if j < 0 else self._fork(seq, j)
-            self._append(target, tok, lp)
-            touched[seq.request_id] = None
+        # Fork every sibling before any token is appended: a parent that stops on its first
+        # token frees its blocks, which the siblings must already share.
+        owners = [seq if j < 0 else self._fork(seq, j) for seq, j in targets]
+        for owner, tok, lp in zip(owners, tokens, logprobs, strict=True):
+            self._append(owner, tok, lp)
+            touched[owner.request_id] = None
         for seq in seqs:
             seq.pending_forks = 0
         return list(touched)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -38,11 +39,11 @@ class SamplingParams:
             raise InvalidRequestError(
                 "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"
             )
-        if self.temperature < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(
                 "temperature", f"temperature must be >= 0, got {self.temperature}"
             )
-        if not 0.0 < self.top_p <= 1.0:
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"top_k must be >= 0, got {self.top_k}")
@@ -56,6 +57,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "beam_width", "beam search is deterministic: use it with n=1 and temperature=0"
             )
+        if not math.isfinite(self.length_penalty):
+            raise InvalidRequestError("length_penalty", "length_penalty must be finite")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
 

@@ -25,6 +25,7 @@ from kvserve.shared.engine.sequence import (
     Sequence,
     SequenceStatus,
 )
+from kvserve.shared.store.hashing import BlockHash
 
 
 @dataclass(frozen=True)
@@ -112,28 +113,53 @@ class Scheduler:
                 i += 1
                 continue
             break
-        if batch.preempted:
-            return batch
+        if not batch.preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: Batch, budget: int) -> None:
+        """Admit waiting sequences in arrival order while blocks and the budget allow. With
+        prefix caching, a sequence whose next uncached block is being computed right now by a
+        running sequence waits for it (in-batch prefix sharing) instead of computing it twice;
+        later arrivals may go ahead of it."""
+        inflight = self._inflight_hashes() if self.prefix_matcher else set()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
             if seq.num_computed_tokens == 0 and self.prefix_matcher is not None:
                 self.prefix_matcher(seq)
+                nxt = len(seq.block_table)
+                if nxt < len(seq.block_hashes) and seq.block_hashes[nxt] in inflight:
+                    self._unmatch(seq)
+                    deferred.append(seq)
+                    continue
             n = self._chunk(seq, budget)
             if n == 0 or not self._reserve(seq, n, batch):
-                if seq.block_table:  # give back a prefix hit rather than sit on it
-                    self._release(seq)
-                    seq.num_computed_tokens = 0
+                self._unmatch(seq)  # give back a prefix hit rather than sit on it
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 self.prefix_query_tokens += seq.num_tokens
                 self.prefix_hit_tokens += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            inflight.update(seq.block_hashes[seq.num_published :])
             batch.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        return batch
+        self.waiting.extendleft(reversed(deferred))
+
+    def _inflight_hashes(self) -> set[BlockHash]:
+        """Hashes of full blocks that running sequences will compute but have not published."""
+        out: set[BlockHash] = set()
+        for seq in self.running:
+            out.update(seq.block_hashes[seq.num_published :])
+        return out
+
+    def _unmatch(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self._release(seq)
+            seq.num_computed_tokens = 0
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         return min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.max_prefill_chunk)

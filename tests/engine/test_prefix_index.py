@@ -39,7 +39,7 @@ def test_match_longest_prefix() -> None:
 def test_shared_system_prompt_outlives_unique_suffixes() -> None:
     index = PrefixIndex()
     system = [1, 1, 2, 2]  # two blocks shared by every request
-    reqs = [system + [10 + i, 10 + i, 20 + i, 20 + i] for i in range(3)]
+    reqs = [[*system, 10 + i, 10 + i, 20 + i, 20 + i] for i in range(3)]
     chains = [hashes(r) for r in reqs]
     insert_chain(index, chains[0], 0)  # blocks 0,1 (system), 2,3 (suffix 0)
     for i in (1, 2):

@@ -1,0 +1,348 @@
+"""Triton `paged_decode_attention`: one query token per sequence over its paged KV cache.
+
+Work split (PagedAttention v2 / FlashDecoding):
+- One program per (sequence b, KV head, partition): the `group = num_heads // num_kv_heads` query
+  heads that share the KV head form the rows of one Q tile (padded to >= 16 rows for `tl.dot`),
+  so each K/V tile is read once per KV head (GQA/MQA: query head h reads KV head h // group).
+- A partition is `partition_size` consecutive context positions (512; on CUDA halved, down to
+  128, while the grid would leave SMs idle), walked in tiles of `block_n` tokens with an online
+  softmax (running max m, running sum l, unnormalized accumulator).
+- One partition in total: the program writes the normalized output itself. Several (split-K):
+  each live partition writes (m, l, acc / l) in float32, and a reduce kernel combines them:
+  out = sum_p l_p 2^(m_p - M) o_p / sum_p l_p 2^(m_p - M), M = max_p m_p.
+
+Invariants:
+- Only positions < context_lens[b] are read: K/V past a sequence's length (stale or
+  uninitialized memory, any block id in the table's tail) never reach the arithmetic.
+- context_lens[b] >= 1 (as in the reference), so partition 0 of every sequence is live and the
+  reduce always has a finite max.
+- The number of partitions is bounded by `block_tables.shape[1] * block_size` (no host sync, so the
+  launch is CUDA-graph safe); partitions past a sequence's length exit at once.
+- int8/fp8 caches are dequantized on the fly, tile by tile, exactly as reference.gather_kv does
+  (raw value times its (token, head) scale, rounded once to the query dtype).
+- Scores, softmax and accumulators are float32; P is cast to the query dtype before P @ V, as the
+  reference casts its probabilities. fp32 inputs use IEEE (not TF32) dot products.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from kvserve.kernels.reference import is_quantized
+
+LOG2E = 1.4426950408889634  # softmax is computed with exp2: e^x = 2^(x * log2 e)
+DEFAULT_PARTITION_SIZE = 512  # context positions per split-K partition
+MIN_PARTITION_SIZE = 128  # what a small batch may shrink partitions to, to fill the GPU
+MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """a [M, K] @ b [K, N] -> fp32 [M, N]. UPCAST: multiply in fp32 (the interpreter's tl.dot
+    reads bf16 operands as raw integers); PRECISION: "ieee" for fp32 operands, not TF32."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr, scale_ptr, kv_off, x_off, dims, t_mask, d_mask, dtype, QUANTIZED: tl.constexpr
+):
+    """A [BLOCK_N, BLOCK_D] tile of K or V in `dtype` (the query's), like reference.gather_kv:
+    int8/e4m3 values times their (token, head) scale, rounded once to `dtype`. Masked tokens read
+    as 0 and never touch memory. kv_off [BLOCK_N]: element offsets of the tokens' rows for this KV
+    head in the cache; x_off [BLOCK_N]: the same in the scale tensor."""
+    x = tl.load(
+        cache_ptr + kv_off[:, None] + dims[None, :],
+        mask=t_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_D]
+    if QUANTIZED:
+        scale = tl.load(scale_ptr + x_off, mask=t_mask, other=0.0)  # [BLOCK_N]
+        # via fp32: exact for int8/e4m3, and the interpreter cannot cast int8 to bf16 directly
+        x = x.to(tl.float32) * scale[:, None]
+    return x.to(dtype)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,  # [B, h, d], written when not SPLIT
+    part_out_ptr,  # [B, h, P, d] fp32, written when SPLIT
+    part_max_ptr,  # [B, h, P] fp32 (log2 domain)
+    part_sum_ptr,  # [B, h, P] fp32
+    q_ptr,  # [B, h, d]
+    k_cache_ptr,  # [nb, bs, kvh, d]
+    v_cache_ptr,  # [nb, bs, kvh, d]
+    k_scale_ptr,  # [nb, bs, kvh] fp32 (read only when QUANTIZED)
+    v_scale_ptr,
+    block_tables_ptr,  # [B, max_blocks] int32
+    context_lens_ptr,  # [B] int32
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_cb,  # k_cache and v_cache share strides
+    stride_ct,
+    stride_ch,
+    stride_xb,  # k_scale and v_scale share strides
+    stride_xt,
+    stride_xh,
+    stride_bt,
+    num_partitions,  # P: a runtime value, so a growing block table does not recompile
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    start = part * PARTITION_SIZE
+    if start < ctx:
+        end = tl.minimum(start + PARTITION_SIZE, ctx)
+        rows = tl.arange(0, BLOCK_G)  # [BLOCK_G] query heads of this KV head
+        dims = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+        heads = kv_head * GROUP + rows
+        row_mask = rows < GROUP
+        d_mask = dims < HEAD_DIM
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_G, BLOCK_D]
+        table_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max (log2 domain)
+        l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of 2^(s - m_i)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of 2^(s - m_i) v
+        for tile in range(start, end, BLOCK_N):
+            toks = tile + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+            t_mask = toks < end
+            block_ids = tl.load(table_ptr + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+            kv_off = block_ids * stride_cb + (toks % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            x_off = block_ids * stride_xb + (toks % BLOCK_SIZE) * stride_xt + kv_head * stride_xh
+            k = _load_kv_tile(
+                k_cache_ptr, k_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
+            )  # [BLOCK_N, BLOCK_D]
+            s = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION)  # [BLOCK_G, BLOCK_N] fp32
+            s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: each tile has a live token
+            alpha = tl.exp2(m_i - m_new)  # [BLOCK_G]
+            p = tl.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = _load_kv_tile(
+                v_cache_ptr, v_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
+            )  # [BLOCK_N, BLOCK_D]
+            pv = _dot(p.to(q.dtype), v, UPCAST_DOT, DOT_PRECISION)  # [BLOCK_G, BLOCK_D]
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / l_i[:, None]  # [BLOCK_G, BLOCK_D]
+        out_mask = row_mask[:, None] & d_mask[None, :]
+        if SPLIT:
+            # part_* are contiguous: [B, h, P(, d)]
+            ml_off = (b.to(tl.int64) * NUM_HEADS + heads) * num_partitions + part
+            tl.store(part_max_ptr + ml_off, m_i, mask=row_mask)
+            tl.store(part_sum_ptr + ml_off, l_i, mask=row_mask)
+            tl.store(part_out_ptr + ml_off[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
+        else:
+            o_ptrs = (
+                out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+            )
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    out_ptr,  # [B, h, d]
+    part_out_ptr,  # [B, h, P, d] fp32
+    part_max_ptr,  # [B, h, P] fp32
+    part_sum_ptr,  # [B, h, P] fp32
+    context_lens_ptr,  # [B] int32
+    stride_ob,
+    stride_oh,
+    num_partitions,  # P
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + b)
+    live = tl.cdiv(ctx, PARTITION_SIZE)  # partitions that hold at least one position
+    row = b.to(tl.int64) * tl.num_programs(1) + head  # index of (b, head) in [B, h]
+    dims = tl.arange(0, BLOCK_D)
+    d_mask = dims < HEAD_DIM
+    big_m = tl.load(part_max_ptr + row * num_partitions)  # partition 0 is always live
+    for p in range(1, live):
+        big_m = tl.maximum(big_m, tl.load(part_max_ptr + row * num_partitions + p))
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    denom = tl.zeros([], tl.float32)
+    for p in range(0, live):
+        idx = row * num_partitions + p
+        w = tl.load(part_sum_ptr + idx) * tl.exp2(tl.load(part_max_ptr + idx) - big_m)
+        o = tl.load(part_out_ptr + idx * HEAD_DIM + dims, mask=d_mask, other=0.0)  # [BLOCK_D]
+        acc += w * o
+        denom += w
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + dims
+    tl.store(o_ptrs, (acc / denom).to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def launch_paged_decode(
+    query: torch.Tensor,  # [B, h, d]
+    k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, >= 1
+    scale: float,
+    k_scale: torch.Tensor | None,  # [nb, bs, kvh] fp32 when quantized
+    v_scale: torch.Tensor | None,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Check layouts, run the partition kernel and, when split, the reduce kernel."""
+    B, h, d = query.shape
+    nb, bs, kvh = k_cache.shape[:3]
+    assert k_cache.shape == (nb, bs, kvh, d), (
+        f"k_cache {tuple(k_cache.shape)} vs query {query.shape}"
+    )
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert v_cache.dtype == k_cache.dtype, "K and V caches must share a dtype"
+    assert h % kvh == 0, f"num_heads {h} is not a multiple of num_kv_heads {kvh}"
+    assert query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert query.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == B
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert context_lens.shape == (B,) and context_lens.dtype == torch.int32
+    assert context_lens.is_contiguous()
+    devices = {query.device, k_cache.device, v_cache.device, block_tables.device}
+    devices.add(context_lens.device)
+    quantized = is_quantized(k_cache.dtype)
+    if quantized:
+        assert k_scale is not None and v_scale is not None, "a quantized cache needs scales"
+        assert k_scale.shape == (nb, bs, kvh) and v_scale.shape == (nb, bs, kvh)
+        assert k_scale.dtype == v_scale.dtype == torch.float32
+        assert k_scale.stride() == v_scale.stride()
+        devices |= {k_scale.device, v_scale.device}
+        ks, vs = k_scale, v_scale
+    else:
+        assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ks = vs = k_cache  # never read: QUANTIZED is False
+    assert len(devices) == 1, f"tensors on several devices: {devices}"
+
+    group = h // kvh
+    if block_n is None:
+        block_n = min(64 if query.dtype != torch.float32 else 32, partition_size)
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of two >= 16"
+    assert partition_size % block_n == 0, "a partition is a whole number of tiles"
+    max_len = block_tables.shape[1] * bs  # upper bound on any context length (no host sync)
+    num_partitions = max(1, triton.cdiv(max_len, partition_size))
+    split = num_partitions > 1
+
+    out = torch.empty_like(query)  # [B, h, d]
+    if B == 0:
+        return out
+    if split:
+        part_out = torch.empty(B, h, num_partitions, d, dtype=torch.float32, device=query.device)
+        part_max = torch.empty(B, h, num_partitions, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out  # never touched when not SPLIT
+    block_d = triton.next_power_of_2(d)
+    upcast = not query.is_cuda  # the interpreter: see _dot
+    precision = "ieee" if upcast or query.dtype == torch.float32 else "tf32"
+    _paged_decode_kernel[(B, kvh, num_partitions)](
+        out, part_out, part_max, part_sum,
+        query, k_cache, v_cache, ks, vs, block_tables, context_lens,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        block_tables.stride(0), num_partitions,
+        NUM_HEADS=h, GROUP=group, HEAD_DIM=d,
+        BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_SIZE=bs, BLOCK_N=block_n,
+        PARTITION_SIZE=partition_size,
+        QUANTIZED=quantized, SPLIT=split,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if split:
+        _paged_decode_reduce_kernel[(B, h)](
+            out, part_out, part_max, part_sum, context_lens,
+            out.stride(0), out.stride(1), num_partitions,
+            HEAD_DIM=d, BLOCK_D=block_d, PARTITION_SIZE=partition_size,
+            num_warps=1 if block_d <= 128 else 4,
+        )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def partition_size_for(query: torch.Tensor, num_kv_heads: int, max_len: int) -> int:
+    """512 positions per partition, halved (down to 128) while the grid would give the GPU fewer
+    than two programs per SM: a batch of one still reads a 1k context with the whole GPU."""
+    size = DEFAULT_PARTITION_SIZE
+    if not query.is_cuda:
+        return size
+    index = query.device.index
+    target = 2 * _num_sms(torch.cuda.current_device() if index is None else index)
+    programs = query.shape[0] * num_kv_heads
+    while size > MIN_PARTITION_SIZE and programs * triton.cdiv(max_len, size) < target:
+        size //= 2
+    return size
+
+
+# ---------------------------------------------------------------------------------------------
+# Public function (signature of kernels.reference.paged_decode_attention)
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, h, d]
+    k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, >= 1
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attending to its first context_lens[b] cached tokens.
+
+    Returns [B, h, d] in the query's dtype. Reads the cache, writes nothing but the output.
+    """
+    assert math.isfinite(scale)
+    max_len = block_tables.shape[1] * k_cache.shape[1]
+    partition_size = partition_size_for(query, k_cache.shape[2], max_len)
+    return launch_paged_decode(
+        query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+        partition_size=partition_size,
+    )  # fmt: skip

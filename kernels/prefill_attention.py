@@ -1,0 +1,293 @@
+"""Triton `prefill_attention`: causal FlashAttention over the paged cache, for chunked prefill.
+
+Work split (FlashAttention-2): one program per (tile of BLOCK_M queries of one sequence, sequence,
+query head). The program streams the sequence's keys from the paged cache in tiles of BLOCK_N
+with an online softmax, so the [q_len, context] score matrix is never materialized.
+
+Invariants:
+- Query i of sequence b (0 <= i < q_len, q_len = cu_query_lens[b+1] - cu_query_lens[b]) sits at
+  position context_lens[b] - q_len + i and sees keys 0 ..= that position; the chunk's own K/V is
+  already in the cache (store_kv ran first). So context_lens[b] >= q_len, and a sequence with
+  q_len == 0 produces nothing.
+- Keys are read in two phases: [0, lo) lies entirely before the tile's first query position
+  (full tiles, no mask at all), [lo, hi) is the diagonal band (causal mask); hi is one past the
+  tile's last position, so nothing at or beyond context_lens[b] is read.
+- GQA/MQA: query head h reads KV head h // (num_heads // num_kv_heads). int8/fp8 caches are
+  dequantized tile by tile like reference.gather_kv. Softmax statistics and the accumulator are
+  float32; P is cast to the query dtype before P @ V; fp32 inputs use IEEE dot products.
+- Query rows past q_len in the last tile are computed on zeros and never stored.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from kvserve.kernels.paged_decode import LOG2E, _dot, _load_kv_tile
+from kvserve.kernels.reference import is_quantized
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_keys(
+    acc,  # [BLOCK_M, BLOCK_D] fp32 running sum of 2^(s - m_i) v
+    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
+    l_i,  # [BLOCK_M] fp32 running sum of 2^(s - m_i)
+    q,  # [BLOCK_M, BLOCK_D] query dtype
+    q_pos,  # [BLOCK_M] int32 positions of the tile's queries
+    lo,
+    hi,  # keys [lo, hi) of this phase
+    table_ptr,  # this sequence's row of block_tables
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    kv_head,
+    dims,
+    d_mask,
+    qk_scale,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_xb,
+    stride_xt,
+    stride_xh,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for start in range(lo, hi, BLOCK_N):
+        toks = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        t_mask = toks < hi
+        block_ids = tl.load(table_ptr + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        kv_off = block_ids * stride_cb + (toks % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        x_off = block_ids * stride_xb + (toks % BLOCK_SIZE) * stride_xt + kv_head * stride_xh
+        k = _load_kv_tile(
+            k_cache_ptr, k_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
+        )  # [BLOCK_N, BLOCK_D]
+        s = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if CAUSAL:
+            allowed = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]  # [BLOCK_M, BLOCK_N]
+            s = tl.where(allowed, s, float("-inf"))
+        # finite: key `lo` (<= every row's position) is in the first tile of the causal phase
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_kv_tile(
+            v_cache_ptr, v_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    out_ptr,  # [T, h, d]
+    q_ptr,  # [T, h, d]
+    k_cache_ptr,  # [nb, bs, kvh, d]
+    v_cache_ptr,
+    k_scale_ptr,  # [nb, bs, kvh] fp32 (read only when QUANTIZED)
+    v_scale_ptr,
+    block_tables_ptr,  # [B, max_blocks] int32
+    cu_query_lens_ptr,  # [B + 1] int32
+    context_lens_ptr,  # [B] int32
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,  # k_cache and v_cache share strides
+    stride_ct,
+    stride_ch,
+    stride_xb,  # k_scale and v_scale share strides
+    stride_xt,
+    stride_xh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    b = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_query_lens_ptr + b)
+    q_len = tl.load(cu_query_lens_ptr + b + 1) - q_start
+    if m_block * BLOCK_M < q_len:
+        ctx = tl.load(context_lens_ptr + b)
+        kv_head = head // GROUP
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] index in the chunk
+        dims = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+        row_mask = rows < q_len
+        d_mask = dims < HEAD_DIM
+        io_mask = row_mask[:, None] & d_mask[None, :]  # [BLOCK_M, BLOCK_D]
+        tok = (q_start + rows).to(tl.int64)  # [BLOCK_M] index in `query`
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head * stride_qh + dims[None, :],
+            mask=io_mask,
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_D]
+        q_pos = ctx - q_len + rows  # [BLOCK_M]
+        first_pos = ctx - q_len + m_block * BLOCK_M
+        lo = (first_pos // BLOCK_N) * BLOCK_N  # keys < lo precede every query of the tile
+        hi = tl.minimum(first_pos + BLOCK_M, ctx)  # one past the tile's last position
+        table_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, q_pos, 0, lo, table_ptr,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, d_mask, qk_scale,
+            stride_cb, stride_ct, stride_ch, stride_xb, stride_xt, stride_xh,
+            BLOCK_SIZE, BLOCK_N, False, QUANTIZED, UPCAST_DOT, DOT_PRECISION,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, q_pos, lo, hi, table_ptr,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, d_mask, qk_scale,
+            stride_cb, stride_ct, stride_ch, stride_xb, stride_xt, stride_xh,
+            BLOCK_SIZE, BLOCK_N, True, QUANTIZED, UPCAST_DOT, DOT_PRECISION,
+        )  # fmt: skip
+        out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _default_tiles(query: torch.Tensor, d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the device and dtype."""
+    if not query.is_cuda:
+        return 32, 32, 4, 1  # the interpreter: few, small programs
+    if query.dtype == torch.float32:
+        return 64, 32, 4, 2  # fp32 tiles are twice the bytes
+    if d <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def launch_prefill_attention(
+    query: torch.Tensor,  # [T, h, d]
+    k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_query_lens: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    k_scale: torch.Tensor | None,  # [nb, bs, kvh] fp32 when quantized
+    v_scale: torch.Tensor | None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Check layouts and launch one program per (query tile, sequence, head).
+
+    Syncs with the host once, to size the grid by the longest chunk and to check
+    context_lens >= q_len.
+    """
+    T, h, d = query.shape
+    nb, bs, kvh = k_cache.shape[:3]
+    B = context_lens.shape[0]
+    assert k_cache.shape == (nb, bs, kvh, d), (
+        f"k_cache {tuple(k_cache.shape)} vs query {query.shape}"
+    )
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert v_cache.dtype == k_cache.dtype, "K and V caches must share a dtype"
+    assert h % kvh == 0, f"num_heads {h} is not a multiple of num_kv_heads {kvh}"
+    assert query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert query.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == B
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert context_lens.shape == (B,) and context_lens.dtype == torch.int32
+    assert cu_query_lens.shape == (B + 1,) and cu_query_lens.dtype == torch.int32
+    assert context_lens.is_contiguous() and cu_query_lens.is_contiguous()
+    devices = {query.device, k_cache.device, v_cache.device, block_tables.device}
+    devices |= {context_lens.device, cu_query_lens.device}
+    quantized = is_quantized(k_cache.dtype)
+    if quantized:
+        assert k_scale is not None and v_scale is not None, "a quantized cache needs scales"
+        assert k_scale.shape == (nb, bs, kvh) and v_scale.shape == (nb, bs, kvh)
+        assert k_scale.dtype == v_scale.dtype == torch.float32
+        assert k_scale.stride() == v_scale.stride()
+        devices |= {k_scale.device, v_scale.device}
+        ks, vs = k_scale, v_scale
+    else:
+        assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ks = vs = k_cache  # never read: QUANTIZED is False
+    assert len(devices) == 1, f"tensors on several devices: {devices}"
+
+    out = torch.empty_like(query)  # [T, h, d]
+    if B == 0 or T == 0:
+        return out
+    q_lens = cu_query_lens[1:] - cu_query_lens[:-1]  # [B]
+    max_q_len, min_slack = torch.stack([q_lens.max(), (context_lens - q_lens).min()]).tolist()
+    assert min_slack >= 0, "context_lens[b] must count the chunk itself (>= its q_len)"
+    assert int(cu_query_lens[-1]) <= T, "cu_query_lens points past the end of query"
+    if max_q_len == 0:
+        return out
+
+    dm, dn, num_warps, num_stages = _default_tiles(query, d)
+    block_m, block_n = block_m or dm, block_n or dn
+    for blk in (block_m, block_n):
+        assert blk >= 16 and blk & (blk - 1) == 0, "tiles: powers of two >= 16"
+    upcast = not query.is_cuda  # the interpreter: see paged_decode._dot
+    grid = (triton.cdiv(max_q_len, block_m), B, h)
+    _prefill_attention_kernel[grid](
+        out, query, k_cache, v_cache, ks, vs, block_tables, cu_query_lens, context_lens,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        block_tables.stride(0),
+        GROUP=h // kvh, HEAD_DIM=d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=bs,
+        QUANTIZED=quantized, UPCAST_DOT=upcast,
+        DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Public function (signature of kernels.reference.prefill_attention)
+# ---------------------------------------------------------------------------------------------
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [T, h, d], the new tokens of all sequences, concatenated
+    k_cache: torch.Tensor,  # [nb, bs, kvh, d], already holding the new tokens' K/V
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_query_lens: torch.Tensor,  # [B + 1] int32, offsets of each sequence's queries in `query`
+    context_lens: torch.Tensor,  # [B] int32, tokens in the cache incl. this chunk
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's chunk over its cached prefix plus the chunk itself.
+
+    Query i of sequence b (0 <= i < q_len) sits at position context_len - q_len + i and sees keys
+    0 ..= that position. Returns [T, h, d] in the query's dtype; rows of `query` not covered by
+    cu_query_lens are left uninitialized (as in the reference).
+    """
+    assert math.isfinite(scale)
+    return launch_prefill_attention(
+        query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
+        k_scale, v_scale,
+    )  # fmt: skip

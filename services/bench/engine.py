@@ -1,0 +1,593 @@
+"""`kvserve bench engine`: kvserve's Engine against Hugging Face transformers on the same fp32
+weights, and against what this machine can do.
+
+Workload W1: N requests (default 128), prompt lengths uniform in 32..512 tokens, output lengths
+uniform in 16..256 (EOS ignored), all submitted at once. Prompt token ids are drawn uniformly
+from the vocabulary without the special ids (< 17) with a fixed seed; both arms get the same ids.
+
+- kvserve: one Engine (fp32, default cache config, max_num_seqs and a KV budget large enough for
+  every request at once) run to completion; output tok/s = generated tokens / wall time. Each
+  step is timed from outside (engine.step wrapped with perf_counter) with its batch size.
+- hf: `AutoModelForCausalLM.from_pretrained(...).generate()` in static batches (default 16),
+  left-padded, greedy, every row generating the batch's longest target; only each request's own
+  target counts as output (the rest is padding waste). Output tok/s = useful tokens / wall time.
+
+Then the machine, in the same run: read bandwidth, fp32 matmul FLOP/s, and the model's linear
+layers alone as chained F.linear calls at batch 1 and 32; and the engine's steady-state decode
+step at batch 1 and 32 (~256-token contexts). Printed ratios (targets, not asserted):
+  ratio            = kvserve tok/s / hf tok/s                                  (>= 5)
+  roofline_b1      = (weight + KV bytes) / bandwidth / engine step at batch 1  (>= 0.8)
+  linear_share_b32 = bare linear time at batch 32 / engine step at batch 32    (>= 0.8)
+  flop_frac_b32    = 2 * params * 32 / engine step at batch 32 / matmul peak
+The last line printed is one JSON object with every number; --out DIR also gets engine.json
+(the same plus every recorded step), --plot PATH a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from kvserve.services.bench.machine import (
+    FP32_BYTES,
+    LinearChain,
+    llama_linear_shapes,
+    measure_machine,
+    num_params,
+)
+from kvserve.services.cli import CliError
+from kvserve.shared.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    default_model_path,
+)
+from kvserve.shared.engine.engine import Engine, RequestOutput
+from kvserve.shared.engine.kv_cache import kv_bytes_per_token
+from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.engine.scheduler import Batch
+from kvserve.shared.model.loader import LoadedWeights, load_weights
+
+FIRST_ORDINARY_TOKEN = 17  # ids below are special tokens in SmolLM2's vocabulary
+PROBE_BATCHES = (1, 32)
+PROBE_WARMUP_STEPS = 1
+TARGET_RATIO = 5.0
+TARGET_ROOFLINE_B1 = 0.8
+TARGET_LINEAR_SHARE_B32 = 0.8
+
+T = TypeVar("T")
+
+
+def _default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, metavar="PATH", help="default: the default model")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--skip-hf", action="store_true", help="run only the kvserve arm")
+    p.add_argument("--threads", type=int, default=_default_threads(), help="default: all cores")
+    p.add_argument("--probe-context", type=int, default=256, help="decode-step probe context")
+    p.add_argument("--probe-steps", type=int, default=20, help="decode steps timed per probe")
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="tensor summed for bandwidth")
+    p.add_argument("--matmul-size", type=int, default=2048, help="n of the n^3 matmul peak")
+    p.add_argument("--repeats", type=int, default=9, help="timed runs per bare-linear median")
+    p.add_argument("--out", default="bench-out", metavar="DIR", help="writes DIR/engine.json")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot here")
+
+
+# ---- workload ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    num_requests: int
+    min_prompt: int
+    max_prompt: int
+    min_output: int
+    max_output: int
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkloadSpec:
+        spec = cls(
+            args.num_requests,
+            args.min_prompt,
+            args.max_prompt,
+            args.min_output,
+            args.max_output,
+            args.seed,
+        )
+        if spec.num_requests < 1 or spec.min_prompt < 1 or spec.min_output < 1:
+            raise CliError("--num-requests, --min-prompt and --min-output must be >= 1")
+        if spec.min_prompt > spec.max_prompt or spec.min_output > spec.max_output:
+            raise CliError("each --min-* must be <= its --max-*")
+        return spec
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]
+    output_len: int  # tokens to generate; EOS is ignored
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + self.output_len
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(length)]
+
+
+def make_requests(spec: WorkloadSpec, vocab_size: int) -> list[BenchRequest]:
+    """The same requests for the same spec, whatever arm runs them. Lengths are drawn before
+    any token id, so they do not depend on the vocabulary size."""
+    rng = random.Random(spec.seed)
+    n = spec.num_requests
+    prompt_lens = [rng.randint(spec.min_prompt, spec.max_prompt) for _ in range(n)]
+    output_lens = [rng.randint(spec.min_output, spec.max_output) for _ in range(n)]
+    return [
+        BenchRequest(random_prompt(rng, p, vocab_size), o)
+        for p, o in zip(prompt_lens, output_lens, strict=True)
+    ]
+
+
+# ---- step timing (wraps the engine from outside) --------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    seconds: float
+    num_seqs: int
+    num_tokens: int
+    num_prefill_seqs: int  # sequences with a prompt chunk of more than one token
+
+    @classmethod
+    def of(cls, batch: Batch, seconds: float) -> StepRecord:
+        prefills = sum(1 for s in batch.scheduled if s.num_new_tokens > 1)
+        return cls(seconds, len(batch.scheduled), batch.num_tokens, prefills)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_prefill_seqs == 0
+
+
+@contextlib.contextmanager
+def timed_steps(engine: Engine) -> Iterator[list[StepRecord]]:
+    """Within the block every `engine.step()` is timed with perf_counter and recorded with the
+    Batch its scheduler produced. Only the two bound methods are replaced, and put back after;
+    the engine's code is untouched."""
+    records: list[StepRecord] = []
+    scheduler = engine.scheduler
+    schedule, step = scheduler.schedule, engine.step
+    last: list[Batch] = []
+
+    def capture() -> Batch:
+        batch = schedule()
+        last.append(batch)
+        return batch
+
+    def timed() -> list[RequestOutput]:
+        last.clear()
+        t0 = time.perf_counter()
+        outputs = step()
+        seconds = time.perf_counter() - t0
+        if last and last[-1]:
+            records.append(StepRecord.of(last[-1], seconds))
+        return outputs
+
+    scheduler.schedule = capture  # type: ignore[method-assign]
+    engine.step = timed  # type: ignore[method-assign]
+    try:
+        yield records
+    finally:
+        scheduler.schedule = schedule  # type: ignore[method-assign]
+        engine.step = step  # type: ignore[method-assign]
+
+
+# ---- arm 1: kvserve -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    name: str
+    wall_s: float
+    useful_tokens: int  # tokens the requests asked for
+    generated_tokens: int  # tokens computed, waste included
+
+    @property
+    def tok_s(self) -> float:
+        return self.useful_tokens / self.wall_s
+
+
+def probe_max_tokens(batch: int, context: int, steps: int, step_budget: int) -> int:
+    """Enough tokens that no probe sequence finishes before the timed decode steps end: early
+    sequences decode while the later ones are still prefilling."""
+    prefill_steps = -(-batch * context // step_budget)
+    return 2 * prefill_steps + PROBE_WARMUP_STEPS + steps + 2
+
+
+def engine_config(
+    model_path: Path, requests: list[BenchRequest], args: argparse.Namespace, model: ModelConfig
+) -> EngineConfig:
+    """Default cache config, except a KV budget that holds every request (and each decode
+    probe) at once, and a running set as large as the workload."""
+    sched = SchedulerConfig(max_num_seqs=max(128, len(requests), *PROBE_BATCHES))
+    bs = CacheConfig().block_size
+    probe_len = args.probe_context + probe_max_tokens(
+        max(PROBE_BATCHES), args.probe_context, args.probe_steps, sched.max_num_batched_tokens
+    )
+    blocks = max(
+        sum(-(-r.num_tokens // bs) for r in requests),
+        max(PROBE_BATCHES) * -(-probe_len // bs),
+    )
+    budget = (blocks + 1) * bs * kv_bytes_per_token(model, torch.float32)
+    cache = CacheConfig(memory_budget_bytes=max(CacheConfig().memory_budget_bytes, budget))
+    return EngineConfig(
+        model_path=str(model_path),
+        dtype="float32",
+        cache=cache,
+        scheduler=sched,
+        num_threads=args.threads,
+    )
+
+
+def run_kvserve(engine: Engine, requests: list[BenchRequest]) -> tuple[ArmResult, list[StepRecord]]:
+    """All requests submitted at once, stepped to completion; wall time includes submission."""
+    engine.generate([requests[0].prompt[:8]], SamplingParams(max_tokens=2, ignore_eos=True))
+    generated = 0
+    with timed_steps(engine) as steps:
+        t0 = time.perf_counter()
+        for i, r in enumerate(requests):
+            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+            engine.add_request(f"w1-{i}", r.prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                generated += sum(len(c.token_ids) for c in out.completions)
+        wall = time.perf_counter() - t0
+    useful = sum(r.output_len for r in requests)
+    if generated != useful:
+        raise RuntimeError(f"engine generated {generated} tokens, the workload asked {useful}")
+    return ArmResult("kvserve", wall, useful, generated), steps
+
+
+# ---- the engine's decode step ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeProbe:
+    batch: int
+    step_ms: float  # median over the timed steps
+    mean_context: float  # KV tokens each sequence reads per step, averaged over the timed steps
+
+
+def _count_tokens(outputs: list[RequestOutput], emitted: dict[str, int]) -> None:
+    for out in outputs:
+        if out.request_id in emitted:
+            emitted[out.request_id] += sum(len(c.token_ids) for c in out.completions)
+
+
+def decode_step(engine: Engine, batch: int, context: int, steps: int, seed: int) -> DecodeProbe:
+    """Median time of `steps` pure decode steps of `batch` sequences whose prompts are
+    `context` tokens, after every prompt is prefilled and a few untimed decode steps."""
+    rng = random.Random(seed)
+    budget = engine.scheduler.config.max_num_batched_tokens
+    params = SamplingParams(
+        max_tokens=probe_max_tokens(batch, context, steps, budget), ignore_eos=True
+    )
+    emitted = {f"probe-b{batch}-{i}": 0 for i in range(batch)}
+    for rid in emitted:
+        engine.add_request(rid, random_prompt(rng, context, engine.model_config.vocab_size), params)
+    while min(emitted.values()) == 0:
+        _count_tokens(engine.step(), emitted)
+    for _ in range(PROBE_WARMUP_STEPS):
+        _count_tokens(engine.step(), emitted)
+    contexts = []
+    with timed_steps(engine) as records:
+        for _ in range(steps):
+            contexts.append(context + statistics.fmean(emitted.values()))
+            _count_tokens(engine.step(), emitted)
+    for rid in emitted:
+        engine.abort_request(rid)
+    if any(r.num_seqs != batch or not r.decode_only for r in records):
+        raise RuntimeError(f"decode probe at batch {batch} ran steps that were not pure decode")
+    ms = statistics.median(r.seconds for r in records) * 1e3
+    return DecodeProbe(batch, ms, statistics.fmean(contexts))
+
+
+# ---- arm 2: Hugging Face transformers -------------------------------------------------------
+
+
+def load_hf_model(model_path: Path) -> Any:
+    import transformers
+
+    if model_path.is_file():
+        where, extra = str(model_path.parent), {"gguf_file": model_path.name}
+    else:
+        where, extra = str(model_path), {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **extra)
+    return model.eval()
+
+
+def hf_pad_token_id(model: Any) -> int:
+    """The model's pad id, else its (first) EOS id; rows never stop early (min_new_tokens)."""
+    gen = model.generation_config
+    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
+    if isinstance(pad, list):
+        pad = pad[0] if pad else None
+    return int(pad) if pad is not None else 0
+
+
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask [B, longest], prompts right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+@torch.inference_mode()
+def hf_generate_batch(model: Any, batch: list[BenchRequest], pad_id: int) -> int:
+    """Greedy generation of the batch's longest target for every row; returns tokens made."""
+    ids, mask = left_padded([r.prompt for r in batch], pad_id)
+    n = max(r.output_len for r in batch)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        pad_token_id=pad_id,
+    )
+    return int(out.shape[0] * (out.shape[1] - ids.shape[1]))
+
+
+def run_hf(model_path: Path, requests: list[BenchRequest], batch_size: int) -> ArmResult:
+    model = load_hf_model(model_path)
+    pad_id = hf_pad_token_id(model)
+    hf_generate_batch(model, [BenchRequest(requests[0].prompt[:8], 2)], pad_id)  # warm-up
+    generated = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        generated += hf_generate_batch(model, requests[start : start + batch_size], pad_id)
+    wall = time.perf_counter() - t0
+    return ArmResult("hf", wall, sum(r.output_len for r in requests), generated)
+
+
+# ---- the machine and the roofline -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Roofline:
+    bandwidth_gb_s: float
+    matmul_gflop_s: float
+    linear_params: int
+    bare_linear_b1_ms: float
+    bare_linear_b32_ms: float
+
+
+def measure_roofline(model: ModelConfig, args: argparse.Namespace) -> Roofline:
+    machine = measure_machine(args.bandwidth_mib << 20, args.matmul_size)
+    shapes = llama_linear_shapes(model)
+    chain = LinearChain(shapes)
+    return Roofline(
+        machine.bandwidth_gb_s,
+        machine.matmul_gflop_s,
+        num_params(shapes),
+        chain.median_ms(PROBE_BATCHES[0], args.repeats),
+        chain.median_ms(PROBE_BATCHES[1], args.repeats),
+    )
+
+
+def roofline_ratios(
+    roof: Roofline, model: ModelConfig, b1: DecodeProbe, b32: DecodeProbe
+) -> dict[str, float]:
+    weight_bytes = roof.linear_params * FP32_BYTES
+    kv_bytes = b1.mean_context * model.kv_bytes_per_token(FP32_BYTES)
+    ideal_b1_s = (weight_bytes + kv_bytes) / (roof.bandwidth_gb_s * 1e9)
+    b32_flops = 2 * roof.linear_params * b32.batch / (b32.step_ms / 1e3)
+    return {
+        "roofline_b1": ideal_b1_s * 1e3 / b1.step_ms,
+        "linear_share_b32": roof.bare_linear_b32_ms / b32.step_ms,
+        "flop_frac_b32": b32_flops / (roof.matmul_gflop_s * 1e9),
+    }
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+
+def _verdict(value: float | None, target: float) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.3f} (target >= {target:g}: {'met' if value >= target else 'NOT met'})"
+
+
+def print_report(summary: dict[str, Any]) -> None:
+    s = summary
+    print(
+        f"workload W1: {s['num_requests']} requests, prompts {s['min_prompt']}..{s['max_prompt']}"
+        f", outputs {s['min_output']}..{s['max_output']}, seed {s['seed']}, "
+        f"threads {s['threads']}"
+    )
+    print(
+        f"machine: read bandwidth {s['bandwidth_gb_s']:.1f} GB/s, "
+        f"fp32 matmul {s['matmul_gflop_s']:.1f} GFLOP/s"
+    )
+    print(
+        f"bare linear layers ({s['linear_params'] / 1e6:.1f}M params): "
+        f"b1 {s['bare_linear_b1_ms']:.2f} ms, b32 {s['bare_linear_b32_ms']:.2f} ms"
+    )
+    print(
+        f"engine decode step: b1 {s['engine_step_b1_ms']:.2f} ms, "
+        f"b32 {s['engine_step_b32_ms']:.2f} ms (context ~{s['probe_context']})"
+    )
+    print(
+        f"kvserve: {s['kvserve_tokens']} tokens in {s['kvserve_wall_s']:.2f} s = "
+        f"{s['kvserve_tok_s']:.1f} tok/s ({s['kvserve_steps']} steps)"
+    )
+    if s["hf_tok_s"] is None:
+        print("hf: skipped")
+    else:
+        print(
+            f"hf: {s['hf_useful_tokens']} useful tokens ({s['hf_generated_tokens']} generated) "
+            f"in {s['hf_wall_s']:.2f} s = {s['hf_tok_s']:.1f} tok/s"
+        )
+    print(f"ratio kvserve/hf = {_verdict(s['ratio'], TARGET_RATIO)}")
+    print(f"roofline_b1 = {_verdict(s['roofline_b1'], TARGET_ROOFLINE_B1)}")
+    print(f"linear_share_b32 = {_verdict(s['linear_share_b32'], TARGET_LINEAR_SHARE_B32)}")
+    print(f"flop_frac_b32 = {s['flop_frac_b32']:.3f}")
+    print(json.dumps(s, sort_keys=True))
+
+
+def save_plot(path: Path, summary: dict[str, Any], steps: list[StepRecord]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, scatter) = plt.subplots(1, 2, figsize=(11, 4.5))
+    arms = {"kvserve": summary["kvserve_tok_s"], "hf": summary["hf_tok_s"]}
+    arms = {name: v for name, v in arms.items() if v is not None}
+    drawn = bars.bar(list(arms), list(arms.values()), color=["tab:blue", "tab:gray"][: len(arms)])
+    bars.bar_label(drawn, fmt="%.1f")
+    bars.set_ylabel("output tokens / s")
+    bars.set_title(f"W1: {summary['num_requests']} requests, threads {summary['threads']}")
+    for kind, pick, color in (
+        ("decode only", True, "tab:blue"),
+        ("with prefill", False, "tab:red"),
+    ):
+        xs = [r.num_seqs for r in steps if r.decode_only == pick]
+        ys = [r.seconds * 1e3 for r in steps if r.decode_only == pick]
+        scatter.scatter(xs, ys, s=8, alpha=0.6, color=color, label=kind)
+    scatter.set_xlabel("sequences in the step")
+    scatter.set_ylabel("step time (ms)")
+    scatter.set_title("kvserve engine steps")
+    scatter.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save_results(out_dir: Path, summary: dict[str, Any], steps: list[StepRecord]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"summary": summary, "steps": [asdict(r) for r in steps]}
+    (out_dir / "engine.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def _timed_phase(label: str, fn: Callable[[], T]) -> T:
+    t0 = time.perf_counter()
+    result = fn()
+    print(f"[{label}: {time.perf_counter() - t0:.1f} s]", flush=True)
+    return result
+
+
+@dataclass(frozen=True)
+class EngineSide:
+    kvserve: ArmResult
+    steps: list[StepRecord]
+    b1: DecodeProbe
+    b32: DecodeProbe
+
+
+def measure_engine(
+    model_path: Path, weights: LoadedWeights, requests: list[BenchRequest], args: argparse.Namespace
+) -> EngineSide:
+    """Arm 1, then the decode probes on the same (by then idle) engine."""
+    engine = Engine(engine_config(model_path, requests, args, weights.config), weights=weights)
+    kv, steps = _timed_phase("kvserve arm", functools.partial(run_kvserve, engine, requests))
+    b1, b32 = (
+        _timed_phase(
+            f"decode probe b{b}",
+            functools.partial(
+                decode_step, engine, b, args.probe_context, args.probe_steps, args.seed + b
+            ),
+        )
+        for b in PROBE_BATCHES
+    )
+    return EngineSide(kv, steps, b1, b32)
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = WorkloadSpec.from_args(args)
+    if min(args.hf_batch_size, args.threads, args.probe_steps, args.repeats) < 1:
+        raise CliError("--hf-batch-size, --threads, --probe-steps and --repeats must be >= 1")
+    torch.set_num_threads(args.threads)
+    model_path = Path(args.model) if args.model else default_model_path()
+    weights = _timed_phase("load weights", functools.partial(load_weights, model_path))
+    model: ModelConfig = weights.config
+    requests = make_requests(spec, model.vocab_size)
+    roof = _timed_phase("machine", functools.partial(measure_roofline, model, args))
+    side = measure_engine(model_path, weights, requests, args)
+    del weights  # the engine is gone; let the HF arm have the memory
+    gc.collect()
+    hf = None
+    if not args.skip_hf:
+        run_arm = functools.partial(run_hf, model_path, requests, args.hf_batch_size)
+        hf = _timed_phase("hf arm", run_arm)
+    summary = build_summary(spec, args, roof, model, side, hf)
+    if args.plot:
+        save_plot(Path(args.plot), summary, side.steps)
+    save_results(Path(args.out), summary, side.steps)
+    print_report(summary)
+    return 0
+
+
+def build_summary(
+    spec: WorkloadSpec,
+    args: argparse.Namespace,
+    roof: Roofline,
+    model: ModelConfig,
+    side: EngineSide,
+    hf: ArmResult | None,
+) -> dict[str, Any]:
+    kv, b1, b32 = side.kvserve, side.b1, side.b32
+    ratio = kv.tok_s / hf.tok_s if hf else None
+    return {
+        **asdict(spec),
+        "hf_batch_size": args.hf_batch_size,
+        "threads": args.threads,
+        "probe_context": args.probe_context,
+        "probe_steps": args.probe_steps,
+        "kvserve_tok_s": kv.tok_s,
+        "kvserve_wall_s": kv.wall_s,
+        "kvserve_tokens": kv.useful_tokens,
+        "kvserve_steps": len(side.steps),
+        "hf_tok_s": hf.tok_s if hf else None,
+        "hf_wall_s": hf.wall_s if hf else None,
+        "hf_useful_tokens": hf.useful_tokens if hf else None,
+        "hf_generated_tokens": hf.generated_tokens if hf else None,
+        "ratio": ratio,
+        "ratio_met": ratio >= TARGET_RATIO if ratio is not None else None,
+        **asdict(roof),
+        "engine_step_b1_ms": b1.step_ms,
+        "engine_step_b32_ms": b32.step_ms,
+        "engine_context_b1": b1.mean_context,
+        "engine_context_b32": b32.mean_context,
+        **roofline_ratios(roof, model, b1, b32),
+    }

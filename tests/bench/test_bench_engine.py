@@ -1,0 +1,94 @@
+"""`kvserve bench engine` end to end on a tiny workload: it runs, its last stdout line is the JSON
+summary with every number, and it writes its files. Speed is not asserted: the machine is shared."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvserve.services.bench.engine import FIRST_ORDINARY_TOKEN, WorkloadSpec, make_requests
+from kvserve.services.cli import main
+
+MEASURED_KEYS = (
+    "kvserve_tok_s",
+    "roofline_b1",
+    "linear_share_b32",
+    "flop_frac_b32",
+    "bandwidth_gb_s",
+    "matmul_gflop_s",
+    "bare_linear_b1_ms",
+    "bare_linear_b32_ms",
+    "engine_step_b1_ms",
+    "engine_step_b32_ms",
+)
+HF_KEYS = ("hf_tok_s", "ratio")
+WORKLOAD = {
+    "num_requests": 4,
+    "min_prompt": 8,
+    "max_prompt": 16,
+    "min_output": 4,
+    "max_output": 8,
+    "seed": 0,
+}
+# Tiny and single-threaded: two threads on a busy two-core machine stall on each other.
+TINY_ARGS = [
+    "--threads", "1",
+    "--probe-context", "4",
+    "--probe-steps", "2",
+    "--repeats", "1",
+    "--bandwidth-mib", "64",
+    "--matmul-size", "256",
+]  # fmt: skip
+
+
+def workload_args() -> list[str]:
+    return [a for k, v in WORKLOAD.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def run_bench(extra: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    rc = main(["bench", "engine", *workload_args(), *TINY_ARGS, *extra])
+    assert rc == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary: dict[str, object] = json.loads(last)
+    return summary
+
+
+def assert_positive(summary: dict[str, object], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = summary[key]
+        assert isinstance(value, float) and value > 0, (key, value)
+
+
+def test_workload_is_seeded_and_in_range() -> None:
+    spec = WorkloadSpec(**WORKLOAD)
+    requests = make_requests(spec, vocab_size=100)
+    assert requests == make_requests(spec, vocab_size=100)
+    assert requests != make_requests(WorkloadSpec(**{**WORKLOAD, "seed": 1}), vocab_size=100)
+    assert [r.output_len for r in requests] == [8, 7, 7, 6]
+    assert [len(r.prompt) for r in requests] == [14, 14, 8, 12]
+    for r in requests:
+        assert 8 <= len(r.prompt) <= 16
+        assert all(FIRST_ORDINARY_TOKEN <= t < 100 for t in r.prompt)
+
+
+def test_bench_engine_without_hf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = tmp_path / "engine.png"
+    summary = run_bench(["--skip-hf", "--out", str(tmp_path), "--plot", str(plot)], capsys)
+    assert_positive(summary, MEASURED_KEYS)
+    assert {k: summary[k] for k in WORKLOAD} == WORKLOAD
+    assert summary["kvserve_tokens"] == 8 + 7 + 7 + 6  # the seed-0 targets
+    assert summary["hf_tok_s"] is None and summary["ratio"] is None
+    saved = json.loads((tmp_path / "engine.json").read_text())
+    assert saved["summary"] == summary
+    assert len(saved["steps"]) == summary["kvserve_steps"]
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_engine_with_hf_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    summary = run_bench(["--hf-batch-size", "2", "--out", str(tmp_path)], capsys)
+    assert_positive(summary, MEASURED_KEYS + HF_KEYS)
+    # HF generates each batch's longest target for every row; only the targets count.
+    assert summary["hf_useful_tokens"] == summary["kvserve_tokens"]
+    assert summary["hf_generated_tokens"] >= summary["hf_useful_tokens"]  # type: ignore[operator]
