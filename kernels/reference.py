@@ -49,6 +49,12 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (q.float() * scale[..., None]).to(dtype)
 
 
+def _slot_view(cache: torch.Tensor) -> torch.Tensor:
+    """[nb, bs, ...] -> [nb * bs, ...]; fp8 as uint8 (CPU torch has no fp8 index_copy_)."""
+    flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+    return flat.view(torch.uint8) if flat.dtype == torch.float8_e4m3fn else flat
+
+
 def store_kv(
     key: torch.Tensor,  # [T, kvh, d]
     value: torch.Tensor,  # [T, kvh, d]
@@ -59,20 +65,19 @@ def store_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write T tokens' K/V into the paged cache at `slot_mapping`, quantizing if needed."""
-    nb, bs, kvh, d = k_cache.shape
-    k_flat = k_cache.view(nb * bs, kvh, d)
-    v_flat = v_cache.view(nb * bs, kvh, d)
     if is_quantized(k_cache.dtype):
         assert k_scale is not None and v_scale is not None
         kq, ks = quantize_kv(key, k_cache.dtype)
         vq, vs = quantize_kv(value, v_cache.dtype)
-        k_flat.index_copy_(0, slot_mapping, kq)
-        v_flat.index_copy_(0, slot_mapping, vq)
-        k_scale.view(nb * bs, kvh).index_copy_(0, slot_mapping, ks)
-        v_scale.view(nb * bs, kvh).index_copy_(0, slot_mapping, vs)
+        if kq.dtype == torch.float8_e4m3fn:
+            kq, vq = kq.view(torch.uint8), vq.view(torch.uint8)
+        _slot_view(k_cache).index_copy_(0, slot_mapping, kq)
+        _slot_view(v_cache).index_copy_(0, slot_mapping, vq)
+        _slot_view(k_scale).index_copy_(0, slot_mapping, ks)
+        _slot_view(v_scale).index_copy_(0, slot_mapping, vs)
     else:
-        k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        _slot_view(k_cache).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        _slot_view(v_cache).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def gather_kv(
@@ -82,12 +87,32 @@ def gather_kv(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """The blocks of `block_table`, contiguous: [..., n * bs, kvh, d] in `dtype`."""
-    blocks = cache[block_table.long()]  # [..., n, bs, kvh, d]
+    nb, bs, kvh, d = cache.shape
+    ids = block_table.reshape(-1).long()
+    raw = cache.view(nb, bs * kvh * d).index_select(0, ids)  # one memcpy per block
+    blocks = raw.view(*block_table.shape, bs, kvh, d)
     if scale is not None:
-        blocks = dequantize_kv(blocks, scale[block_table.long()], dtype)
+        s = scale.view(nb, bs * kvh).index_select(0, ids).view(*block_table.shape, bs, kvh)
+        blocks = dequantize_kv(blocks, s, dtype)
     else:
         blocks = blocks.to(dtype)
     return blocks.flatten(-4, -3)
+
+
+def _length_groups(lens: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Indices of sequences grouped by similar length (longest first), so padding each group
+    to its longest member wastes at most about `max_waste` of the work."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None:
+            padded = lens[g[0]] * (len(g) + 1)
+            if padded <= (1 + max_waste) * (sum(lens[j] for j in g) + lens[i]):
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 def paged_decode_attention(
@@ -100,23 +125,34 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence attending to its first context_lens[b] cached tokens."""
-    B, h, d = query.shape
+    """One query token per sequence attending to its first context_lens[b] cached tokens.
+
+    Sequences of similar length are batched into one masked SDPA call each (padding to the
+    group's longest). Cache slots past a sequence's length must hold finite values (the engine's
+    cache is zero-initialised and only ever holds computed K/V).
+    """
+    h = query.shape[1]
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    group = h // kvh
-    max_len = int(context_lens.max())
-    n = (max_len + bs - 1) // bs
-    tables = block_tables[:, :n]
-    k = gather_kv(k_cache, k_scale, tables, query.dtype)  # [B, n*bs, kvh, d]
-    v = gather_kv(v_cache, v_scale, tables, query.dtype)
-    q = query.view(B, kvh, group, d)
-    scores = torch.einsum("bkgd,btkd->bkgt", q, k) * scale  # [B, kvh, g, n*bs]
-    pos = torch.arange(n * bs, device=query.device)
-    masked = pos[None, :] >= context_lens[:, None].to(pos.dtype)  # [B, n*bs]
-    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, v)  # [B, kvh, g, d]
-    return out.reshape(B, h, d)
+    lens = context_lens.tolist()
+    out = torch.empty_like(query)
+    for group in _length_groups(lens):
+        idx = torch.tensor(group, device=query.device)
+        n = (lens[group[0]] + bs - 1) // bs
+        tables = block_tables[idx, :n]
+        k = gather_kv(k_cache, k_scale, tables, query.dtype)  # [G, n*bs, kvh, d]
+        v = gather_kv(v_cache, v_scale, tables, query.dtype)
+        pos = torch.arange(n * bs, device=query.device)
+        allowed = pos[None, :] < context_lens[idx, None]  # [G, n*bs]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[idx, :, None, :],  # [G, h, 1, d]
+            k.transpose(1, 2),  # [G, kvh, n*bs, d]
+            v.transpose(1, 2),
+            attn_mask=allowed[:, None, None, :],
+            scale=scale,
+            enable_gqa=kvh != h,
+        )
+        out[idx] = o[:, :, 0, :]
+    return out
 
 
 def prefill_attention(

