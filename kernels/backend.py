@@ -1,6 +1,7 @@
-"""Choose the attention implementation: Triton on CUDA, the torch reference elsewhere.
+"""Choose the attention implementation: Triton on CUDA; on the CPU the torch reference with
+decode attention in a small C++ kernel (`cpu`), or the pure torch reference (`torch`).
 
-Both expose the same three functions with the signatures of `kernels.reference`.
+All expose the same three functions with the signatures of `kernels.reference`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from kvserve.kernels import reference
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,22 @@ class AttentionBackend:
 
 
 def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """`auto` picks Triton on CUDA and the torch reference on the CPU; `torch` and `triton`
-    force one (Triton on the CPU needs TRITON_INTERPRET=1 set before triton is imported)."""
+    """`auto` picks Triton on CUDA and `cpu` elsewhere (which itself falls back to the torch
+    reference when its kernel cannot be built); `torch`, `cpu` and `triton` force one (Triton
+    on the CPU needs TRITON_INTERPRET=1 set before triton is imported)."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
+        name = "triton" if torch.device(device).type == "cuda" else "cpu"
+    if name == "cpu":
+        from kvserve.kernels import cpu_decode
+
+        return AttentionBackend(
+            "cpu",
+            reference.store_kv,
+            cpu_decode.paged_decode_attention,
+            reference.prefill_attention,
+        )
     if name == "torch":
         return AttentionBackend(
             "torch",

@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     p.add_argument("--model", default=str(default_model_path()), help="GGUF file or HF dir")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
-    p.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
+    p.add_argument(
+        "--attention-backend", choices=("auto", "torch", "cpu", "triton"), default="auto"
+    )
     p.set_defaults(handler=run)
 
 

@@ -281,6 +281,8 @@ class Engine:
             if self.pool.index is not None:
                 self._publish_full_blocks(s.seq)
         self.num_steps += 1
+        if not out.sampling_seqs:  # only prompt chunks this step
+            return []
         beam = [i for i, q in enumerate(out.sampling_seqs) if self._requests[q.request_id].beam]
         if beam:
             touched = self._beam_step(out.sampling_seqs, out.logits, beam)

@@ -97,3 +97,15 @@ def test_concurrent_batch_with_shared_prefix(make_engine, prompts, cold) -> None
     out = engine.generate(prompts, GREEDY)
     assert [o[0] for o in out] == cold
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_step_with_only_a_prompt_chunk(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A step that samples nothing (one long prompt, chunked) produces no output."""
+    engine = make_engine(max_num_batched_tokens=32, max_prefill_chunk=32)
+    prompt = tokenizer.encode(SYSTEM)
+    assert len(prompt) > 32
+    engine.add_request("long", prompt, GREEDY)
+    assert engine.step() == []
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.pool.num_free == engine.pool.num_blocks
