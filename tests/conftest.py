@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.tokenizer import KVTokenizer
 
 torch.set_num_threads(2)
+if not torch.cuda.is_available():  # Triton kernels run under the interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
