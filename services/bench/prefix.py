@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", default="0,512,1024,2048,3072,4096", help="cached prefix lengths")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--parts", default="ttft,gsp,w1,sweep", help="which measurements to run")
 
 
 class Bench:
@@ -212,14 +213,18 @@ def save_plot(path: Path, sweep: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     b = Bench(args.model)
     rng = random.Random(args.seed)
+    parts = set(args.parts.split(","))
     summary: dict[str, Any] = {}
-    summary |= system_prompt_ttft(b, rng, args)
-    summary |= shared_prefix(b, rng, args)
-    if args.w1_requests:
+    if "ttft" in parts:
+        summary |= system_prompt_ttft(b, rng, args)
+    if "gsp" in parts:
+        summary |= shared_prefix(b, rng, args)
+    if "w1" in parts and args.w1_requests:
         summary |= zero_hit_overhead(b, args)
-    sweep = ttft_sweep(b, rng, args)
-    summary |= sweep
-    if args.plot:
-        save_plot(args.plot, sweep)
+    if "sweep" in parts:
+        sweep = ttft_sweep(b, rng, args)
+        summary |= sweep
+        if args.plot:
+            save_plot(args.plot, sweep)
     print(json.dumps(summary))
     return 0

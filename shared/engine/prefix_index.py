@@ -42,6 +42,9 @@ class PrefixIndex:
         self._by_block: dict[BlockId, _Node] = {}
         self._clock = 0
         self.num_evictable = 0
+        # Candidate evictable leaves (last_access, block, node); entries go stale when a node is
+        # acquired, touched, gains a child or is removed, and are checked when popped.
+        self._leaves: list[tuple[int, int, _Node]] = []
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -83,7 +86,7 @@ class PrefixIndex:
         if pnode is None:
             return False
         node = _Node(h, block, pnode, last_access=self._tick())
-        pnode.children[h] = node
+        pnode.children[h] = node  # pnode's heap entry (if any) goes stale: it has a child
         self._by_hash[h] = node
         self._by_block[block] = node
         return True
@@ -94,6 +97,23 @@ class PrefixIndex:
         node.evictable = True
         node.last_access = self._tick()
         self.num_evictable += 1
+        self._push_if_leaf(node)
+
+    def _push_if_leaf(self, node: _Node) -> None:
+        if node.evictable and not node.children and node.block is not None:
+            heapq.heappush(self._leaves, (node.last_access, node.block, node))
+            if len(self._leaves) > 4 * (self.num_evictable + 64):  # drop stale entries
+                self._leaves = [e for e in self._leaves if self._is_live(e)]
+                heapq.heapify(self._leaves)
+
+    def _is_live(self, entry: tuple[int, int, _Node]) -> bool:
+        t, b, node = entry
+        return (
+            node.evictable
+            and not node.children
+            and node.last_access == t
+            and self._by_block.get(BlockId(b)) is node
+        )
 
     def acquire(self, block: BlockId) -> None:
         """An evictable block is referenced again (a prefix hit)."""
@@ -107,12 +127,27 @@ class PrefixIndex:
         return node is not None and node.evictable
 
     def eviction_order(self) -> list[BlockId]:
-        """All evictable blocks in the order `evict` would take them."""
+        """All evictable blocks in the order `evict` would take them (a full scan; for tests
+        and introspection, not the hot path)."""
         return self._evict(self.num_evictable, dry_run=True)
 
     def evict(self, n: int) -> list[BlockId]:
-        """Remove `n` evictable blocks, least recently used leaf first; returns their ids."""
-        return self._evict(n, dry_run=False)
+        """Remove `n` evictable blocks, least recently used leaf first; returns their ids.
+        Amortised O(log N) per block: evictable leaves live in a heap with lazy deletion."""
+        if n > self.num_evictable:
+            raise ValueError(f"cannot evict {n} blocks, {self.num_evictable} evictable")
+        out: list[BlockId] = []
+        while len(out) < n:
+            entry = heapq.heappop(self._leaves)
+            if not self._is_live(entry):
+                continue
+            node = entry[2]
+            assert node.block is not None and node.parent is not None
+            out.append(node.block)
+            parent = node.parent
+            self._remove(node)
+            self._push_if_leaf(parent)
+        return out
 
     def _evict(self, n: int, dry_run: bool) -> list[BlockId]:
         if n > self.num_evictable:
