@@ -19,7 +19,7 @@ from kvserve.shared.config import (
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fetch-model", help="download the default model (SmolLM2-135M GGUF)")
     p.add_argument("--dest", type=Path, default=None, help="target file (default: cache dir)")
     p.set_defaults(handler=run)

@@ -11,7 +11,7 @@ from kvserve.services.cli import CliError
 from kvserve.shared.config import KV_DTYPES, CacheConfig, EngineConfig, default_model_path
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int, default=128)

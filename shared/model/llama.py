@@ -47,7 +47,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
+            return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, None, "none", [], ""
             )
         assert self.weight is not None
@@ -89,7 +89,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.inv_freq: torch.Tensor = rope_inv_freq(config)
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
 
@@ -189,7 +189,7 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, h, d]
-        return self.o(out.reshape(T, h * d))  # type: ignore[no-any-return]
+        return self.o(out.reshape(T, h * d))
 
 
 class MLP(nn.Module):
@@ -201,7 +201,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)  # type: ignore[no-any-return]
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -255,8 +255,8 @@ class LlamaModel(nn.Module):
             assert isinstance(layer, DecoderLayer)
             x = x + layer.attn(layer.input_norm(x), rope, meta, cache, backend)
             x = x + layer.mlp(layer.post_attn_norm(x))
-        return self.norm(x)  # type: ignore[no-any-return]
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in float32."""
-        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+        return self.lm_head(hidden).float()
