@@ -10,6 +10,8 @@ from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.sampling_params import SamplingParams
 
+from tests.conftest import save_tiny_llama
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -17,24 +19,7 @@ transformers = pytest.importorskip("transformers")
 def tiny_model(tmp_path_factory, tokenizer) -> Path:  # type: ignore[no-untyped-def]
     """A 2-layer GQA Llama with random weights in HF layout (small enough for the interpreter)."""
     path = tmp_path_factory.mktemp("tiny-gqa")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8.0)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer._tok.save(str(path / "tokenizer.json"))
+    save_tiny_llama(path, tokenizer, num_kv_heads=2)
     return path
 
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from kvserve.shared.engine.sampling_params import SamplingParams
 
+from tests.conftest import save_tiny_llama
+
 transformers = pytest.importorskip("transformers")
 
 LOGIT_ATOL = 1e-3
@@ -70,26 +72,7 @@ def test_tiny_hf_layout_models_match_hf(  # type: ignore[no-untyped-def]
     from kvserve.shared.config import CacheConfig, EngineConfig
     from kvserve.shared.engine.engine import Engine
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # random init is tiny; widen it so the logits are not all ties
-        for p in hf.parameters():
-            p.mul_(8.0)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    tokenizer._tok.save(str(tmp_path / "tokenizer.json"))
+    hf = save_tiny_llama(tmp_path, tokenizer, num_kv_heads)
     engine = Engine(
         EngineConfig(model_path=str(tmp_path), cache=CacheConfig(num_blocks=64)),
     )
