@@ -155,14 +155,17 @@ def _raise_template_error(message: str) -> None:
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas without splitting a UTF-8 character.
 
-    Holds back the tail while it decodes to the replacement character (an incomplete
-    multi-byte sequence), as vLLM's incremental detokenizer does.
+    vLLM's scheme: only the last few tokens are re-decoded each time (from `_prefix` on), and a
+    delta is emitted once it no longer ends in the replacement character (an incomplete
+    multi-byte sequence). Cost per token is O(window), not O(length).
     """
 
     def __init__(self, tokenizer: KVTokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
+        self._prefix = 0  # start of the window that is re-decoded
+        self._read = 0  # ids before this have been emitted as text
         self._emitted = ""
 
     @property
@@ -171,9 +174,11 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self._ids.append(token_id)
-        full = self._tok.decode(self._ids, self._skip)
-        if full.endswith("\ufffd"):
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        new_text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        delta = full[len(self._emitted) :]
-        self._emitted = full
+        delta = new_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._emitted += delta
         return delta
