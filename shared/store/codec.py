@@ -1,0 +1,353 @@
+"""The self-describing block frame of the prefix store (DESIGN.md §5).
+
+One frame holds one full block: its token ids and the K/V of every layer. A frame is a msgpack
+map with exactly the fields of `FRAME_FIELDS`:
+
+    v, model_fp, kv_format, block_size, num_layers, num_kv_heads, head_dim,  -- header
+    token_ids, parent, fmt, dtype, scales, payload, checksum
+
+- `parent`: the chain hash of the previous block (the root for block 0); a reader that knows
+  only the key's hash checks `chain_hash(parent, token_ids) == key_hash`.
+- `fmt`: how the payload is stored (`native`, `bf16`, `fp16`, `int8`, `fp8`); `dtype`: the
+  dtype of the tensors handed to the encoder (`float32`, `bfloat16`, `float16`).
+- `scales`: float32 per-(layer, token, head) scales, K's then V's, for `int8` / `fp8`; empty
+  otherwise.
+- `payload`: zstd(bytes of K then V), each [num_layers, block_size, num_kv_heads, head_dim] in
+  the element type of `fmt` (fp8 e4m3 as its raw bytes); the zstd frame records its size.
+- `checksum`: sha256 over `msgpack([every other field, in FRAME_FIELDS order])`.
+
+Invariants of `decode_block`:
+- it never raises, whatever the input bytes; every failure is a `Miss` with a reason from
+  `MISS_REASONS`;
+- it returns a block only when the checksum verifies, every header field equals the reader's
+  `BlockMeta`, the scales and the decompressed payload have exactly the sizes the shape requires,
+  and the token ids hash, under the frame's parent, to the key's hash;
+- it never unpickles and never decompresses more than the shape requires (the frame size, each
+  msgpack field and the zstd output are all bounded).
+
+Byte order is the host's (little-endian on every supported platform).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import msgpack
+import torch
+import zstandard
+from kvserve.kernels.reference import dequantize_kv, quantize_kv
+from kvserve.shared.store.hashing import SCHEMA_VERSION, BlockHash, chain_hash
+
+MAX_FRAME_BYTES: Final = 8 * 1024 * 1024
+MAX_TOKENS: Final = 4096  # upper bound on block_size a frame may carry
+MAX_STR_LEN: Final = 256
+HASH_LEN: Final = 32
+ZSTD_LEVEL: Final = 3
+
+FORMATS: Final = ("native", "bf16", "fp16", "int8", "fp8")
+Format = Literal["native", "bf16", "fp16", "int8", "fp8"]
+
+# Native dtypes a frame may carry, by name.
+NATIVE_DTYPES: Final[dict[str, torch.dtype]] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_DTYPE_NAMES: Final = {dt: name for name, dt in NATIVE_DTYPES.items()}
+# Stored element type of each non-native format.
+_FMT_DTYPES: Final[dict[str, torch.dtype]] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
+_QUANTIZED: Final = frozenset({"int8", "fp8"})
+
+FRAME_FIELDS: Final = (
+    "v",
+    "model_fp",
+    "kv_format",
+    "block_size",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "token_ids",
+    "parent",
+    "fmt",
+    "dtype",
+    "scales",
+    "payload",
+    "checksum",
+)
+
+MissReason = Literal[
+    "too_large",  # frame longer than MAX_FRAME_BYTES
+    "not_msgpack",  # not bytes, not one well-formed msgpack object, or over a field limit
+    "bad_schema",  # not a map of exactly FRAME_FIELDS with the right types, or another version
+    "bad_checksum",  # checksum does not match the other fields
+    "wrong_model",  # model_fp differs from the reader's
+    "wrong_format",  # kv_format differs from the reader's
+    "wrong_block_size",  # block_size differs from the reader's
+    "wrong_shape",  # num_layers / num_kv_heads / head_dim differ from the reader's
+    "bad_payload",  # scales or payload not of the size the shape requires, or not zstd
+    "hash_mismatch",  # chain_hash(parent, token_ids) != the key's hash
+    "internal_error",  # anything unforeseen: still a miss, never an exception
+]
+MISS_REASONS: Final[frozenset[str]] = frozenset(MissReason.__args__)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """What a reader expects of every frame (and what a writer stamps on it)."""
+
+    model_fp: str
+    kv_format: str  # the engine's cache dtype name, as in the root hash
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    version: int = SCHEMA_VERSION
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        """[num_layers, block_size, num_kv_heads, head_dim]: the shape of K (and of V)."""
+        return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class DecodedBlock:
+    """A verified block: `k`, `v` float32 [num_layers, block_size, num_kv_heads, head_dim].
+
+    `is_first` is True when the frame's parent is the root (block 0 of its chain)."""
+
+    token_ids: list[int]
+    k: torch.Tensor
+    v: torch.Tensor
+    parent: BlockHash
+    fmt: str
+    is_first: bool
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Why a frame was rejected; `reason` is always one of MISS_REASONS."""
+
+    reason: MissReason
+
+
+def frame_checksum(fields: dict[str, Any]) -> bytes:
+    """sha256 over msgpack of every field but `checksum`, in FRAME_FIELDS order."""
+    body = [fields[name] for name in FRAME_FIELDS if name != "checksum"]
+    return hashlib.sha256(msgpack.packb(body, use_bin_type=True)).digest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.float8_e4m3fn:
+        t = t.view(torch.uint8)
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+def _tensor_from(buf: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]):
+    """A tensor of `dtype` and `shape` over a copy of `buf` (whose length must match exactly)."""
+    raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
+
+
+def _element_size(fmt: str, native: torch.dtype) -> int:
+    dtype = native if fmt == "native" else _FMT_DTYPES[fmt]
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def encode_block(
+    meta: BlockMeta,
+    token_ids: list[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fmt: str,
+    parent: BlockHash,
+) -> bytes:
+    """One frame for the block whose tokens are `token_ids` and whose chain parent is `parent`
+    (the previous block's hash, or the root for block 0).
+
+    k, v: [num_layers, block_size, num_kv_heads, head_dim], float32 / bfloat16 / float16, the
+    same dtype. Raises ValueError on inputs that do not match `meta` (a writer bug, not data).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"encode_block: unknown format {fmt!r}")
+    if k.shape != meta.block_shape or v.shape != meta.block_shape:
+        raise ValueError(f"encode_block: k/v shape {tuple(k.shape)} != {meta.block_shape}")
+    if k.dtype != v.dtype or k.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"encode_block: unsupported k/v dtypes {k.dtype}, {v.dtype}")
+    if len(token_ids) != meta.block_size or not all(0 <= t < 2**32 for t in token_ids):
+        raise ValueError("encode_block: need block_size token ids in [0, 2**32)")
+    if len(parent) != HASH_LEN:
+        raise ValueError("encode_block: parent must be a 32-byte block hash")
+
+    scales = b""
+    if fmt in _QUANTIZED:
+        qdtype = _FMT_DTYPES[fmt]
+        kq, ks = quantize_kv(k, qdtype)
+        vq, vs = quantize_kv(v, qdtype)
+        raw = _tensor_bytes(kq) + _tensor_bytes(vq)
+        scales = _tensor_bytes(ks) + _tensor_bytes(vs)
+    elif fmt == "native":
+        raw = _tensor_bytes(k) + _tensor_bytes(v)
+    else:
+        raw = _tensor_bytes(k.to(_FMT_DTYPES[fmt])) + _tensor_bytes(v.to(_FMT_DTYPES[fmt]))
+
+    fields: dict[str, Any] = {
+        "v": meta.version,
+        "model_fp": meta.model_fp,
+        "kv_format": meta.kv_format,
+        "block_size": meta.block_size,
+        "num_layers": meta.num_layers,
+        "num_kv_heads": meta.num_kv_heads,
+        "head_dim": meta.head_dim,
+        "token_ids": [int(t) for t in token_ids],
+        "parent": bytes(parent),
+        "fmt": fmt,
+        "dtype": _DTYPE_NAMES[k.dtype],
+        "scales": scales,
+        "payload": zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(
+            raw
+        ),
+    }
+    fields["checksum"] = frame_checksum(fields)
+    frame = msgpack.packb({name: fields[name] for name in FRAME_FIELDS}, use_bin_type=True)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ValueError(f"encode_block: frame of {len(frame)} bytes > {MAX_FRAME_BYTES}")
+    return frame
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_types(obj: object) -> dict[str, Any] | None:
+    """The frame's fields if `obj` is a map of exactly FRAME_FIELDS with the right types."""
+    if not isinstance(obj, dict) or set(obj) != set(FRAME_FIELDS):
+        return None
+    if not all(_is_int(obj[n]) for n in ("v", "block_size", "num_layers", "num_kv_heads")):
+        return None
+    if not _is_int(obj["head_dim"]):
+        return None
+    if not all(isinstance(obj[n], str) for n in ("model_fp", "kv_format", "fmt", "dtype")):
+        return None
+    if not all(isinstance(obj[n], bytes) for n in ("parent", "scales", "payload", "checksum")):
+        return None
+    toks = obj["token_ids"]
+    if not isinstance(toks, list) or not all(_is_int(t) and 0 <= t < 2**32 for t in toks):
+        return None
+    if len(obj["parent"]) != HASH_LEN or len(obj["checksum"]) != HASH_LEN:
+        return None
+    if obj["fmt"] not in FORMATS or obj["dtype"] not in NATIVE_DTYPES:
+        return None
+    return obj
+
+
+def decode_block(
+    data: bytes | bytearray | memoryview,
+    expected: BlockMeta,
+    key_hash: BlockHash,
+    root: BlockHash,
+) -> DecodedBlock | Miss:
+    """The block in `data` if it is exactly the block stored under `key_hash` for a reader
+    expecting `expected`; otherwise a Miss. Never raises (see the module's invariants).
+
+    `root` is the chain's root: the frame's parent equals it for block 0. The key's hash already
+    binds the root (through the chain), so a frame from another root cannot pass.
+    """
+    try:
+        return _decode(data, expected, key_hash, root)
+    except Exception:  # a safety net: the checks above it are meant to catch everything
+        return Miss("internal_error")
+
+
+def _decode(
+    data: bytes | bytearray | memoryview,
+    expected: BlockMeta,
+    key_hash: BlockHash,
+    root: BlockHash,
+) -> DecodedBlock | Miss:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        return Miss("not_msgpack")
+    if len(data) > MAX_FRAME_BYTES:
+        return Miss("too_large")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=MAX_FRAME_BYTES,
+            max_str_len=MAX_STR_LEN,
+            max_array_len=MAX_TOKENS,
+            max_map_len=len(FRAME_FIELDS),
+            max_ext_len=0,
+        )
+    except Exception:  # msgpack raises ValueError / its own errors / TypeError on bad input
+        return Miss("not_msgpack")
+    # The version is checked first: another version may define its fields differently.
+    if not isinstance(obj, dict) or obj.get("v") != expected.version:
+        return Miss("bad_schema")
+    f = _check_types(obj)
+    if f is None:
+        return Miss("bad_schema")
+    if not hmac.compare_digest(frame_checksum(f), f["checksum"]):
+        return Miss("bad_checksum")
+
+    if f["model_fp"] != expected.model_fp:
+        return Miss("wrong_model")
+    if f["kv_format"] != expected.kv_format:
+        return Miss("wrong_format")
+    if f["block_size"] != expected.block_size:
+        return Miss("wrong_block_size")
+    shape = expected.block_shape
+    if (f["num_layers"], f["num_kv_heads"], f["head_dim"]) != shape[0:1] + shape[2:]:
+        return Miss("wrong_shape")
+    if len(f["token_ids"]) != expected.block_size:
+        return Miss("bad_schema")
+
+    fmt, native = f["fmt"], NATIVE_DTYPES[f["dtype"]]
+    numel = math.prod(shape)
+    raw_len = 2 * numel * _element_size(fmt, native)
+    scales_len = 2 * numel // expected.head_dim * 4 if fmt in _QUANTIZED else 0
+    if len(f["scales"]) != scales_len:
+        return Miss("bad_payload")
+    try:
+        if zstandard.frame_content_size(f["payload"]) != raw_len:
+            return Miss("bad_payload")
+        raw = zstandard.ZstdDecompressor().decompress(f["payload"], max_output_size=raw_len)
+    except zstandard.ZstdError:
+        return Miss("bad_payload")
+    if len(raw) != raw_len:
+        return Miss("bad_payload")
+
+    if chain_hash(BlockHash(f["parent"]), f["token_ids"]) != key_hash:
+        return Miss("hash_mismatch")
+
+    half = raw_len // 2
+    stored = native if fmt == "native" else _FMT_DTYPES[fmt]
+    k = _tensor_from(memoryview(raw)[:half], stored, shape)
+    v = _tensor_from(memoryview(raw)[half:], stored, shape)
+    if fmt in _QUANTIZED:
+        s = _tensor_from(f["scales"], torch.float32, (2, *shape[:3]))
+        if not bool(torch.isfinite(s).all()):
+            return Miss("bad_payload")
+        k = dequantize_kv(k, s[0], torch.float32)
+        v = dequantize_kv(v, s[1], torch.float32)
+    else:
+        k, v = k.float(), v.float()
+    return DecodedBlock(
+        token_ids=list(f["token_ids"]),
+        k=k,
+        v=v,
+        parent=BlockHash(f["parent"]),
+        fmt=fmt,
+        is_first=f["parent"] == root,
+    )

@@ -1,0 +1,334 @@
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvserve.shared.store.codec import (
+    FORMATS,
+    MAX_FRAME_BYTES,
+    MISS_REASONS,
+    BlockMeta,
+    DecodedBlock,
+    Miss,
+    decode_block,
+    encode_block,
+    frame_checksum,
+)
+from kvserve.shared.store.hashing import BlockHash, chain_hash, root_hash
+
+# The default model's shape: 30 layers, 3 KV heads, head_dim 64; block 16.
+META = BlockMeta(
+    model_fp="model-a",
+    kv_format="float32",
+    block_size=16,
+    num_layers=30,
+    num_kv_heads=3,
+    head_dim=64,
+)
+ROOT = root_hash(META.model_fp, "tok-a", META.kv_format, META.block_size)
+TOKENS = [1000 + 7 * i for i in range(META.block_size)]
+KEY = chain_hash(ROOT, TOKENS)
+RAW_FP16_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # K and V, all layers: 23,040
+
+# A tiny shape for exhaustive bit flips over the whole frame.
+SMALL = BlockMeta("m", "float32", block_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
+SMALL_ROOT = root_hash("m", "t", "float32", 4)
+SMALL_TOKENS = [1, 2, 3, 4]
+SMALL_KEY = chain_hash(SMALL_ROOT, SMALL_TOKENS)
+
+
+def _kv(meta: BlockMeta, dtype: torch.dtype = torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(meta.block_shape, generator=g).to(dtype)
+    v = torch.randn(meta.block_shape, generator=g).to(dtype)
+    return k, v
+
+
+K, V = _kv(META)
+FRAMES = {fmt: encode_block(META, TOKENS, K, V, fmt, ROOT) for fmt in FORMATS}
+
+
+def _resign(frame: bytes, **changes: Any) -> bytes:
+    """The frame with some fields replaced and a valid checksum: a well-formed frame that is
+    still not the block the reader wants."""
+    fields = msgpack.unpackb(frame, raw=False)
+    fields.update(changes)
+    fields["checksum"] = frame_checksum(fields)
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def _miss(result: object, reason: str) -> None:
+    assert isinstance(result, Miss), result
+    assert result.reason == reason
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+
+def test_native_round_trip_is_bit_exact() -> None:
+    out = decode_block(FRAMES["native"], META, KEY, ROOT)
+    assert isinstance(out, DecodedBlock)
+    assert out.token_ids == TOKENS and out.parent == ROOT and out.is_first
+    assert out.k.dtype == torch.float32 and out.k.shape == META.block_shape
+    assert torch.equal(out.k, K) and torch.equal(out.v, V)
+
+
+def test_native_bf16_round_trip_is_bit_exact() -> None:
+    meta = BlockMeta("model-a", "bfloat16", 16, 30, 3, 64)
+    root = root_hash("model-a", "tok-a", "bfloat16", 16)
+    k, v = _kv(meta, torch.bfloat16, seed=1)
+    frame = encode_block(meta, TOKENS, k, v, "native", root)
+    out = decode_block(frame, meta, chain_hash(root, TOKENS), root)
+    assert isinstance(out, DecodedBlock)
+    assert torch.equal(out.k.to(torch.bfloat16), k) and torch.equal(out.v.to(torch.bfloat16), v)
+    assert torch.equal(out.k, k.float())
+
+
+@pytest.mark.parametrize(
+    ("fmt", "rtol"),
+    [("bf16", 2**-8), ("fp16", 2**-11), ("int8", None), ("fp8", None)],
+)
+def test_lossy_round_trip_within_precision(fmt: str, rtol: float | None) -> None:
+    out = decode_block(FRAMES[fmt], META, KEY, ROOT)
+    assert isinstance(out, DecodedBlock) and out.fmt == fmt
+    for got, want in ((out.k, K), (out.v, V)):
+        assert got.dtype == torch.float32 and got.shape == META.block_shape
+        err = (got - want).abs()
+        if rtol is not None:  # round-to-nearest float: relative error <= half an ulp
+            assert bool((err <= rtol * want.abs() + 2**-24).all())  # + fp16 subnormals
+        else:  # per-(token, head) scale = amax / qmax
+            amax = want.abs().amax(dim=-1, keepdim=True)
+            bound = amax / 127.0 * 0.5 if fmt == "int8" else amax * 2**-4  # e4m3: 3 mantissa bits
+            assert bool((err <= bound * 1.001 + 1e-7).all())
+
+
+def test_a_later_block_chains_from_its_parent() -> None:
+    nxt = list(range(16))
+    key = chain_hash(KEY, nxt)
+    frame = encode_block(META, nxt, K, V, "int8", KEY)
+    out = decode_block(frame, META, key, ROOT)
+    assert isinstance(out, DecodedBlock) and out.parent == KEY and not out.is_first
+
+
+def test_bytes_per_token(capsys: pytest.CaptureFixture[str]) -> None:
+    """Encoded size per token vs raw fp16 (random tensors: real K/V may compress better)."""
+    with capsys.disabled():
+        print(f"\nraw fp16: {RAW_FP16_BYTES_PER_TOKEN} B/token")
+        for fmt, frame in FRAMES.items():
+            per_tok = len(frame) / META.block_size
+            print(
+                f"{fmt:>6} (float32 in): {per_tok:9.1f} B/token "
+                f"= {per_tok / RAW_FP16_BYTES_PER_TOKEN:.3f} x raw fp16"
+            )
+    assert len(FRAMES["int8"]) < len(FRAMES["fp16"]) < len(FRAMES["native"])
+
+
+# --- misses --------------------------------------------------------------------------------
+
+
+def test_truncated_frames_miss() -> None:
+    frame = FRAMES["int8"]
+    for n in (0, 1, 10, 100, len(frame) // 2, len(frame) - 1):
+        assert isinstance(decode_block(frame[:n], META, KEY, ROOT), Miss)
+    _miss(decode_block(frame[:-1], META, KEY, ROOT), "not_msgpack")
+
+
+def test_trailing_bytes_miss() -> None:
+    _miss(decode_block(FRAMES["fp8"] + b"\x00", META, KEY, ROOT), "not_msgpack")
+
+
+def test_random_bytes_miss() -> None:
+    rng = torch.Generator().manual_seed(0)
+    for n in (1, 5, 64, 4096, 100_000):
+        data = bytes(torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).tolist())
+        out = decode_block(data, META, KEY, ROOT)
+        assert isinstance(out, Miss) and out.reason in MISS_REASONS
+    assert isinstance(decode_block(os.urandom(1000), META, KEY, ROOT), Miss)
+
+
+def test_oversized_misses() -> None:
+    _miss(decode_block(b"\x00" * (MAX_FRAME_BYTES + 1), META, KEY, ROOT), "too_large")
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        None,
+        42,
+        "frame",
+        [1, 2, 3],
+        {},
+        {"v": 1},
+        {"v": 1, "payload": {"nested": [1, 2, 3]}},
+    ],
+)
+def test_msgpack_of_the_wrong_type_misses(obj: object) -> None:
+    _miss(decode_block(msgpack.packb(obj), META, KEY, ROOT), "bad_schema")
+
+
+def test_non_bytes_input_misses() -> None:
+    _miss(decode_block("a string", META, KEY, ROOT), "not_msgpack")
+    _miss(decode_block(None, META, KEY, ROOT), "not_msgpack")
+    _miss(decode_block(msgpack.packb({1: 2}), META, KEY, ROOT), "not_msgpack")  # strict keys
+
+
+def test_wrong_schema_version_misses() -> None:
+    meta2 = BlockMeta(**{**META.__dict__, "version": 2})
+    frame = encode_block(meta2, TOKENS, K, V, "native", ROOT)
+    _miss(decode_block(frame, META, KEY, ROOT), "bad_schema")
+
+
+def test_extra_or_missing_field_misses() -> None:
+    fields = msgpack.unpackb(FRAMES["fp16"], raw=False)
+    extra = msgpack.packb({**fields, "x": 1}, use_bin_type=True)
+    _miss(decode_block(extra, META, KEY, ROOT), "not_msgpack")  # over max_map_len
+    del fields["scales"]
+    _miss(decode_block(msgpack.packb(fields, use_bin_type=True), META, KEY, ROOT), "bad_schema")
+
+
+def test_wrong_field_type_misses() -> None:
+    for change in (
+        {"block_size": "16"},
+        {"block_size": True},
+        {"token_ids": [*TOKENS[:-1], -1]},
+        {"token_ids": [*TOKENS[:-1], 2**32]},
+        {"token_ids": TOKENS[:-1]},
+        {"parent": ROOT[:31]},
+        {"fmt": "int4"},
+        {"dtype": "float64"},
+        {"payload": "text"},
+    ):
+        _miss(decode_block(_resign(FRAMES["fp16"], **change), META, KEY, ROOT), "bad_schema")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("model_fp", "model-b", "wrong_model"),
+        ("kv_format", "bfloat16", "wrong_format"),
+        ("block_size", 32, "wrong_block_size"),
+        ("num_layers", 29, "wrong_shape"),
+        ("num_kv_heads", 4, "wrong_shape"),
+        ("head_dim", 128, "wrong_shape"),
+    ],
+)
+def test_header_mismatch_misses(field: str, value: object, reason: str) -> None:
+    """A genuine frame written under another meta is refused by this reader."""
+    other = BlockMeta(**{**META.__dict__, field: value})
+    k, v = _kv(other)
+    toks = list(range(other.block_size))
+    frame = encode_block(other, toks, k, v, "fp8", ROOT)
+    assert isinstance(decode_block(frame, other, chain_hash(ROOT, toks), ROOT), DecodedBlock)
+    _miss(decode_block(frame, META, KEY, ROOT), reason)
+
+
+def test_tokens_that_do_not_hash_to_the_key_miss() -> None:
+    other = [*TOKENS[:-1], TOKENS[-1] + 1]
+    frame = encode_block(META, other, K, V, "native", ROOT)
+    _miss(decode_block(frame, META, KEY, ROOT), "hash_mismatch")
+    wrong_parent = encode_block(META, TOKENS, K, V, "native", BlockHash(b"\x01" * 32))
+    _miss(decode_block(wrong_parent, META, KEY, ROOT), "hash_mismatch")
+
+
+def test_bad_payload_misses() -> None:
+    good = FRAMES["int8"]
+    fields = msgpack.unpackb(good, raw=False)
+    raw = zstandard.ZstdDecompressor().decompress(fields["payload"])
+    cctx = zstandard.ZstdCompressor()
+    for change in (
+        {"payload": b"not zstd at all"},
+        {"payload": cctx.compress(raw[:-1])},  # one byte short
+        {"payload": cctx.compress(raw + b"\x00")},  # one byte long
+        {"payload": cctx.compress(raw * 4)},  # decompresses past the shape
+        {"payload": zstandard.ZstdCompressor(write_content_size=False).compress(raw)},
+        {"scales": fields["scales"][:-4]},
+        {"scales": b""},
+        {"scales": b"\x00\x00\xc0\x7f" * (len(fields["scales"]) // 4)},  # NaN scales
+        {"fmt": "fp16"},  # payload size no longer matches the format
+    ):
+        _miss(decode_block(_resign(good, **change), META, KEY, ROOT), "bad_payload")
+    _miss(decode_block(_resign(FRAMES["fp16"], scales=b"\x00" * 4), META, KEY, ROOT), "bad_payload")
+
+
+def test_checksum_mismatch_misses() -> None:
+    fields = msgpack.unpackb(FRAMES["bf16"], raw=False)
+    for change in (
+        {"model_fp": "model-b"},
+        {"token_ids": list(range(16))},
+        {"checksum": bytes(32)},
+    ):
+        forged = msgpack.packb({**fields, **change}, use_bin_type=True)
+        _miss(decode_block(forged, META, KEY, ROOT), "bad_checksum")
+
+
+def _flip(data: bytes, bit: int) -> bytes:
+    b = bytearray(data)
+    b[bit // 8] ^= 1 << (bit % 8)
+    return bytes(b)
+
+
+def test_every_bit_flip_of_a_small_frame_misses() -> None:
+    """Exhaustive: no single-bit corruption anywhere in a frame yields a block or raises."""
+    k, v = _kv(SMALL)
+    for fmt in FORMATS:
+        frame = encode_block(SMALL, SMALL_TOKENS, k, v, fmt, SMALL_ROOT)
+        assert isinstance(decode_block(frame, SMALL, SMALL_KEY, SMALL_ROOT), DecodedBlock)
+        for bit in range(len(frame) * 8):
+            out = decode_block(_flip(frame, bit), SMALL, SMALL_KEY, SMALL_ROOT)
+            assert isinstance(out, Miss), (fmt, bit)
+            assert out.reason in MISS_REASONS and out.reason != "internal_error", (fmt, bit)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fmt=st.sampled_from(FORMATS),
+    where=st.one_of(st.integers(0, 4095), st.floats(0.0, 1.0, exclude_max=True)),
+)
+def test_a_bit_flip_anywhere_in_a_full_frame_misses(fmt: str, where: int | float) -> None:
+    """Flips in the header region (first 512 bytes) or at any position of the whole frame."""
+    frame = FRAMES[fmt]
+    bit = where if isinstance(where, int) else int(where * len(frame) * 8)
+    out = decode_block(_flip(frame, bit), META, KEY, ROOT)
+    assert isinstance(out, Miss), bit
+    assert out.reason in MISS_REASONS and out.reason != "internal_error"
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=2048))
+def test_arbitrary_bytes_never_raise(data: bytes) -> None:
+    out = decode_block(data, META, KEY, ROOT)
+    assert isinstance(out, Miss) and out.reason in MISS_REASONS
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    obj=st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.text(max_size=8)
+        | st.binary(max_size=8),
+        lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids),
+        max_leaves=20,
+    )
+)
+def test_arbitrary_msgpack_never_raises(obj: object) -> None:
+    out = decode_block(msgpack.packb(obj, use_bin_type=True), META, KEY, ROOT)
+    assert isinstance(out, Miss) and out.reason in {"bad_schema", "not_msgpack"}
+
+
+def test_encoder_rejects_inputs_that_do_not_match_meta() -> None:
+    with pytest.raises(ValueError):
+        encode_block(META, TOKENS, K[:, :8], V[:, :8], "native", ROOT)
+    with pytest.raises(ValueError):
+        encode_block(META, TOKENS[:-1], K, V, "native", ROOT)
+    with pytest.raises(ValueError):
+        encode_block(META, TOKENS, K, V, "int4", ROOT)
+    with pytest.raises(ValueError):
+        encode_block(META, TOKENS, K.double(), V.double(), "native", ROOT)
