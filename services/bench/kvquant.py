@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 import torch
+from kvserve.services.cli import CliError
 from kvserve.shared.config import CacheConfig, EngineConfig, default_model_path
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype
@@ -90,10 +91,17 @@ def agreement(engine: Engine, prompts: list[list[int]], refs: list[list[int]]) -
 def parse_budget(text: str) -> int:
     from kvserve.shared.capacity import parse_size
 
-    return int(parse_size(text))
+    try:
+        return int(parse_size(text))
+    except ValueError as e:
+        raise CliError(f"--budget: {e}") from e
 
 
 def run(args: argparse.Namespace) -> int:
+    for name in ("text_tokens", "gen_tokens", "num_prompts"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1")
+    budget = parse_budget(args.budget)
     weights = load_weights(args.model)
     tok = KVTokenizer.from_path(args.model)
 
@@ -108,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
     ref_logits = base.score(ids)
     params = SamplingParams(max_tokens=args.gen_tokens, ignore_eos=True)
     refs = [c[0] for c in base.generate(prompts, params)]
-    budget = parse_budget(args.budget)
     summary: dict[str, Any] = {
         "text_tokens": len(ids),
         "gen_tokens": args.gen_tokens,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.services.bench.engine import WorkloadSpec, make_requests, random_prompt
+from kvserve.services.cli import CliError
 from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_model_path
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.sampling_params import SamplingParams
@@ -210,7 +211,34 @@ def save_plot(path: Path, sweep: dict[str, Any]) -> None:
     fig.savefig(path, dpi=120)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Bad numbers are a one-line error, before any model is loaded."""
+    try:
+        sweep = [int(x) for x in args.sweep.split(",") if x]
+    except ValueError as e:
+        raise CliError(f"--sweep must be comma-separated integers, got {args.sweep!r}") from e
+    sizes = {
+        "--system-len": args.system_len,
+        "--question-len": args.question_len,
+        "--repeats": args.repeats,
+        "--gsp-groups": args.gsp_groups,
+        "--gsp-per-group": args.gsp_per_group,
+        "--gsp-prefix-len": args.gsp_prefix_len,
+        "--gsp-question-len": args.gsp_question_len,
+        "--gsp-output-len": args.gsp_output_len,
+    }
+    for name, value in sizes.items():
+        if value < 1:
+            raise CliError(f"{name} must be >= 1, got {value}")
+    if args.w1_requests < 0 or any(n < 0 for n in sweep):
+        raise CliError("--w1-requests and --sweep lengths must be >= 0")
+    unknown = set(args.parts.split(",")) - {"ttft", "gsp", "w1", "sweep"}
+    if unknown:
+        raise CliError(f"--parts: unknown {sorted(unknown)}; choose from ttft,gsp,w1,sweep")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
     b = Bench(args.model)
     rng = random.Random(args.seed)
     parts = set(args.parts.split(","))

@@ -64,3 +64,16 @@ def test_bench_kvquant_tiny(capsys) -> None:  # type: ignore[no-untyped-def]
     ):
         assert key in summary
     assert 0 <= summary["agree_int8"] <= 1 and summary["kld_int8"] >= 0
+
+
+def test_bad_arguments_are_one_line_errors(capsys) -> None:  # type: ignore[no-untyped-def]
+    for args in (
+        ["bench", "prefix", "--sweep", "0,abc"],
+        ["bench", "prefix", "--repeats", "0"],
+        ["bench", "prefix", "--parts", "nope"],
+        ["bench", "kvquant", "--budget", "lots"],
+        ["bench", "kvquant", "--gen-tokens", "0"],
+    ):
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvserve bench: error:") and err.count("\n") == 1
