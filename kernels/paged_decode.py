@@ -32,7 +32,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from kvserve.kernels.reference import is_quantized
+from kvserve.kernels.reference import check_cache_scales
 
 LOG2E = 1.4426950408889634  # softmax is computed with exp2: e^x = 2^(x * log2 e)
 DEFAULT_PARTITION_SIZE = 512  # context positions per split-K partition
@@ -241,18 +241,7 @@ def launch_paged_decode(
     assert context_lens.is_contiguous()
     devices = {query.device, k_cache.device, v_cache.device, block_tables.device}
     devices.add(context_lens.device)
-    quantized = is_quantized(k_cache.dtype)
-    if quantized:
-        assert k_scale is not None and v_scale is not None, "a quantized cache needs scales"
-        assert k_scale.shape == (nb, bs, kvh) and v_scale.shape == (nb, bs, kvh)
-        assert k_scale.dtype == v_scale.dtype == torch.float32
-        assert k_scale.stride() == v_scale.stride()
-        devices |= {k_scale.device, v_scale.device}
-        ks, vs = k_scale, v_scale
-    else:
-        assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        ks = vs = k_cache  # never read: QUANTIZED is False
-    assert len(devices) == 1, f"tensors on several devices: {devices}"
+    quantized, ks, vs = check_cache_scales(k_cache, k_scale, v_scale, devices)
 
     group = h // kvh
     if block_n is None:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from kvserve.kernels.paged_decode import LOG2E, _dot, _load_kv_tile
-from kvserve.kernels.reference import is_quantized
+from kvserve.kernels.reference import check_cache_scales
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -219,18 +219,7 @@ def launch_prefill_attention(
     assert context_lens.is_contiguous() and cu_query_lens.is_contiguous()
     devices = {query.device, k_cache.device, v_cache.device, block_tables.device}
     devices |= {context_lens.device, cu_query_lens.device}
-    quantized = is_quantized(k_cache.dtype)
-    if quantized:
-        assert k_scale is not None and v_scale is not None, "a quantized cache needs scales"
-        assert k_scale.shape == (nb, bs, kvh) and v_scale.shape == (nb, bs, kvh)
-        assert k_scale.dtype == v_scale.dtype == torch.float32
-        assert k_scale.stride() == v_scale.stride()
-        devices |= {k_scale.device, v_scale.device}
-        ks, vs = k_scale, v_scale
-    else:
-        assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        ks = vs = k_cache  # never read: QUANTIZED is False
-    assert len(devices) == 1, f"tensors on several devices: {devices}"
+    quantized, ks, vs = check_cache_scales(k_cache, k_scale, v_scale, devices)
 
     out = torch.empty_like(query)  # [T, h, d]
     if B == 0 or T == 0:

@@ -25,6 +25,32 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in QUANTIZED_DTYPES
 
 
+def check_cache_scales(
+    k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    devices: set[torch.device],
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """Launcher checks shared by the Triton kernels: a quantized cache needs fp32 scales of
+    shape [nb, bs, kvh] with equal strides; an unquantized one is fp32/bf16/fp16. Returns
+    (quantized, k_scale, v_scale) with the cache standing in for scales that are never read,
+    and asserts every tensor (those in `devices` plus the scales) is on one device."""
+    nb, bs, kvh, _ = k_cache.shape
+    quantized = is_quantized(k_cache.dtype)
+    if quantized:
+        assert k_scale is not None and v_scale is not None, "a quantized cache needs scales"
+        assert k_scale.shape == (nb, bs, kvh) and v_scale.shape == (nb, bs, kvh)
+        assert k_scale.dtype == v_scale.dtype == torch.float32
+        assert k_scale.stride() == v_scale.stride()
+        devices = devices | {k_scale.device, v_scale.device}
+        ks, vs = k_scale, v_scale
+    else:
+        assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ks = vs = k_cache  # never read: QUANTIZED is False
+    assert len(devices) == 1, f"tensors on several devices: {devices}"
+    return quantized, ks, vs
+
+
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-(token, head) quantization over the last (head_dim) axis.
 

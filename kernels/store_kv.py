@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from kvserve.kernels.quant import _quantize_rows, qmax_of
-from kvserve.kernels.reference import QUANTIZED_DTYPES, is_quantized
+from kvserve.kernels.reference import QUANTIZED_DTYPES, check_cache_scales
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -140,18 +140,7 @@ def launch_store_kv(
     assert value.dtype == key.dtype
     assert slot_mapping.shape == (T,) and slot_mapping.dtype in (torch.int64, torch.int32)
     devices = {key.device, value.device, k_cache.device, v_cache.device, slot_mapping.device}
-    quantized = is_quantized(k_cache.dtype)
-    if quantized:
-        assert k_scale is not None and v_scale is not None, "a quantized cache needs scales"
-        assert k_scale.shape == (nb, bs, kvh) and v_scale.shape == (nb, bs, kvh)
-        assert k_scale.dtype == v_scale.dtype == torch.float32
-        assert k_scale.stride() == v_scale.stride()
-        devices |= {k_scale.device, v_scale.device}
-        ks, vs = k_scale, v_scale
-    else:
-        assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        ks = vs = k_cache  # never read: QUANTIZED is False
-    assert len(devices) == 1, f"tensors on several devices: {devices}"
+    quantized, ks, vs = check_cache_scales(k_cache, k_scale, v_scale, devices)
     if T == 0:
         return
     num_rows = T * kvh
