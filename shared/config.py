@@ -125,12 +125,33 @@ class SchedulerConfig:
     max_prefill_chunk: int = 512
 
 
+STORE_FORMATS = ("native", "bf16", "fp16", "int8", "fp8", "compact")
+DEFAULT_STORE = "default"  # memory tier + disk tier under cache_dir()/store
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The prefix store behind the engine's own cache: a host-RAM tier of raw blocks, then a
+    store backend (``open_store`` URL, or ``"default"``). ``url=None``: no store at all."""
+
+    url: str | None = None
+    format: str = "native"  # how blocks are encoded in the store (codec formats)
+    host_tier_bytes: int = 512 << 20
+    write_queue_blocks: int = 1024  # write-behind queue bound; blocks beyond it are dropped
+    fetch_timeout_s: float = 2.0  # a store fetch slower than this is abandoned (recompute)
+
+    def __post_init__(self) -> None:
+        if self.format not in STORE_FORMATS:
+            raise ValueError(f"store format must be one of {STORE_FORMATS}, got {self.format!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str = field(default_factory=lambda: str(default_model_path()))
     dtype: str = "float32"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     device: str = "cpu"
     num_threads: int | None = None
