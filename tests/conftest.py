@@ -114,3 +114,8 @@ def save_tiny_llama(path: Path, tokenizer: KVTokenizer, num_kv_heads: int) -> to
     model.save_pretrained(path, safe_serialization=True)
     tokenizer._tok.save(str(path / "tokenizer.json"))
     return model
+
+
+# Throwaway Redis servers (tests/redis_servers.py): `redis_server` (function scope, started,
+# killable) and `redis_cluster` (session scope, three masters) for every test directory.
+from tests.redis_servers import redis_cluster, redis_server  # noqa: E402, F401

@@ -106,6 +106,8 @@ def open_store(url: str) -> BlockStore:
     - ``file:///abs/dir?max_bytes=100g``
     - ``redis://host:port/db?ttl=86400&timeout=0.25&attempts=2&backoff=0.01&failures=5&cooldown=5``
       (``ttl=0`` means no TTL; other query parameters go to redis-py).
+    - ``redis+cluster://host:port[,host2:port2...]/?ttl=...`` (Redis Cluster: the netloc lists
+      startup nodes; the same query parameters as ``redis://``; ``rediss+cluster://`` for TLS).
     """
     parts = urlsplit(url)
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
@@ -125,4 +127,8 @@ def open_store(url: str) -> BlockStore:
         from kvserve.shared.store.redis import RedisStore
 
         return RedisStore.from_url(url)
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        from kvserve.shared.store.redis_cluster import RedisClusterStore
+
+        return RedisClusterStore.from_url(url)
     raise ValueError(f"unknown store URL scheme {parts.scheme!r} in {url!r}")

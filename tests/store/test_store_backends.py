@@ -1,17 +1,18 @@
 """Contract tests shared by every BlockStore backend, plus the Redis failure policy (timeouts,
-circuit breaker, OOM refusals, restart) against Redis servers the tests start themselves."""
+circuit breaker, OOM refusals, restart) against Redis servers the tests start themselves, and the
+Redis Cluster backend (slot spreading, per-master batching, a master killed and restarted)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
-import shutil
 import socket
-import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -21,6 +22,11 @@ from kvserve.shared.store.disk import DiskStore
 from kvserve.shared.store.hashing import BlockHash
 from kvserve.shared.store.memory import MemoryStore
 from kvserve.shared.store.redis import RedisStore
+from kvserve.shared.store.redis_cluster import RedisClusterStore
+from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+from tests.redis_servers import RedisCluster, RedisServer, free_port
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/15"
 
@@ -44,12 +50,6 @@ class FakeClock:
         self.now += dt
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def redis_answers(url: str) -> bool:
     client = aioredis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
     try:
@@ -61,11 +61,15 @@ async def redis_answers(url: str) -> bool:
 
 
 async def drop_namespace(url: str, namespace: str) -> None:
+    """Delete the namespace's keys on one server (one key per DEL: a cluster node refuses a DEL
+    whose keys are in different slots)."""
     client = aioredis.from_url(url)
     try:
         keys = [k async for k in client.scan_iter(match=f"{namespace}:*")]
-        if keys:
-            await client.delete(*keys)
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.delete(k)
+        await pipe.execute()
     finally:
         await client.aclose()
 
@@ -73,20 +77,39 @@ async def drop_namespace(url: str, namespace: str) -> None:
 # -- backends under one contract ----------------------------------------------------------------
 
 
-@pytest.fixture(params=["memory", "file", pytest.param("redis", marks=pytest.mark.redis)])
+async def drop_cluster_namespace(cluster: RedisCluster, namespace: str) -> None:
+    for port in cluster.ports:
+        await drop_namespace(f"redis://127.0.0.1:{port}/0", namespace)
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        "file",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.redis),
+    ]
+)
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BlockStore]:
+    ns = f"kvtest:{uuid.uuid4().hex}"
+    cleanup: Callable[[], Awaitable[None]] | None = None
     if request.param == "memory":
         s: BlockStore = open_store("memory://?max_bytes=1m")
     elif request.param == "file":
         s = open_store(f"file://{tmp_path}/blocks?max_bytes=1m")
-    else:
+    elif request.param == "redis":
         if not await redis_answers(LOCAL_REDIS):
             pytest.skip("no Redis at 127.0.0.1:6379")
-        ns = f"kvtest:{uuid.uuid4().hex}"
         s = open_store(f"{LOCAL_REDIS}?ttl=100&timeout=1&namespace={ns}")
+        cleanup = functools.partial(drop_namespace, LOCAL_REDIS, ns)
+    else:
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        s = open_store(f"{cluster.url}/?ttl=100&timeout=1&namespace={ns}")
+        assert isinstance(s, RedisClusterStore)
+        cleanup = functools.partial(drop_cluster_namespace, cluster, ns)
     yield s
-    if isinstance(s, RedisStore):
-        await drop_namespace(LOCAL_REDIS, s.namespace)
+    if cleanup is not None:
+        await cleanup()
     await s.close()
 
 
@@ -196,6 +219,12 @@ def test_open_store_urls(tmp_path: Path) -> None:
     )
     assert r.key(h(1)) == f"kvserve:v1:blk:{h(1).hex()}" and r.pinned_set_key == "kvserve:v1:pinned"
     assert parse_size("1g") == 1 << 30
+    c = open_store("redis+cluster://127.0.0.1:7000,localhost:7001/?ttl=60&timeout=0.1&failures=2")
+    assert isinstance(c, RedisClusterStore) and (c.ttl_s, c.timeout_s) == (60, 0.1)
+    assert c.breaker.failure_threshold == 2 and c.stats()["backend"] == "redis+cluster"
+    assert c.key(h(1)) == r.key(h(1)) and c.pinned_set_key == r.pinned_set_key
+    with pytest.raises(ValueError):
+        open_store("redis+cluster://127.0.0.1:7000/3")  # a cluster has only database 0
     with pytest.raises(ValueError):
         open_store("ftp://x")
     with pytest.raises(ValueError):
@@ -205,13 +234,29 @@ def test_open_store_urls(tmp_path: Path) -> None:
 # -- Redis TTL and pins -------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["redis", "cluster"])
+async def redis_target(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, Any]]:
+    """(store URL without query, a raw redis-py client) for the local server or the test cluster;
+    the namespaces the test used are its own to drop."""
+    if request.param == "redis":
+        if not await redis_answers(LOCAL_REDIS):
+            pytest.skip("no Redis at 127.0.0.1:6379")
+        url, raw = LOCAL_REDIS, aioredis.from_url(LOCAL_REDIS)
+    else:
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        url = f"{cluster.url}/"
+        raw = AsyncRedisCluster.from_url(f"redis://127.0.0.1:{cluster.ports[0]}")
+    yield url, raw
+    await raw.aclose()
+
+
 @pytest.mark.redis
-async def test_redis_ttl_on_unpinned_removed_on_pin() -> None:
-    if not await redis_answers(LOCAL_REDIS):
-        pytest.skip("no Redis at 127.0.0.1:6379")
+async def test_redis_ttl_on_unpinned_removed_on_pin(redis_target: tuple[str, Any]) -> None:
+    url, raw = redis_target
     ns = f"kvtest:{uuid.uuid4().hex}"
-    s = RedisStore.from_url(f"{LOCAL_REDIS}?ttl=100", namespace=ns)
-    raw = aioredis.from_url(LOCAL_REDIS)
+    s = open_store(f"{url}?ttl=100&namespace={ns}")
+    assert isinstance(s, RedisStore)
+    keys = [s.key(h(i)) for i in range(3)]
     try:
         await s.put_many([(h(0), b"a"), (h(1), b"b")])
         assert 0 < await raw.ttl(s.key(h(0))) <= 100
@@ -220,14 +265,16 @@ async def test_redis_ttl_on_unpinned_removed_on_pin() -> None:
         assert await raw.smembers(s.pinned_set_key) == {h(0).hex().encode(), h(2).hex().encode()}
         await s.put_many([(h(0), b"a2"), (h(2), b"c")])  # pinned keys are written without TTL
         assert await raw.ttl(s.key(h(0))) == -1 and await raw.ttl(s.key(h(2))) == -1
+        assert 0 < await raw.ttl(s.key(h(1))) <= 100
         await s.unpin([h(0)])
         assert 0 < await raw.ttl(s.key(h(0))) <= 100
         await s.delete([h(2)])
         assert await raw.smembers(s.pinned_set_key) == set()
         assert await raw.exists(s.key(h(2))) == 0
+        assert s.stats()["put_errors"] == 0 and s.stats()["other_errors"] == 0
     finally:
-        await drop_namespace(LOCAL_REDIS, ns)
-        await raw.aclose()
+        for k in [*keys, s.pinned_set_key]:
+            await raw.delete(k)
         await s.close()
 
 
@@ -301,52 +348,8 @@ async def test_unresponsive_redis_times_out() -> None:
         await s.close()
 
 
-class RedisServer:
-    """A redis-server subprocess on a fixed port, without persistence."""
-
-    def __init__(self, port: int, workdir: Path) -> None:
-        self.port = port
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    async def start(self) -> None:
-        exe = shutil.which("redis-server")
-        assert exe is not None
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        args += ["--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)]
-        self.proc = subprocess.Popen(
-            [exe, *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while not await redis_answers(self.url):  # readiness poll, not a timing assumption
-            assert self.proc.poll() is None, "redis-server exited"
-            assert time.monotonic() < deadline, "redis-server did not come up"
-            await asyncio.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed")
-    server = RedisServer(free_port(), tmp_path)
-    yield server
-    server.kill()
-
-
 @pytest.mark.redis
 async def test_oom_then_crash_then_restart(redis_server: RedisServer) -> None:
-    await redis_server.start()
     raw = aioredis.from_url(redis_server.url)
     used = int((await raw.info("memory"))["used_memory"])
     await raw.config_set("maxmemory", used + (1 << 20))  # 1 MiB above what it holds now
@@ -380,11 +383,188 @@ async def test_oom_then_crash_then_restart(redis_server: RedisServer) -> None:
 
     # Back (empty, no persistence): before the cooldown still short-circuited; after it the probe
     # round-trips, the breaker closes and writes work again.
-    await redis_server.start()
+    redis_server.start()
     assert await s.put_many([(h(200), b"y")]) == 0
     assert breaker.state == "open"
     clock.advance(0.2)
     assert await s.put_many([(h(200), b"y")]) == 1
     assert breaker.closed and breaker.probes == 1 and breaker.probe_failures == 0
     assert await s.get_many([h(200), h(0)]) == [b"y", None]
+    await s.close()
+
+
+# -- Redis Cluster -------------------------------------------------------------------------------
+
+
+async def test_dead_cluster_misses_fast_and_opens_breaker() -> None:
+    """No startup node answers: the slot map cannot be had; misses, skipped writes, no raise."""
+    clock = FakeClock()
+    s = RedisClusterStore.from_url(
+        f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}",
+        timeout_s=0.3,
+        breaker_factory=lambda: CircuitBreaker(failure_threshold=2, cooldown_s=0.2, clock=clock),
+    )
+    t0 = time.monotonic()
+    assert await s.get_many([h(0), h(1)]) == [None, None]
+    assert await s.put_many([(h(0), b"x")]) == 0
+    assert await s.contains([h(0)]) == [False]
+    await s.pin([h(0)])
+    assert time.monotonic() - t0 < 4 * 0.3
+    st = s.stats()
+    assert (st["get_errors"], st["put_errors"], st["misses"]) == (1, 1, 2)
+    assert st["breaker_state"] == "open" and st["short_circuits"] == 2
+    clock.advance(0.2)  # the probe rediscovers nothing: still open
+    assert await s.get_many([h(0)]) == [None]
+    assert s.breaker.state == "open" and s.breaker.probe_failures == 1
+    await s.close()
+
+
+@pytest.fixture
+async def cluster_ns(redis_cluster: RedisCluster) -> AsyncIterator[str]:
+    ns = f"kvtest:{uuid.uuid4().hex}"
+    yield ns
+    await drop_cluster_namespace(redis_cluster, ns)
+
+
+async def keys_per_node(cluster: RedisCluster, pattern: str) -> list[int]:
+    counts = []
+    for port in cluster.ports:
+        client = aioredis.from_url(f"redis://127.0.0.1:{port}/0")
+        counts.append(len([k async for k in client.scan_iter(match=pattern)]))
+        await client.aclose()
+    return counts
+
+
+@pytest.mark.redis
+async def test_cluster_spreads_blocks_and_batches_per_master(
+    redis_cluster: RedisCluster, cluster_ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = RedisClusterStore.from_url(f"{redis_cluster.url}/?namespace={cluster_ns}&timeout=1")
+    items = [(h(i), val(i)) for i in range(64)]
+    await s.put_many(items[:1])  # the first call discovers the slot map
+
+    pipelines: list[tuple[str, int]] = []  # (node, commands) per round trip
+    single: list[tuple[str, Any]] = []
+    send_pipeline, send_command = ClusterNode.execute_pipeline, ClusterNode.execute_command
+
+    async def count_pipeline(node: ClusterNode, commands: list[Any]) -> bool:
+        pipelines.append((node.name, len(commands)))
+        return await send_pipeline(node, commands)
+
+    async def count_command(node: ClusterNode, *args: Any, **kwargs: Any) -> Any:
+        single.append((node.name, args[0]))
+        return await send_command(node, *args, **kwargs)
+
+    monkeypatch.setattr(ClusterNode, "execute_pipeline", count_pipeline)
+    monkeypatch.setattr(ClusterNode, "execute_command", count_command)
+    masters = sorted(f"127.0.0.1:{p}" for p in redis_cluster.ports)
+
+    assert await s.put_many(items) == 64
+    counts = await keys_per_node(redis_cluster, f"{cluster_ns}:blk:*")
+    assert sum(counts) == 64 and min(counts) > 0, counts  # no hash tags: every master holds some
+    # One SMISMEMBER round trip to the pinned set's master, then one SET pipeline per master.
+    assert len(pipelines) == 1 + 3 and sorted(n for n, _ in pipelines[1:]) == masters
+    assert sum(c for _, c in pipelines[1:]) == 64
+
+    pipelines.clear()
+    assert await s.get_many([x for x, _ in items]) == [v for _, v in items]
+    assert sorted(n for n, _ in pipelines) == masters and sum(c for _, c in pipelines) == 64
+    assert single == []
+    pipelines.clear()
+    assert await s.contains([h(0), h(1000)]) == [True, False]
+    await s.delete([x for x, _ in items])
+    assert await keys_per_node(redis_cluster, f"{cluster_ns}:blk:*") == [0, 0, 0]
+    assert single == [] and s.stats()["hits"] == 64
+    await s.close()
+
+
+async def wait_flagged_failed(cluster: RedisCluster, victim: int, observer: int) -> None:
+    """Poll (deadline 10 s) until ``observer`` flags node ``victim`` as failed (FAIL, not PFAIL):
+    the cluster itself has noticed, after ``cluster-node-timeout``."""
+    client = aioredis.from_url(f"redis://127.0.0.1:{cluster.ports[observer]}/0")
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            nodes = await client.execute_command("CLUSTER NODES")
+            flags = nodes[f"127.0.0.1:{cluster.ports[victim]}"]["flags"].split(",")
+            if "fail" in flags:
+                return
+            assert time.monotonic() < deadline, "the cluster never flagged the node failed"
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.redis
+async def test_cluster_master_killed_then_restarted(
+    redis_cluster: RedisCluster, cluster_ns: str
+) -> None:
+    """The master holding the pinned set dies (no replica): its keys are misses and its writes are
+    skipped, never raised; only its breaker opens; the other masters keep serving, also once the
+    cluster has flagged it failed. Restarted (empty), the probe closes its breaker."""
+    clock = FakeClock()
+    s = RedisClusterStore.from_url(
+        f"{redis_cluster.url}/?namespace={cluster_ns}&ttl=100",
+        timeout_s=0.5,
+        breaker_factory=lambda: CircuitBreaker(failure_threshold=2, cooldown_s=0.2, clock=clock),
+    )
+    hashes = [h(i) for i in range(64)]
+    owner = redis_cluster.nodes_of_keys([s.key(x) for x in hashes])
+    victim = redis_cluster.node_of_key(s.pinned_set_key)
+    victim_name = f"127.0.0.1:{redis_cluster.ports[victim]}"
+    lost = [i for i in range(64) if owner[i] == victim]
+    kept = [i for i in range(64) if owner[i] != victim]
+    assert lost and kept
+    assert await s.put_many([(x, val(i)) for i, x in enumerate(hashes)]) == 64
+    await s.pin([hashes[kept[0]]])
+
+    def expected(overrides: dict[int, bytes | None]) -> list[bytes | None]:
+        return [overrides.get(i, None if owner[i] == victim else val(i)) for i in range(64)]
+
+    redis_cluster.kill(victim)
+    try:
+        assert await s.get_many(hashes) == expected({})
+        st = s.stats()
+        assert st["get_errors"] == 1 and st["misses"] == len(lost)
+        assert st["node_breakers"][victim_name] == "closed"
+        # The pinned set is unreadable: the block on a live master is written with the TTL (its
+        # pin is unknown), the one on the dead master is skipped; the second failure opens.
+        assert await s.put_many([(hashes[kept[0]], b"new"), (hashes[lost[0]], b"new")]) == 1
+        owner_client = aioredis.from_url(f"redis://127.0.0.1:{redis_cluster.ports[owner[kept[0]]]}")
+        assert 0 < await owner_client.ttl(s.key(hashes[kept[0]])) <= 100
+        await owner_client.aclose()
+        st = s.stats()
+        assert st["put_errors"] == 1 and st["node_breakers"][victim_name] == "open"
+        assert [b for n, b in st["node_breakers"].items() if n != victim_name] == ["closed"] * 2
+
+        # Open: the dead master is not called, the others answer within one round trip.
+        t0 = time.monotonic()
+        assert await s.get_many(hashes) == expected({kept[0]: b"new"})
+        assert time.monotonic() - t0 < 0.5  # no deadline waited for the dead master
+        assert await s.put_many([(hashes[lost[1]], b"x"), (hashes[kept[1]], b"x")]) == 1
+        assert s.stats()["skipped_writes"] == 1 and s.stats()["short_circuits"] == 2
+
+        # Once the cluster flags the master failed, the survivors still serve (the servers run
+        # with cluster-require-full-coverage no).
+        await wait_flagged_failed(redis_cluster, victim, observer=(victim + 1) % 3)
+        assert await s.get_many(hashes) == expected({kept[0]: b"new", kept[1]: b"x"})
+        assert s.stats()["other_errors"] == 0
+    finally:
+        redis_cluster.restart(victim)  # the session's cluster must be whole for later tests
+
+    # Back, empty. Before the cooldown still short-circuited; after it the probe round-trips on
+    # that master and its breaker closes; its blocks and the pins it held are gone.
+    assert await s.get_many([hashes[lost[0]]]) == [None]
+    assert s.stats()["short_circuits"] == 4
+    clock.advance(0.2)
+    got = await s.get_many(hashes)
+    assert got == expected({kept[0]: b"new", kept[1]: b"x"})
+    st = s.stats()
+    assert st["breaker_state"] == "closed" and st["breaker_probes"] == 1
+    assert st["breaker_probe_failures"] == 0
+    assert await s.put_many([(hashes[i], val(i)) for i in lost]) == len(lost)
+    assert await s.get_many([hashes[i] for i in lost]) == [val(i) for i in lost]
+    raw = AsyncRedisCluster.from_url(f"redis://127.0.0.1:{redis_cluster.ports[victim]}")
+    assert await raw.smembers(s.pinned_set_key) == set()
+    await raw.aclose()
     await s.close()
