@@ -15,6 +15,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.shared.engine.engine import Engine, RequestOutput
 from kvserve.shared.engine.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ class _Add:
     params: SamplingParams
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,15 +60,22 @@ class AsyncEngine:
         return len(self._sinks)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs (deltas) until the finished one. Raises
         InvalidRequestError before yielding anything for a request that can never run."""
+        if self._error is not None:
+            raise RuntimeError("the engine thread has failed") from self._error
         self.engine.validate(prompt_token_ids, params)
         self.start()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         self._inbox.put(
-            _Add(request_id, list(prompt_token_ids), params, sink, asyncio.get_running_loop())
+            _Add(request_id, list(prompt_token_ids), params, sink, loop, cache_salt=cache_salt)
         )
         finished = False
         try:
@@ -84,6 +93,36 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine thread has died (every later request fails)."""
+        return self._error is None
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the engine's counters, read from any thread (plain int reads: the
+        numbers may be one step apart from each other, never torn)."""
+        eng = self.engine
+        sched = eng.scheduler
+        running = {s.request_id for s in list(sched.running)}
+        waiting = {s.request_id for s in list(sched.waiting)} - running
+        prefix = eng.prefix_cache_stats
+        return {
+            "num_requests_running": len(running),
+            "num_requests_waiting": len(waiting),
+            "num_blocks": eng.pool.num_blocks,
+            "num_used_blocks": eng.pool.num_used,
+            "kv_cache_usage_perc": eng.pool.usage,
+            "block_size": eng.block_size,
+            "max_model_len": eng.max_model_len,
+            "prefix_cache_queries": prefix["queries_tokens"],
+            "prefix_cache_hits": prefix["hits_tokens"],
+            "cached_blocks": prefix["cached_blocks"],
+            "evicted_blocks": prefix["evicted_blocks"],
+            "num_preemptions": sched.num_preemptions,
+            "num_steps": eng.num_steps,
+            "healthy": self.healthy,
+        }
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -116,7 +155,7 @@ class AsyncEngine:
                 self._sinks.pop(cmd.request_id, None)
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.cache_salt)
             except Exception as e:
                 cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, e)
                 continue

@@ -15,15 +15,24 @@ Invariants (checked by `check()` and a hypothesis state machine in the tests):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvserve.shared.engine.prefix_index import PrefixIndex
 from kvserve.shared.engine.sequence import BlockId
 from kvserve.shared.store.hashing import BlockHash
 
+# Called with (block id, hash) of cached blocks just evicted, before anyone writes into them
+# (the engine copies them to its host tier).
+EvictionHook = Callable[[list[tuple[BlockId, BlockHash]]], None]
+
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = False,
+        on_evict: EvictionHook | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
@@ -33,6 +42,7 @@ class BlockPool:
         )
         self.index: PrefixIndex | None = PrefixIndex() if enable_caching else None
         self.num_evicted = 0
+        self.on_evict = on_evict
 
     @property
     def num_free(self) -> int:
@@ -61,7 +71,9 @@ class BlockPool:
             assert self.index is not None
             evicted = self.index.evict(n - len(blocks))
             self.num_evicted += len(evicted)
-            blocks += evicted
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+            blocks += [b for b, _ in evicted]
         for b in blocks:
             self.ref_counts[b] = 1
         return blocks

@@ -6,32 +6,51 @@ stops -> emit deltas. Not thread-safe: one thread drives it (see AsyncEngine for
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+import logging
 import os
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 from kvserve.kernels.backend import get_backend
-from kvserve.shared.config import EngineConfig, ModelConfig
+from kvserve.shared.config import DEFAULT_STORE, EngineConfig, ModelConfig, cache_dir
 from kvserve.shared.engine.beam_search import BeamSearch
 from kvserve.shared.engine.block_pool import BlockPool
-from kvserve.shared.engine.kv_cache import KVCache, kv_bytes_per_token, resolve_kv_dtype
+from kvserve.shared.engine.kv_cache import (
+    BlockData,
+    KVCache,
+    kv_bytes_per_token,
+    resolve_kv_dtype,
+)
 from kvserve.shared.engine.model_runner import ModelRunner
 from kvserve.shared.engine.sampler import Sampler, SampleRow
 from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
-from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
+from kvserve.shared.engine.sequence import (
+    BlockId,
+    FinishReason,
+    SeqId,
+    Sequence,
+    SequenceStatus,
+)
 from kvserve.shared.model.llama import LlamaModel
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.tokenizer import IncrementalDetokenizer, KVTokenizer
+from kvserve.shared.store.base import open_store
+from kvserve.shared.store.codec import BlockMeta
 from kvserve.shared.store.hashing import (
     BlockHash,
     InvalidSaltError,
     root_hash,
     validate_cache_salt,
 )
+from kvserve.shared.store.tiers import FetchResult, HostTier, StoreConnector
+
+log = logging.getLogger("kvserve.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,6 +104,20 @@ class _Request:
         )
 
 
+@dataclass
+class _Fetch:
+    """A request parked while its prefix blocks come from the store."""
+
+    future: concurrent.futures.Future[FetchResult]
+    seq: Sequence
+    deadline: float
+
+
+def store_url(url: str) -> str:
+    """``"default"``: the disk tier under the cache directory; anything else as given."""
+    return f"file://{cache_dir() / 'store'}" if url == DEFAULT_STORE else url
+
+
 class Engine:
     def __init__(
         self,
@@ -126,6 +159,13 @@ class Engine:
         )
         self.tokenizer_fingerprint = self.tokenizer.fingerprint
         self.kv_format = str(self.kv_dtype).removeprefix("torch.")
+        self.host_tier: HostTier | None = None
+        self.connector: StoreConnector | None = None
+        self._fetching: dict[str, _Fetch] = {}
+        # Running estimate of prefill seconds per token, for the store's cost rule.
+        self.prefill_s_per_token = 1 / 300
+        if config.store.url and cc.enable_prefix_caching:
+            self._open_tiers()
         self.sampler = Sampler()
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids
@@ -136,6 +176,41 @@ class Engine:
         self.num_steps = 0
         # n > 1 siblings created while their parent's row is sampled, forked right after.
         self._pending_children: dict[tuple[SeqId, int], Sequence] = {}
+
+    def _open_tiers(self) -> None:
+        sc = self.config.store
+        assert sc.url is not None
+        self.host_tier = HostTier(sc.host_tier_bytes)
+        self.pool.on_evict = self._offload
+        mc = self.model_config
+        meta = BlockMeta(
+            self.model_fingerprint,
+            self.kv_format,
+            self.block_size,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+        )
+        self.connector = StoreConnector(
+            open_store(store_url(sc.url)),
+            meta,
+            sc.format,
+            self.kv_dtype,
+            sc.write_queue_blocks,
+            sc.fetch_timeout_s,
+        )
+
+    def close(self) -> None:
+        """Write out queued blocks and close the store. The engine is unusable afterwards."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -188,7 +263,11 @@ class Engine:
             )
             req.beam_seqs = [seq]
         self._requests[request_id] = req
-        self.scheduler.add(seq)
+        fetch = self._start_fetch(seq)
+        if fetch is None:
+            self.scheduler.add(seq)
+        else:
+            self._fetching[request_id] = fetch
 
     def _new_seq(self, req: _Request, index: int, token_ids: list[int]) -> Sequence:
         params = req.params
@@ -224,39 +303,141 @@ class Engine:
     # ---- prefix caching -------------------------------------------------------------------
 
     def _match_prefix(self, seq: Sequence) -> None:
-        """Attach the longest cached run of full blocks. The last token is always computed
-        (its logits are needed), so at most (num_tokens - 1) // block_size blocks match."""
+        """Attach the longest cached run of full blocks: first the device cache's, then its
+        continuation from the host tier (copied into fresh device blocks and cached there).
+        The last token is always computed (its logits are needed), so at most
+        (num_tokens - 1) // block_size blocks match."""
         limit = (seq.num_tokens - 1) // self.block_size
-        blocks = self.pool.match_prefix(seq.full_block_hashes(limit, self.block_size))
+        hashes = seq.full_block_hashes(limit, self.block_size)
+        blocks = self.pool.match_prefix(hashes)
+        sources = {"device": len(blocks) * self.block_size}
+        if self.host_tier is not None and len(blocks) < limit:
+            run: list[tuple[BlockHash, BlockData, str]] = []
+            for h in hashes[len(blocks) : len(blocks) + self.pool.num_free]:
+                got = self.host_tier.get(h)
+                if got is None:
+                    break
+                run.append((h, *got))
+            new = self.pool.allocate(len(run)) if run else None
+            if new:
+                self.runner.cache.write_blocks(new, [d for _, d, _ in run])
+                for (h, _, src), b in zip(run, new, strict=True):
+                    self.pool.cache(blocks[-1] if blocks else None, h, b)
+                    blocks.append(b)
+                    sources[src] = sources.get(src, 0) + self.block_size
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_published = len(blocks)
+        seq.cached_tokens_by_source = sources
 
     def _publish_full_blocks(self, seq: Sequence) -> None:
-        """Put the sequence's newly computed full blocks in the prefix index."""
+        """Put the sequence's newly computed full blocks in the prefix index, and queue those
+        newly cached for the store (write-behind)."""
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_published or seq.root_hash is None:
             return
         hashes = seq.full_block_hashes(full, self.block_size)
+        fresh: list[int] = []
         for i in range(seq.num_published, full):
             parent = seq.block_table[i - 1] if i else None
-            self.pool.cache(parent, hashes[i], seq.block_table[i])
+            if self.pool.cache(parent, hashes[i], seq.block_table[i]):
+                fresh.append(i)
         seq.num_published = full
+        if self.connector is not None and fresh:
+            data = self.runner.cache.read_blocks([seq.block_table[i] for i in fresh])
+            bs = self.block_size
+            for i, d in zip(fresh, data, strict=True):
+                parent_hash = hashes[i - 1] if i else seq.root_hash
+                toks = seq.token_ids[i * bs : (i + 1) * bs]
+                self.connector.publish(hashes[i], parent_hash, toks, d)
+
+    def _offload(self, evicted: list[tuple[BlockId, BlockHash]]) -> None:
+        """BlockPool eviction hook: keep evicted blocks in the host tier."""
+        assert self.host_tier is not None
+        todo = [(b, h) for b, h in evicted if h not in self.host_tier]
+        if todo:
+            data = self.runner.cache.read_blocks([b for b, _ in todo])
+            for (_, h), d in zip(todo, data, strict=True):
+                self.host_tier.put(h, d, "host")
+
+    def _start_fetch(self, seq: Sequence) -> _Fetch | None:
+        """Ask the store for the full prompt blocks that neither the device cache nor the host
+        tier holds (they must continue the locally held run). None when there is nothing to
+        ask for; the request then goes straight to the scheduler."""
+        if self.connector is None or self.pool.index is None or seq.root_hash is None:
+            return None
+        limit = (seq.num_tokens - 1) // self.block_size
+        hashes = seq.full_block_hashes(limit, self.block_size)
+        start = len(self.pool.index.match(hashes))
+        assert self.host_tier is not None
+        while start < limit and hashes[start] in self.host_tier:
+            start += 1
+        if start >= limit:
+            return None
+        recompute_s = self.prefill_s_per_token * self.block_size
+        fut = self.connector.fetch(hashes[start:], seq.root_hash, recompute_s)
+        deadline = time.monotonic() + self.config.store.fetch_timeout_s + 1.0
+        return _Fetch(fut, seq, deadline)
+
+    def _admit_fetched(self, wait: bool) -> None:
+        """Hand requests whose fetch has finished (or overrun) to the scheduler, their blocks
+        staged in the host tier. With `wait` (nothing else to do) wait briefly for one."""
+        if not self._fetching:
+            return
+        if wait:
+            concurrent.futures.wait(
+                [f.future for f in self._fetching.values()],
+                timeout=0.05,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+        now = time.monotonic()
+        for rid, f in list(self._fetching.items()):
+            if not f.future.done() and now < f.deadline:
+                continue
+            del self._fetching[rid]
+            res = FetchResult(decision="timeout")
+            if f.future.done() and not f.future.cancelled() and f.future.exception() is None:
+                res = f.future.result()
+            else:
+                f.future.cancel()
+            assert self.host_tier is not None
+            for h, data in res.blocks:
+                self.host_tier.put(h, data, "store")
+            if res.decision != "none":
+                log.info(
+                    "request %s: store %s, %d of %d blocks loaded",
+                    rid,
+                    res.decision,
+                    len(res.blocks),
+                    res.present,
+                )
+            self.scheduler.add(f.seq)
 
     @property
     def prefix_cache_stats(self) -> dict[str, int]:
+        by_source = self.scheduler.cached_tokens_by_source
         return {
             "queries_tokens": self.scheduler.prefix_query_tokens,
             "hits_tokens": self.scheduler.prefix_hit_tokens,
             "cached_blocks": len(self.pool.index) if self.pool.index else 0,
             "evicted_blocks": self.pool.num_evicted,
+            **{f"hits_tokens_{src}": n for src, n in by_source.items()},
+            "host_tier_blocks": len(self.host_tier) if self.host_tier is not None else 0,
         }
+
+    def store_stats(self) -> dict[str, object]:
+        """The connector's counters (decisions, published, dropped, miss reasons) and the
+        store backend's; empty without a store."""
+        return self.connector.stats() if self.connector is not None else {}
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks at once. False if it is unknown or finished."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        fetch = self._fetching.pop(request_id, None)
+        if fetch is not None:
+            fetch.future.cancel()
         for seq in [c.seq for c in req.completions.values()] + req.beam_seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ABORT)
@@ -272,10 +453,13 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._admit_fetched(wait=not self.scheduler.has_work())
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        t0 = time.perf_counter()
         out = self.runner.run(batch)
+        self._observe_prefill(batch, time.perf_counter() - t0)
         for s in batch.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             if self.pool.index is not None:
@@ -292,6 +476,14 @@ class Engine:
         else:
             touched = self._sample(out.sampling_seqs, out.logits)
         return [self._output(self._requests[r]) for r in touched if r in self._requests]
+
+    def _observe_prefill(self, batch: Batch, seconds: float) -> None:
+        """Update the prefill-speed estimate from steps that are mostly prompt tokens."""
+        prompt = sum(s.num_new_tokens for s in batch.scheduled if s.num_new_tokens > 1)
+        if prompt >= 64 and prompt >= batch.num_tokens // 2:
+            self.prefill_s_per_token = 0.7 * self.prefill_s_per_token + 0.3 * (
+                seconds / batch.num_tokens
+            )
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[str]:
         """Sample one token per sequence; a sequence with pending forks samples once per

@@ -6,7 +6,11 @@ dtype; for int8 / fp8 also per-(token, head) float32 scales [num_blocks, block_s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
+from kvserve.kernels.reference import dequantize_kv, quantize_kv
 from kvserve.shared.config import ModelConfig
 
 KV_DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -26,6 +30,41 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     if dtype in KV_DTYPE_NAMES.values():
         per_layer += 2 * config.num_kv_heads * 4
     return per_layer * config.num_layers
+
+
+@dataclass(frozen=True)
+class BlockData:
+    """One block's K/V across all layers, as the cache holds it: k, v [num_layers, block_size,
+    num_kv_heads, head_dim] in the cache dtype; for int8 / fp8 caches also the per-(token, head)
+    scales [num_layers, block_size, num_kv_heads]. Always a copy, never a view of the cache."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = 2 * self.k.numel() * self.k.element_size()
+        return n + (2 * self.k_scale.numel() * 4 if self.k_scale is not None else 0)
+
+    def to_float(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V in a float dtype the store codec takes (dequantized for int8 / fp8)."""
+        if self.k_scale is None or self.v_scale is None:
+            return self.k, self.v
+        return (
+            dequantize_kv(self.k, self.k_scale, torch.float32),
+            dequantize_kv(self.v, self.v_scale, torch.float32),
+        )
+
+    @classmethod
+    def from_float(cls, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> BlockData:
+        """The block as a cache of `dtype` holds it (quantized with fresh scales if int8/fp8)."""
+        if dtype in KV_DTYPE_NAMES.values():
+            kq, ks = quantize_kv(k, dtype)
+            vq, vs = quantize_kv(v, dtype)
+            return cls(kq, vq, ks, vs)
+        return cls(k.to(dtype), v.to(dtype))
 
 
 class KVCache:
@@ -63,3 +102,41 @@ class KVCache:
             if ks is not None and vs is not None:
                 ks[dst].copy_(ks[src])
                 vs[dst].copy_(vs[src])
+
+    def read_blocks(self, blocks: Sequence[int]) -> list[BlockData]:
+        """Copies of the given blocks, one BlockData each."""
+        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.k[0].device)
+
+        def gather(ts: Sequence[torch.Tensor | None]) -> torch.Tensor:
+            out = torch.stack([_raw(t).index_select(0, idx) for t in ts if t is not None], 1)
+            return out.cpu().view(ts[0].dtype) if ts[0] is not None else out
+
+        k, v = gather(self.k), gather(self.v)
+        if not self.quantized:
+            return [BlockData(k[i], v[i]) for i in range(len(blocks))]
+        ks, vs = gather(self.k_scale), gather(self.v_scale)
+        return [BlockData(k[i], v[i], ks[i], vs[i]) for i in range(len(blocks))]
+
+    def write_blocks(self, blocks: Sequence[int], data: Sequence[BlockData]) -> None:
+        """Overwrite the given blocks with `data` (same dtype and shape as the cache's)."""
+        if not blocks:
+            return
+        dev = self.k[0].device
+        idx = torch.tensor(list(blocks), dtype=torch.long, device=dev)
+
+        def scatter(ts: Sequence[torch.Tensor | None], parts: list[torch.Tensor]) -> None:
+            src = torch.stack([_raw(p) for p in parts], dim=1).to(dev)  # [L, n, ...]
+            for layer, t in enumerate(ts):
+                assert t is not None
+                _raw(t).index_copy_(0, idx, src[layer])
+
+        scatter(self.k, [d.k for d in data])
+        scatter(self.v, [d.v for d in data])
+        if self.quantized:
+            scatter(self.k_scale, [d.k_scale for d in data if d.k_scale is not None])
+            scatter(self.v_scale, [d.v_scale for d in data if d.v_scale is not None])
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 as uint8 (CPU torch cannot stack or index_copy_ fp8); anything else as is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

@@ -131,19 +131,20 @@ class PrefixIndex:
         and introspection, not the hot path)."""
         return self._evict(self.num_evictable, dry_run=True)
 
-    def evict(self, n: int) -> list[BlockId]:
-        """Remove `n` evictable blocks, least recently used leaf first; returns their ids.
-        Amortised O(log N) per block: evictable leaves live in a heap with lazy deletion."""
+    def evict(self, n: int) -> list[tuple[BlockId, BlockHash]]:
+        """Remove `n` evictable blocks, least recently used leaf first; returns (block id,
+        hash) of each. Amortised O(log N) per block: evictable leaves live in a heap with lazy
+        deletion."""
         if n > self.num_evictable:
             raise ValueError(f"cannot evict {n} blocks, {self.num_evictable} evictable")
-        out: list[BlockId] = []
+        out: list[tuple[BlockId, BlockHash]] = []
         while len(out) < n:
             entry = heapq.heappop(self._leaves)
             if not self._is_live(entry):
                 continue
             node = entry[2]
-            assert node.block is not None and node.parent is not None
-            out.append(node.block)
+            assert node.block is not None and node.parent is not None and node.hash is not None
+            out.append((node.block, node.hash))
             parent = node.parent
             self._remove(node)
             self._push_if_leaf(parent)

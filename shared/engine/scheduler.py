@@ -78,6 +78,7 @@ class Scheduler:
         # Prefix-cache accounting in tokens, counted at a request's first admission.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.cached_tokens_by_source: dict[str, int] = {"device": 0, "host": 0, "store": 0}
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -142,6 +143,8 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 self.prefix_query_tokens += seq.num_tokens
                 self.prefix_hit_tokens += seq.num_computed_tokens
+                for src, hit in seq.cached_tokens_by_source.items():
+                    self.cached_tokens_by_source[src] += hit
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             inflight.update(seq.block_hashes[seq.num_published :])

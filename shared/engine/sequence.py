@@ -56,6 +56,9 @@ class Sequence:
     root_hash: BlockHash | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_published: int = 0
+    # Where the prefix blocks attached at the last admission came from, in tokens:
+    # "device" (the engine's cache), "host" (host-RAM tier), "store" (fetched from the store).
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -52,7 +52,7 @@ def test_shared_system_prompt_outlives_unique_suffixes() -> None:
         index.release(BlockId(b))
     # Leaves first, least recently released first; the system prompt goes last.
     assert index.eviction_order() == [3, 2, 5, 4, 7, 6, 1, 0]
-    assert index.evict(3) == [3, 2, 5]
+    assert index.evict(3) == [(3, chains[0][3]), (2, chains[0][2]), (5, chains[1][3])]
     assert index.match(chains[0]) == [0, 1]  # prefix still there
     assert index.match(chains[1]) == [0, 1, 4]  # its tail block 5 is gone, block 4 is left
     assert len(index) == 5
@@ -139,9 +139,10 @@ class IndexModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def evict(self, data: st.DataObject) -> None:
         n = data.draw(st.integers(1, self.index.num_evictable))
-        for b in self.index.evict(n):
+        for b, h in self.index.evict(n):
             assert b in self.evictable
             key = next(k for k, v in self.model.items() if v == b)
+            assert key[-1] == h
             children = [k for k in self.model if len(k) == len(key) + 1 and k[:-1] == key]
             assert not children, "evicted a block that still had cached children"
             del self.model[key]

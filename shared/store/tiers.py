@@ -1,0 +1,301 @@
+"""The tiers behind the engine's own cache: a host-RAM tier of raw blocks, and a connector that
+moves blocks to and from a store backend without ever blocking an engine step.
+
+HostTier invariants (one thread, the engine's, uses it):
+- it maps a block hash to that block's BlockData (the cache's own representation, so moving a
+  block back into the cache is a copy, exact), bounded by bytes, least recently used out first;
+- each entry remembers where it came from (`"host"`: evicted from the device cache, `"store"`:
+  fetched from the store), so cached tokens can be counted by source.
+
+StoreConnector invariants:
+- it owns one thread running an asyncio loop; every store call runs there. The engine thread
+  only enqueues writes (`publish`) and starts fetches (`fetch`, a concurrent Future); neither
+  waits on the store.
+- Write-behind: `publish` puts a block on a bounded queue and returns at once; when the queue is
+  full the block is dropped and counted (`dropped_writes`). A writer task drains the queue in
+  batches, encodes each block (codec, in a worker thread) and calls `put_many`.
+- A fetch first asks which of the wanted blocks the store holds (`contains`, one round trip),
+  then applies the cost rule to the leading run of present blocks: it loads them only when the
+  estimated fetch time (round trip + per-block transfer and decode, both running averages of
+  what fetches really took) is below the estimated time to recompute them (the caller's prefill
+  seconds per block). Every decision is counted and logged. A frame that fails to decode (any
+  codec Miss: corrupt, wrong model or format, hash mismatch) ends the run there, is counted by
+  reason and deleted from the store. The result never holds a block that did not verify.
+- Every fetch finishes within `fetch_timeout_s` (then it yields nothing: recompute).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from kvserve.shared.engine.kv_cache import BlockData
+from kvserve.shared.store.base import BlockStore
+from kvserve.shared.store.codec import BlockMeta, Miss, decode_block, encode_block
+from kvserve.shared.store.hashing import BlockHash
+
+log = logging.getLogger("kvserve.store")
+
+WRITE_BATCH = 32
+
+
+@dataclass
+class _HostEntry:
+    data: BlockData
+    source: str
+
+
+class HostTier:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[BlockHash, _HostEntry] = OrderedDict()
+        self.hits = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self._entries
+
+    def put(self, h: BlockHash, data: BlockData, source: str) -> None:
+        if data.nbytes > self.max_bytes:
+            return
+        old = self._entries.pop(h, None)
+        if old is not None:
+            self.bytes -= old.data.nbytes
+        self._entries[h] = _HostEntry(data, source)
+        self.bytes += data.nbytes
+        while self.bytes > self.max_bytes:
+            _, gone = self._entries.popitem(last=False)
+            self.bytes -= gone.data.nbytes
+            self.evictions += 1
+
+    def get(self, h: BlockHash) -> tuple[BlockData, str] | None:
+        """The block and its source, touched as most recently used; None if absent."""
+        e = self._entries.get(h)
+        if e is None:
+            return None
+        self._entries.move_to_end(h)
+        self.hits += 1
+        return e.data, e.source
+
+
+@dataclass
+class FetchResult:
+    """What a fetch brought back: verified blocks in chain order from the first wanted hash."""
+
+    blocks: list[tuple[BlockHash, BlockData]] = field(default_factory=list)
+    decision: str = "none"  # none (nothing stored) | load | recompute | timeout
+    present: int = 0  # leading wanted blocks the store said it holds
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Publish:
+    h: BlockHash
+    parent: BlockHash
+    token_ids: list[int]
+    data: BlockData
+
+
+class StoreConnector:
+    def __init__(
+        self,
+        store: BlockStore,
+        meta: BlockMeta,
+        fmt: str,
+        cache_dtype: torch.dtype,
+        queue_blocks: int = 1024,
+        fetch_timeout_s: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.meta = meta
+        self.fmt = fmt
+        self.cache_dtype = cache_dtype
+        self.fetch_timeout_s = fetch_timeout_s
+        self._queue: queue.Queue[_Publish] = queue.Queue(maxsize=queue_blocks)
+        self.counters: Counter[str] = Counter()
+        self.miss_reasons: Counter[str] = Counter()
+        # Running estimates for the cost rule (seconds), seeded with conservative guesses.
+        self.rtt_s = 0.002
+        self.fetch_s_per_block = 0.005
+        self.encoded_bytes = 0
+        self.encoded_tokens = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvserve-store")
+        self._thread.daemon = True
+        self._thread.start()
+        self._wake = asyncio.Event()
+        self._writer = asyncio.run_coroutine_threadsafe(self._write_loop(), self._loop)
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def publish(
+        self, h: BlockHash, parent: BlockHash, token_ids: list[int], data: BlockData
+    ) -> bool:
+        """Queue one computed block for the store; False (counted) if the queue is full."""
+        try:
+            self._queue.put_nowait(_Publish(h, parent, token_ids, data))
+        except queue.Full:
+            self.counters["dropped_writes"] += 1
+            return False
+        self._loop.call_soon_threadsafe(self._wake.set)
+        return True
+
+    def fetch(
+        self, hashes: Sequence[BlockHash], root: BlockHash, recompute_s_per_block: float
+    ) -> concurrent.futures.Future[FetchResult]:
+        return asyncio.run_coroutine_threadsafe(
+            self._fetch(list(hashes), root, recompute_s_per_block), self._loop
+        )
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued block has been written (or skipped). False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._queue.all_tasks_done.wait(left):
+                    return not self._queue.unfinished_tasks
+        return True
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.cancel()
+        asyncio.run_coroutine_threadsafe(self.store.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def stats(self) -> dict[str, object]:
+        out: dict[str, object] = dict(self.counters)
+        out["queued_writes"] = self._queue.qsize()
+        out["miss_reasons"] = dict(self.miss_reasons)
+        out["bytes_per_token"] = (
+            self.encoded_bytes / self.encoded_tokens if self.encoded_tokens else 0.0
+        )
+        out["store"] = self.store.stats()
+        return out
+
+    # ---- store thread ---------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while not self._queue.empty():
+                batch: list[_Publish] = []
+                while len(batch) < WRITE_BATCH:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                try:
+                    await self._write(batch)
+                finally:
+                    for _ in batch:
+                        self._queue.task_done()
+
+    async def _write(self, batch: list[_Publish]) -> None:
+        try:
+            items = await asyncio.to_thread(self._encode, batch)
+            written = await self.store.put_many(items)
+        except Exception:  # a codec or store bug must not kill the writer
+            log.exception("store write failed")
+            self.counters["write_errors"] += len(batch)
+            return
+        self.counters["published_blocks"] += written
+        self.counters["skipped_writes"] += len(batch) - written
+
+    def _encode(self, batch: list[_Publish]) -> list[tuple[BlockHash, bytes]]:
+        out = []
+        for p in batch:
+            k, v = p.data.to_float()
+            frame = encode_block(self.meta, p.token_ids, k, v, self.fmt, p.parent)
+            self.encoded_bytes += len(frame)
+            self.encoded_tokens += len(p.token_ids)
+            out.append((p.h, frame))
+        return out
+
+    async def _fetch(
+        self, hashes: list[BlockHash], root: BlockHash, recompute_s_per_block: float
+    ) -> FetchResult:
+        try:
+            return await asyncio.wait_for(
+                self._fetch_run(hashes, root, recompute_s_per_block), self.fetch_timeout_s
+            )
+        except TimeoutError:
+            self.counters["fetch_timeouts"] += 1
+            return FetchResult(decision="timeout")
+
+    async def _fetch_run(
+        self, hashes: list[BlockHash], root: BlockHash, recompute_s_per_block: float
+    ) -> FetchResult:
+        t0 = time.perf_counter()
+        present = await self.store.contains(hashes)
+        t1 = time.perf_counter()
+        self.rtt_s = 0.8 * self.rtt_s + 0.2 * (t1 - t0)
+        run = next((i for i, p in enumerate(present) if not p), len(present))
+        res = FetchResult(present=run, timings={"contains_s": t1 - t0})
+        if run == 0:
+            return res
+        est_fetch = self.rtt_s + run * self.fetch_s_per_block
+        est_recompute = run * recompute_s_per_block
+        res.decision = "load" if est_fetch < est_recompute else "recompute"
+        self.counters[f"decision_{res.decision}"] += 1
+        log.info(
+            "store fetch decision=%s blocks=%d est_fetch_s=%.4f est_recompute_s=%.4f",
+            res.decision,
+            run,
+            est_fetch,
+            est_recompute,
+        )
+        if res.decision == "recompute":
+            return res
+        frames = await self.store.get_many(hashes[:run])
+        t2 = time.perf_counter()
+        blocks, bad = await asyncio.to_thread(self._decode, hashes[:run], frames, root, res)
+        t3 = time.perf_counter()
+        if bad:
+            await self.store.delete(bad)
+        res.blocks = blocks
+        res.timings.update(get_s=t2 - t1, decode_s=t3 - t2)
+        if blocks:
+            per_block = (t3 - t1) / len(blocks)
+            self.fetch_s_per_block = 0.8 * self.fetch_s_per_block + 0.2 * per_block
+        self.counters["fetched_blocks"] += len(blocks)
+        return res
+
+    def _decode(
+        self,
+        hashes: list[BlockHash],
+        frames: list[bytes | None],
+        root: BlockHash,
+        res: FetchResult,
+    ) -> tuple[list[tuple[BlockHash, BlockData]], list[BlockHash]]:
+        """Verified blocks up to the first missing or bad frame; the bad frame's hash."""
+        out: list[tuple[BlockHash, BlockData]] = []
+        t_deq = 0.0
+        for h, frame in zip(hashes, frames, strict=True):
+            if frame is None:
+                self.miss_reasons["gone"] += 1
+                break
+            got = decode_block(frame, self.meta, h, root)
+            if isinstance(got, Miss):
+                self.miss_reasons[got.reason] += 1
+                log.warning("store block %s rejected: %s", h.hex()[:16], got.reason)
+                return out, [h]
+            t = time.perf_counter()
+            out.append((h, BlockData.from_float(got.k, got.v, self.cache_dtype)))
+            t_deq += time.perf_counter() - t
+        res.timings["to_cache_dtype_s"] = t_deq
+        return out, []

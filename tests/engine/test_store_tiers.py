@@ -1,0 +1,219 @@
+"""The engine's tiers: blocks evicted from the device cache come back from the host tier, blocks
+published by one engine are loaded by another through the store, bad frames are recomputed,
+the write-behind queue drops instead of blocking, and the cost rule can say recompute.
+
+Outputs across a store round trip are compared token for token with a cold run, so the store
+format here is `native` (bit-exact)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from kvserve.shared.config import StoreConfig
+from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.store.codec import BlockMeta, encode_block
+from kvserve.shared.store.disk import DiskStore
+from kvserve.shared.store.hashing import BlockHash
+from kvserve.shared.store.memory import MemoryStore
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+SYSTEM = "You are a meticulous librarian who explains things with care and precision. " * 8
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    qs = ["Name a fruit.", "What is rain?", "Say hi.", "Count to three."]
+    return [
+        tokenizer.encode_chat(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        )
+        for q in qs
+    ]
+
+
+@pytest.fixture(scope="module")
+def cold(make_engine, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    engine = make_engine(enable_prefix_caching=False)
+    return [engine.generate([p], GREEDY)[0][0] for p in prompts]
+
+
+def run_one(engine, rid: str, prompt: Sequence[int]) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
+    engine.add_request(rid, list(prompt), GREEDY)
+    tokens: list[int] = []
+    cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.completions[0].token_ids
+            cached = out.num_cached_tokens
+    return tokens, cached
+
+
+def full_blocks(prompt: Sequence[int], bs: int = 16) -> int:
+    return ((len(prompt) - 1) // bs) * bs
+
+
+def test_evicted_blocks_come_back_from_host_tier(make_engine, prompts, cold) -> None:  # type: ignore[no-untyped-def]
+    # Room for about one request: the second request evicts the first one's blocks.
+    engine = make_engine(num_blocks=len(prompts[0]) // 16 + 3, store=StoreConfig("memory://"))
+    try:
+        run_one(engine, "a", prompts[0])
+        assert engine.prefix_cache_stats["host_tier_blocks"] == 0
+        run_one(engine, "b", list(reversed(prompts[1])))  # no shared prefix: evicts a's blocks
+        assert engine.prefix_cache_stats["host_tier_blocks"] > 0
+        tokens, cached = run_one(engine, "c", prompts[0])
+        assert tokens == cold[0]
+        assert cached == full_blocks(prompts[0])
+        stats = engine.prefix_cache_stats
+        assert stats["hits_tokens_host"] > 0
+        assert stats["hits_tokens_host"] + stats["hits_tokens_device"] == cached
+    finally:
+        engine.close()
+
+
+def test_second_engine_loads_prefix_from_store(make_engine, prompts, cold, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store = StoreConfig(f"file://{tmp_path}")
+    a = make_engine(store=store)
+    tokens, cached = run_one(a, "a", prompts[0])
+    assert tokens == cold[0] and cached == 0
+    a.close()  # flushes the write-behind queue
+    assert a.store_stats() == {}  # closed
+    b = make_engine(store=store)
+    try:
+        tokens, cached = run_one(b, "b", prompts[1])  # shares the system prompt with a's
+        assert tokens == cold[1]
+        assert cached > 0
+        stats = b.prefix_cache_stats
+        assert stats["hits_tokens_store"] == cached
+        assert b.store_stats()["decision_load"] == 1
+    finally:
+        b.close()
+
+
+def _root_and_hashes(engine, prompt: list[int]) -> tuple[BlockHash, list[BlockHash]]:  # type: ignore[no-untyped-def]
+    from kvserve.shared.store.hashing import block_hashes
+
+    root = engine.root_hash()
+    n = (len(prompt) - 1) // engine.block_size
+    return root, block_hashes(root, prompt[: n * engine.block_size], engine.block_size)
+
+
+def test_bad_frames_are_recomputed_and_deleted(make_engine, prompts, cold, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store = StoreConfig(f"file://{tmp_path}")
+    a = make_engine(store=store)
+    run_one(a, "a", prompts[2])
+    a.close()
+    _, hashes = _root_and_hashes(a, prompts[2])
+    disk = DiskStore(str(tmp_path))
+    frames = asyncio.run(disk.get_many([hashes[2]]))  # block 2 gets one flipped byte
+    assert frames[0] is not None
+    flipped = bytearray(frames[0])
+    flipped[len(flipped) // 2] ^= 0x01
+    asyncio.run(disk.put_many([(hashes[2], bytes(flipped))]))
+    asyncio.run(disk.close())
+
+    b = make_engine(store=store)
+    try:
+        tokens, cached = run_one(b, "b", prompts[2])
+        assert tokens == cold[2]
+        assert cached == 2 * b.block_size  # blocks 0 and 1 loaded, the rest recomputed
+        assert b.store_stats()["miss_reasons"] == {"bad_checksum": 1}
+    finally:
+        b.close()
+    disk = DiskStore(str(tmp_path))
+    # The bad frame was deleted, then b recomputed and republished the block.
+    (again,) = asyncio.run(disk.get_many([hashes[2]]))
+    assert again is not None and again != bytes(flipped)
+    asyncio.run(disk.close())
+
+
+def test_frames_of_another_model_or_format_are_never_used(  # type: ignore[no-untyped-def]
+    make_engine, prompts, cold, tmp_path: Path
+) -> None:
+    eng = make_engine(store=StoreConfig(f"file://{tmp_path}"))
+    root, hashes = _root_and_hashes(eng, prompts[3])
+    meta: BlockMeta = eng.connector.meta
+    # Frames of the right tokens and chain, stamped with another model / KV format, stored
+    # under the keys this engine will ask for.
+    import torch
+
+    zeros = torch.zeros(meta.block_shape)
+    bad = []
+    for i, h in enumerate(hashes[:2]):
+        wrong = (
+            BlockMeta("another-model", *_meta_rest(meta))
+            if i == 0
+            else BlockMeta(meta.model_fp, "int8", *_meta_rest(meta)[1:])
+        )
+        toks = prompts[3][i * 16 : (i + 1) * 16]
+        parent = hashes[i - 1] if i else root
+        bad.append((h, encode_block(wrong, toks, zeros, zeros, "native", parent)))
+    assert asyncio.run(_put(eng, bad)) == 2
+    try:
+        tokens, cached = run_one(eng, "x", prompts[3])
+        assert tokens == cold[3] and cached == 0
+        assert eng.store_stats()["miss_reasons"] == {"wrong_model": 1}
+        # An int8-cache engine never even asks for this engine's blocks: another root.
+        q = make_engine(store=StoreConfig(f"file://{tmp_path}"), kv_dtype="int8")
+        try:
+            eng.connector.flush()
+            _, cached_q = run_one(q, "q", prompts[3])
+            assert cached_q == 0
+            assert q.store_stats().get("decision_load", 0) == 0
+        finally:
+            q.close()
+    finally:
+        eng.close()
+
+
+def _meta_rest(meta: BlockMeta) -> tuple[str, int, int, int, int]:
+    return (meta.kv_format, meta.block_size, meta.num_layers, meta.num_kv_heads, meta.head_dim)
+
+
+async def _put(engine, items: list[tuple[BlockHash, bytes]]) -> int:  # type: ignore[no-untyped-def]
+    return int(await engine.connector.store.put_many(items))
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose writes wait until the test opens the gate: a stalled backend."""
+
+    def __init__(self) -> None:
+        super().__init__(max_bytes=1 << 30)
+        self.gate = asyncio.Event()
+
+    async def put_many(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
+        await self.gate.wait()
+        return await super().put_many(items)
+
+
+def test_full_write_queue_drops_and_never_blocks(make_engine, prompts, cold) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine(store=StoreConfig("memory://", write_queue_blocks=1))
+    gated = GatedStore()
+    assert eng.connector is not None
+    eng.connector.store = gated
+    try:
+        tokens, _ = run_one(eng, "a", prompts[0])  # completes while the store is stuck
+        assert tokens == cold[0]
+        stats = eng.store_stats()
+        assert stats["dropped_writes"] >= full_blocks(prompts[0]) // 16 - 2
+    finally:
+        eng.connector._loop.call_soon_threadsafe(gated.gate.set)
+        eng.close()
+
+
+def test_cost_rule_can_choose_recompute(make_engine, prompts, cold, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store = StoreConfig(f"file://{tmp_path}")
+    a = make_engine(store=store)
+    run_one(a, "a", prompts[1])
+    a.close()
+    b = make_engine(store=store)
+    try:
+        b.prefill_s_per_token = 1e-9  # recomputing looks free: loading cannot win
+        tokens, cached = run_one(b, "b", prompts[1])
+        assert tokens == cold[1] and cached == 0
+        assert b.store_stats()["decision_recompute"] == 1
+        assert b.store_stats().get("fetched_blocks", 0) == 0
+    finally:
+        b.close()
