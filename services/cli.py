@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "generate": "generate",
     "capacity": "capacity",
     "bench": "bench.main",
+    "serve": "serve",
 }
 
 
@@ -53,4 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Through the package's module, so CliError raised by subcommands (which import
+    # kvserve.services.cli) is the class caught in main(), not a __main__ copy of it.
+    from kvserve.services.cli import main as _main
+
+    raise SystemExit(_main())

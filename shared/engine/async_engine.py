@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs (deltas) until the finished one. Raises
         InvalidRequestError before yielding anything for a request that can never run."""
         if self._error is not None:
@@ -101,15 +101,15 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot of the engine's counters, read from any thread (plain int reads: the
-        numbers may be one step apart from each other, never torn)."""
+        numbers may be one step apart from each other, never torn). Requests the engine
+        holds but does not run (queued, or waiting for a store fetch) count as waiting."""
         eng = self.engine
         sched = eng.scheduler
-        running = {s.request_id for s in list(sched.running)}
-        waiting = {s.request_id for s in list(sched.waiting)} - running
+        running = len({s.request_id for s in list(sched.running)})
         prefix = eng.prefix_cache_stats
         return {
-            "num_requests_running": len(running),
-            "num_requests_waiting": len(waiting),
+            "num_requests_running": running,
+            "num_requests_waiting": max(0, eng.num_requests - running),
             "num_blocks": eng.pool.num_blocks,
             "num_used_blocks": eng.pool.num_used,
             "kv_cache_usage_perc": eng.pool.usage,
@@ -119,10 +119,26 @@ class AsyncEngine:
             "prefix_cache_hits": prefix["hits_tokens"],
             "cached_blocks": prefix["cached_blocks"],
             "evicted_blocks": prefix["evicted_blocks"],
+            "cached_tokens_by_source": {
+                k.removeprefix("hits_tokens_"): v
+                for k, v in prefix.items()
+                if k.startswith("hits_tokens_")
+            },
             "num_preemptions": sched.num_preemptions,
             "num_steps": eng.num_steps,
             "healthy": self.healthy,
+            "store": self._store_stats(),
         }
+
+    def _store_stats(self) -> dict[str, Any]:
+        """The store connector's counters; its dicts are written by other threads, so a copy
+        that races a write is retried once, then skipped."""
+        for _ in range(2):
+            try:
+                return dict(self.engine.store_stats())
+            except RuntimeError:  # dictionary changed size during iteration
+                continue
+        return {}
 
     # ---- engine thread --------------------------------------------------------------------
 

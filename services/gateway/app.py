@@ -1,0 +1,566 @@
+"""The OpenAI-compatible gateway (aiohttp). Talks only to the bus; never imports torch.
+
+Request path: auth (bearer key -> tenant cache salt) -> body (size limit, JSON) -> schema
+(validate, tokenize, chat template) -> admission (bounded in-flight, draining) -> bus (one
+request per prompt) -> events -> response (JSON, or SSE chunks and `data: [DONE]`).
+
+Invariants:
+- A request that leaves the handler before all its events arrived (client gone, deadline,
+  error) is cancelled on the bus, so the worker aborts it and frees its blocks.
+- An error before the first token is an HTTP error with the OpenAI shape; after the stream has
+  started it is an SSE error event followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiohttp import web
+from kvserve.services.gateway.admission import Admission
+from kvserve.services.gateway.auth import ApiKeys
+from kvserve.services.gateway.errors import APIError, bad_request, from_worker, sse_error
+from kvserve.services.gateway.openapi import (
+    CHAT_REQUEST,
+    COMPLETION_REQUEST,
+    COMPLETION_RESPONSE,
+    RouteDoc,
+    build_openapi,
+)
+from kvserve.services.gateway.responses import SSE_DONE, ResponseBuilder, sse
+from kvserve.services.gateway.schema import (
+    GenerationPlan,
+    ModelInfo,
+    chat_prompt,
+    check_model,
+    parse_chat,
+    parse_completion,
+)
+from kvserve.shared.bus import Bus, EventStream
+from kvserve.shared.protocol import GenerateRequest, TokenEvent
+from kvserve.shared.telemetry import (
+    GEN_AI_CACHED_TOKENS,
+    GEN_AI_CHOICE_COUNT,
+    GEN_AI_FINISH_REASONS,
+    GEN_AI_INPUT_TOKENS,
+    GEN_AI_MAX_TOKENS,
+    GEN_AI_OPERATION,
+    GEN_AI_OUTPUT_TOKENS,
+    GEN_AI_REQUEST_MODEL,
+    GEN_AI_RESPONSE_ID,
+    GEN_AI_RESPONSE_MODEL,
+    GEN_AI_SEED,
+    GEN_AI_SYSTEM,
+    GEN_AI_TEMPERATURE,
+    GEN_AI_TOP_P,
+    KVSERVE_CACHED_TOKENS,
+    KVSERVE_REQUEST_ID,
+    Metrics,
+    context_from_traceparent,
+    current_traceparent,
+    get_logger,
+    get_tracer,
+)
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+VERSION = "0.1.0"
+log = get_logger("kvserve.gateway")
+tracer = get_tracer("kvserve.gateway")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    max_in_flight: int = 256
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 600.0
+    api_keys: tuple[str, ...] = ()
+    allow_client_cache_salt: bool = False
+    retry_after_s: int = 1
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, bus: Bus, model: ModelInfo) -> None:
+        self.config = config
+        self.bus = bus
+        self.model = model
+        self.metrics = Metrics(model.name)
+        self.admission = Admission(config.max_in_flight, config.retry_after_s)
+        self.metrics.in_flight.set_function(lambda: self.admission.in_flight)
+        self.keys = ApiKeys(config.api_keys, config.allow_client_cache_salt)
+        self.started_at = int(time.time())
+        self.app = web.Application(
+            client_max_size=config.max_body_bytes, middlewares=[self._errors, self._auth]
+        )
+        self.routes = self._routes()
+        for r, handler in self.routes:
+            self.app.router.add_route(r.method, r.path, handler)
+        self.openapi = build_openapi([r for r, _ in self.routes], "kvserve", VERSION)
+
+    def _routes(self) -> list[tuple[RouteDoc, Handler]]:
+        json_errors = (400, 401, 404, 413, 503)
+        return [
+            (RouteDoc("POST", "/v1/completions", "Text completion (OpenAI).", COMPLETION_REQUEST,
+                      COMPLETION_RESPONSE, stream=True, auth=True, errors=(*json_errors, 504)),
+             self.completions),
+            (RouteDoc("POST", "/v1/chat/completions", "Chat completion (OpenAI).", CHAT_REQUEST,
+                      COMPLETION_RESPONSE, stream=True, auth=True, errors=(*json_errors, 504)),
+             self.chat_completions),
+            (RouteDoc("GET", "/v1/models", "The served model.", auth=True, errors=(401,)),
+             self.list_models),
+            (RouteDoc("GET", "/v1/models/{model}", "One model by id.", auth=True,
+                      errors=(401, 404)), self.get_model),
+            (RouteDoc("GET", "/v1/cache/stats", "KV-cache and prefix-cache statistics.",
+                      auth=True, errors=(401,)), self.cache_stats),
+            (RouteDoc("POST", "/tokenize", "Tokenize a prompt or chat messages (vLLM).",
+                      {"type": "object"}, errors=(400, 413)), self.tokenize),
+            (RouteDoc("POST", "/detokenize", "Token ids to text (vLLM).", {"type": "object"},
+                      errors=(400, 413)), self.detokenize),
+            (RouteDoc("GET", "/health", "Liveness: the process answers."), self.health),
+            (RouteDoc("GET", "/ready", "Readiness: a worker is up and the gateway is not "
+                      "draining.", errors=(503,)), self.ready),
+            (RouteDoc("GET", "/metrics", "Prometheus metrics.", content_type="text/plain"),
+             self.prometheus),
+            (RouteDoc("GET", "/version", "Server version."), self.version),
+            (RouteDoc("GET", "/openapi.json", "This document."), self.openapi_json),
+        ]  # fmt: skip
+
+    # ---- middleware -----------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        name = route.canonical if route is not None else "unmatched"
+        try:
+            resp = await handler(request)
+        except APIError as e:
+            resp = e.response()
+        except web.HTTPRequestEntityTooLarge:
+            resp = APIError(
+                413,
+                f"Request body exceeds the limit of {self.config.max_body_bytes} bytes.",
+                "invalid_request_error",
+                None,
+                "request_too_large",
+            ).response()
+        except web.HTTPException as e:
+            resp = APIError(
+                e.status,
+                e.reason or "error",
+                "not_found_error" if e.status == 404 else "invalid_request_error",
+                None,
+                "not_found" if e.status == 404 else None,
+                headers={k: v for k, v in e.headers.items() if k == "Allow"},
+            ).response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error", path=request.path)
+            resp = APIError(500, "Internal server error.", "server_error").response()
+        self.metrics.http_requests.labels(name, str(resp.status)).inc()
+        if resp.status in (401, 413, 503):
+            self.metrics.rejected.labels(_REJECT_REASON.get(resp.status, str(resp.status))).inc()
+        return resp
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            request["tenant_salt"] = self.keys.authenticate(request.headers.get("Authorization"))
+        return await handler(request)
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        if (request.content_length or 0) > self.config.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=self.config.max_body_bytes, actual_size=request.content_length or 0
+            )
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise bad_request(f"The body is not valid JSON: {e}", None, "invalid_json") from e
+        if not isinstance(body, dict):
+            raise bad_request("The body must be a JSON object.", None, "invalid_json")
+        return body
+
+    # ---- generation -----------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        plan = parse_completion(await self._json(request), self.model)
+        return await self._generate(request, plan)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        plan = parse_chat(await self._json(request), self.model)
+        return await self._generate(request, plan)
+
+    async def _generate(self, request: web.Request, plan: GenerationPlan) -> web.StreamResponse:
+        salt = self.keys.effective_salt(request.get("tenant_salt"), plan.cache_salt)
+        with self.admission.admit():
+            return await self._traced(request, plan, salt)
+
+    async def _traced(
+        self, request: web.Request, plan: GenerationPlan, salt: str | None
+    ) -> web.StreamResponse:
+        chat = plan.kind == "chat"
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        op = "chat" if chat else "text_completion"
+        parent = context_from_traceparent(request.headers.get("traceparent"))
+        p = plan.params
+        attrs: dict[str, AttributeValue] = {
+            GEN_AI_OPERATION: op,
+            GEN_AI_SYSTEM: "kvserve",
+            GEN_AI_REQUEST_MODEL: plan.model,
+            GEN_AI_MAX_TOKENS: p.max_tokens,
+            GEN_AI_TEMPERATURE: p.temperature,
+            GEN_AI_TOP_P: p.top_p,
+            GEN_AI_CHOICE_COUNT: p.n,
+            KVSERVE_REQUEST_ID: rid,
+        }
+        if p.seed is not None:
+            attrs[GEN_AI_SEED] = p.seed
+        with (
+            tracer.start_as_current_span(
+                f"{op} {plan.model}", context=parent, kind=SpanKind.SERVER, attributes=attrs
+            ) as span,
+            structlog.contextvars.bound_contextvars(request_id=rid),
+        ):
+            call = _Call(self, plan, rid, salt)
+            builder = ResponseBuilder(plan, rid, self.model.tokenizer, plan.model)
+            status = "error"
+            try:
+                await call.submit()
+                if plan.stream:
+                    resp = await self._stream(request, call, builder)
+                else:
+                    resp = await self._complete(call, builder)
+                status = "ok" if call.all_done else "incomplete"
+                return resp
+            except APIError as e:
+                span.set_status(Status(StatusCode.ERROR, e.message))
+                status = e.type
+                raise
+            finally:
+                await call.close()
+                self._finish(span, call, builder, status)
+
+    async def _complete(self, call: _Call, builder: ResponseBuilder) -> web.Response:
+        try:
+            async with asyncio.timeout_at(call.deadline), contextlib.aclosing(call.events()) as ev:
+                async for p, event in ev:
+                    if event.error is not None:
+                        raise from_worker(event.error)
+                    builder.add(p, event)
+        except TimeoutError:
+            raise call.timeout_error() from None
+        return web.json_response(builder.final())
+
+    async def _stream(
+        self, request: web.Request, call: _Call, builder: ResponseBuilder
+    ) -> web.StreamResponse:
+        async with contextlib.aclosing(call.events()) as events:
+            # Wait for the first event before answering 200: an error up to here is a plain
+            # HTTP error (for example a request the worker's KV cache can never hold).
+            try:
+                async with asyncio.timeout_at(call.deadline):
+                    first = await anext(events)
+            except TimeoutError:
+                raise call.timeout_error() from None
+            except StopAsyncIteration:
+                raise APIError(500, "the request ended without output", "server_error") from None
+            if first[1].error is not None:
+                raise from_worker(first[1].error)
+            resp = web.StreamResponse(headers=SSE_HEADERS)
+            await resp.prepare(request)
+            try:
+                for chunk in builder.opening_chunks():
+                    await resp.write(sse(chunk))
+                await resp.write(sse(builder.event_chunk(*first)))
+                await self._stream_rest(resp, call, builder, events)
+                await resp.write(SSE_DONE)
+                await resp.write_eof()
+            except ConnectionResetError:
+                log.info("client went away mid-stream")
+        return resp
+
+    async def _stream_rest(
+        self,
+        resp: web.StreamResponse,
+        call: _Call,
+        builder: ResponseBuilder,
+        events: AsyncIterator[tuple[int, TokenEvent]],
+    ) -> None:
+        try:
+            async with asyncio.timeout_at(call.deadline):
+                async for p, event in events:
+                    if event.error is not None:
+                        await resp.write(sse_error(from_worker(event.error)))
+                        return
+                    await resp.write(sse(builder.event_chunk(p, event)))
+        except TimeoutError:
+            await resp.write(sse_error(call.timeout_error()))
+            return
+        if builder.plan.include_usage:
+            await resp.write(sse(builder.usage_chunk()))
+
+    def _finish(self, span: Span, call: _Call, builder: ResponseBuilder, status: str) -> None:
+        usage = builder.usage()
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        span.set_attribute(GEN_AI_RESPONSE_ID, builder.id)
+        span.set_attribute(GEN_AI_RESPONSE_MODEL, builder.model)
+        span.set_attribute(GEN_AI_INPUT_TOKENS, usage["prompt_tokens"])
+        span.set_attribute(GEN_AI_OUTPUT_TOKENS, usage["completion_tokens"])
+        span.set_attribute(GEN_AI_CACHED_TOKENS, cached)
+        span.set_attribute(KVSERVE_CACHED_TOKENS, cached)
+        span.set_attribute(GEN_AI_FINISH_REASONS, builder.finish_reasons)
+        m, name = self.metrics, self.model.name
+        elapsed = time.monotonic() - call.t0
+        if status == "ok":
+            m.e2e.labels(name).observe(elapsed)
+            m.prompt_tokens.labels(name).inc(usage["prompt_tokens"])
+            m.generation_tokens.labels(name).inc(usage["completion_tokens"])
+            m.cached_prompt_tokens.labels(name).inc(cached)
+            m.prompt_tokens_hist.labels(name).observe(usage["prompt_tokens"])
+            m.generation_tokens_hist.labels(name).observe(usage["completion_tokens"])
+            for reason in builder.finish_reasons:
+                m.request_success.labels(name, reason).inc()
+        log.info(
+            "request finished",
+            status=status,
+            kind=builder.plan.kind,
+            stream=builder.plan.stream,
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+            cached_tokens=cached,
+            ttft_s=None if call.first_token_at is None else round(call.first_token_at, 4),
+            e2e_s=round(elapsed, 4),
+        )
+
+    # ---- other routes ---------------------------------------------------------------------
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model.name,
+            "object": "model",
+            "created": self.started_at,
+            "owned_by": "kvserve",
+            "root": self.model.path,
+            "parent": None,
+            "max_model_len": self.model.max_model_len,
+        }
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        check_model({"model": request.match_info["model"]}, self.model)
+        return web.json_response(self._model_card())
+
+    async def cache_stats(self, request: web.Request) -> web.Response:
+        workers = await self.bus.stats()
+        keys = ("num_requests_running", "num_requests_waiting", "num_blocks", "num_used_blocks",
+                "cached_blocks", "evicted_blocks", "prefix_cache_queries", "prefix_cache_hits",
+                "num_preemptions")  # fmt: skip
+        totals: dict[str, float] = {
+            k: sum(int(s.get(k, 0)) for s in workers.values()) for k in keys
+        }
+        q = totals["prefix_cache_queries"]
+        totals["prefix_cache_hit_rate"] = totals["prefix_cache_hits"] / q if q else 0.0
+        return web.json_response(
+            {
+                "object": "cache.stats",
+                "gateway": {
+                    "in_flight": self.admission.in_flight,
+                    "max_in_flight": self.admission.max_in_flight,
+                    "draining": self.admission.draining,
+                },
+                "totals": totals,
+                "workers": workers,
+            }
+        )
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        check_model(body, self.model)
+        tok = self.model.tokenizer
+        if "messages" in body:
+            ids = chat_prompt(body, self.model)[1]
+        elif isinstance(body.get("prompt"), str):
+            ids = tok.encode(body["prompt"])
+        else:
+            raise bad_request("send 'prompt' (a string) or 'messages'", "prompt")
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.model.max_model_len,
+            "tokens": ids,
+        }
+        if body.get("return_token_strs"):
+            out["token_strs"] = [tok.id_to_token(t) for t in ids]
+        return web.json_response(out)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        check_model(body, self.model)
+        ids = body.get("tokens")
+        vocab = self.model.vocab_size
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+        ):
+            raise bad_request(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        return web.json_response({"prompt": self.model.tokenizer.decode(ids)})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.admission.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        if not await self.bus.ready():
+            return web.json_response({"status": "starting"}, status=503)
+        return web.json_response({"status": "ready"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        with contextlib.suppress(Exception):  # a bus hiccup must not fail the scrape
+            self.metrics.engine.snapshot = await self.bus.stats()
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION, "model": self.model.name})
+
+    async def openapi_json(self, request: web.Request) -> web.Response:
+        return web.json_response(self.openapi)
+
+    # ---- shutdown -------------------------------------------------------------------------
+
+    def start_draining(self) -> None:
+        """/ready turns 503 and new generation requests are refused; running ones go on."""
+        self.admission.start_draining()
+        log.info("draining", in_flight=self.admission.in_flight)
+
+
+_REJECT_REASON = {401: "unauthorized", 413: "body_too_large", 503: "unavailable"}
+
+
+@dataclass
+class _Call:
+    """One HTTP generation request on the bus: a bus request per prompt, their events merged
+    in arrival order, a deadline, and the cancels for whatever is left at the end."""
+
+    gw: Gateway
+    plan: GenerationPlan
+    request_id: str
+    salt: str | None
+    t0: float = field(default_factory=time.monotonic)
+    deadline: float = 0.0  # on the event loop's clock
+    streams: list[EventStream] = field(default_factory=list)
+    first_token_at: float | None = None
+    _last_token: float | None = None
+
+    def _sub_id(self, p: int) -> str:
+        return self.request_id if len(self.plan.prompts) == 1 else f"{self.request_id}-{p}"
+
+    async def submit(self) -> None:
+        timeout = self.gw.config.request_timeout_s
+        self.deadline = asyncio.get_running_loop().time() + timeout
+        deadline = time.time() + timeout
+        sampling = {k: list(v) if isinstance(v, tuple) else v
+                    for k, v in self.plan.params.__dict__.items()}  # fmt: skip
+        traceparent = current_traceparent()
+        for p, prompt in enumerate(self.plan.prompts):
+            req = GenerateRequest(
+                request_id=self._sub_id(p),
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                cache_salt=self.salt,
+                traceparent=traceparent,
+                deadline=deadline,
+            )
+            self.streams.append(await self.gw.bus.submit(req))
+
+    @property
+    def all_done(self) -> bool:
+        return all(s.done for s in self.streams)
+
+    def timeout_error(self) -> APIError:
+        timeout = self.gw.config.request_timeout_s
+        return APIError(
+            504, f"request exceeded the timeout of {timeout:g} s", "timeout", None, "timeout"
+        )
+
+    async def events(self) -> AsyncGenerator[tuple[int, TokenEvent], None]:
+        """(prompt index, event) until every stream ended (the caller bounds the wait by
+        `deadline`: a timeout scope must not span a generator's yields)."""
+        async for item in self._merged():
+            self._observe(item[1])
+            yield item
+
+    async def _merged(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        if len(self.streams) == 1:
+            async for ev in self.streams[0]:
+                yield 0, ev
+            return
+        queue: asyncio.Queue[tuple[int, TokenEvent] | None] = asyncio.Queue()
+
+        async def pump(p: int, stream: EventStream) -> None:
+            try:
+                async for ev in stream:
+                    await queue.put((p, ev))
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(self.streams)]
+        try:
+            live = len(tasks)
+            while live:
+                item = await queue.get()
+                if item is None:
+                    live -= 1
+                    continue
+                yield item
+                if item[1].error is not None:
+                    return
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _observe(self, event: TokenEvent) -> None:
+        if not event.token_ids:
+            return
+        now = time.monotonic()
+        m, name = self.gw.metrics, self.gw.model.name
+        if self.first_token_at is None:
+            self.first_token_at = now - self.t0
+            m.ttft.labels(name).observe(self.first_token_at)
+        elif self._last_token is not None:
+            gap = (now - self._last_token) / len(event.token_ids)
+            for _ in event.token_ids:
+                m.itl.labels(name).observe(gap)
+        self._last_token = now
+
+    async def close(self) -> None:
+        """Cancel every sub-request that has not ended; release the event streams. Shielded:
+        this runs while the handler is being cancelled (client gone)."""
+        pending = [(p, s) for p, s in enumerate(self.streams) if not s.done]
+        work = self._cancel_and_close(pending)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(work)
+
+    async def _cancel_and_close(self, pending: list[tuple[int, EventStream]]) -> None:
+        for p, _ in pending:
+            with contextlib.suppress(Exception):
+                await self.gw.bus.cancel(self._sub_id(p), "client")
+        if pending:
+            log.info("cancelled", sub_requests=len(pending))
+        for s in self.streams:
+            with contextlib.suppress(Exception):
+                await s.close()

@@ -1,0 +1,65 @@
+"""API keys and cache salts.
+
+When keys are configured, every /v1 route needs `Authorization: Bearer <key>`. Each key is its
+own tenant for prefix caching: its cache salt is `key-` + the first 32 hex digits of
+sha256(key), so two keys never share a KV block and the salt reveals nothing of the key.
+
+A client's own `cache_salt` (vLLM's request field) can only narrow its partition: with keys it
+is accepted when the gateway allows it and is appended to the key's salt (`{key salt}.{salt}`),
+so a client can never step into another tenant's blocks; without keys it is used as given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+from kvserve.services.gateway.errors import APIError, bad_request
+from kvserve.shared.store.hashing import InvalidSaltError, validate_cache_salt
+
+
+def key_salt(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class ApiKeys:
+    def __init__(self, keys: Iterable[str] = (), allow_client_salt: bool = False) -> None:
+        self._salts = {k: key_salt(k) for k in keys if k}
+        self.allow_client_salt = allow_client_salt
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._salts)
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The key's cache salt (None when no keys are configured); 401 otherwise."""
+        if not self.enabled:
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token:
+            for key, salt in self._salts.items():
+                if hmac.compare_digest(key.encode(), token.encode()):
+                    return salt
+        raise APIError(
+            401,
+            "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+            "authentication_error",
+            None,
+            "invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    def effective_salt(self, tenant_salt: str | None, client_salt: str | None) -> str | None:
+        if client_salt is None:
+            return tenant_salt
+        if tenant_salt is not None and not self.allow_client_salt:
+            raise bad_request(
+                "'cache_salt' is set by the server from the API key", "cache_salt", "not_allowed"
+            )
+        salt = client_salt if tenant_salt is None else f"{tenant_salt}.{client_salt}"
+        try:
+            return validate_cache_salt(salt)
+        except InvalidSaltError as e:
+            raise bad_request(str(e), "cache_salt") from e

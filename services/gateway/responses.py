@@ -1,0 +1,200 @@
+"""Token events -> OpenAI response bodies and SSE chunks (completions and chat).
+
+`ResponseBuilder` accumulates every choice of one HTTP request (prompt p, completion i is choice
+p * n + i, as vLLM numbers them) and renders either the final body or, per event, the stream
+chunks. Usage counts the prompt tokens once per prompt (n samples share it) and the generated
+tokens of every choice; `prompt_tokens_details.cached_tokens` is what the prefix cache served.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.services.gateway.schema import GenerationPlan
+from kvserve.shared.model.tokenizer import KVTokenizer
+from kvserve.shared.protocol import TokenEvent
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class _PromptUsage:
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+class ResponseBuilder:
+    def __init__(
+        self, plan: GenerationPlan, response_id: str, tokenizer: KVTokenizer, model: str
+    ) -> None:
+        self.plan = plan
+        self.id = response_id
+        self.created = int(time.time())
+        self.model = model
+        self.tok = tokenizer
+        n = plan.params.n
+        self.n = n
+        self.choices = [_Choice(i) for i in range(len(plan.prompts) * n)]
+        self.prompts = [_PromptUsage(len(p)) for p in plan.prompts]
+        self.chat = plan.kind == "chat"
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+
+    # ---- accumulate -----------------------------------------------------------------------
+
+    def add(self, prompt_index: int, event: TokenEvent) -> _Choice:
+        usage = self.prompts[prompt_index]
+        usage.cached_tokens = max(usage.cached_tokens, event.num_cached_tokens)
+        c = self.choices[prompt_index * self.n + event.index]
+        c.text.append(event.text)
+        c.token_ids += event.token_ids
+        c.logprobs += event.logprobs
+        if event.finish_reason is not None:
+            c.finish_reason = event.finish_reason
+        return c
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [c.finish_reason or "" for c in self.choices]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(p.prompt_tokens for p in self.prompts)
+        completion = self.completion_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in self.prompts)},
+        }
+
+    # ---- final body -----------------------------------------------------------------------
+
+    def final(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._final_choice(c) for c in self.choices],
+            "usage": self.usage(),
+        }
+
+    def _final_choice(self, c: _Choice) -> dict[str, Any]:
+        text = "".join(c.text)
+        lp = self._logprobs(c.token_ids, c.logprobs) if self.plan.logprobs else None
+        if self.chat:
+            return {
+                "index": c.index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+            }
+        return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+        tokens = [self.tok.decode([t], skip_special_tokens=False) for t in token_ids]
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": t,
+                        "logprob": lp,
+                        "bytes": list(t.encode("utf-8")),
+                        "top_logprobs": [],
+                    }
+                    for t, lp in zip(tokens, logprobs, strict=False)
+                ]
+            }
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": logprobs,
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+
+    # ---- stream chunks --------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.plan.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the assistant role (as OpenAI and vLLM do)."""
+        if not self.chat:
+            return []
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for c in self.choices
+        ]
+
+    def event_chunk(self, prompt_index: int, event: TokenEvent) -> dict[str, Any]:
+        c = self.add(prompt_index, event)
+        lp = self._logprobs(event.token_ids, event.logprobs) if self.plan.logprobs else None
+        if self.chat:
+            delta = {"content": event.text} if event.text or c.finish_reason is None else {}
+            choice = {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": lp,
+                "finish_reason": event.finish_reason,
+            }
+        else:
+            choice = {
+                "index": c.index,
+                "text": event.text,
+                "logprobs": lp,
+                "finish_reason": event.finish_reason,
+            }
+        return self._chunk([choice])
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(),
+        }
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

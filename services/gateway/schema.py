@@ -1,0 +1,366 @@
+"""OpenAI request bodies -> a validated `GenerationPlan` (token ids + SamplingParams).
+
+Everything a request can get wrong is found here, before the bus: types, ranges, the model
+name, the chat template, the context window. Errors name the offending field (`param`).
+Parameters the engine cannot honour are refused (400, code `unsupported_parameter`) rather than
+silently ignored; unknown extra fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvserve.services.gateway.errors import APIError, bad_request, unsupported
+from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvserve.shared.model.tokenizer import ChatTemplateError, KVTokenizer
+
+MAX_N = 16
+MAX_SEED = 2**63 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway knows of the served model, read without torch."""
+
+    name: str
+    tokenizer: KVTokenizer
+    max_model_len: int
+    vocab_size: int
+    path: str = ""
+    aliases: tuple[str, ...] = ()
+
+    def accepts(self, name: str) -> bool:
+        return name == self.name or name in self.aliases
+
+
+def load_model_info(model_path: str | Path, served_name: str | None = None) -> ModelInfo:
+    """Tokenizer and context window from a GGUF file or an HF directory (no weights)."""
+    from kvserve.shared.config import ModelConfig
+    from kvserve.shared.model.gguf_file import gguf_model_config, open_gguf
+
+    p = Path(model_path)
+    if not p.exists():
+        raise FileNotFoundError(f"model not found at {p}; run `kvserve fetch-model`")
+    tok = KVTokenizer.from_path(p)
+    if p.is_file():
+        cfg = gguf_model_config(open_gguf(str(p.resolve())))
+        default_name = p.stem.split(".")[0]
+    else:
+        cfg = ModelConfig.from_json_file(p / "config.json")
+        default_name = p.name
+    name = served_name or default_name
+    aliases = tuple({default_name, p.name} - {name})
+    return ModelInfo(name, tok, cfg.max_position_embeddings, cfg.vocab_size, str(p), aliases)
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    kind: str  # "completion" | "chat"
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    cache_salt: str | None = None  # what the client asked for (combined with the key's later)
+    prompt_texts: list[str] = field(default_factory=list)
+
+
+# ---- field readers ---------------------------------------------------------------------------
+
+
+def _get(body: dict[str, Any], name: str) -> Any:
+    return body.get(name)
+
+
+def _int(
+    body: dict[str, Any], name: str, default: int | None, lo: int | None, hi: int | None = None
+) -> int | None:
+    v = _get(body, name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"'{name}' must be an integer", name, "invalid_type")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad_request(f"'{name}' must be {rng}, got {v}", name)
+    return v
+
+
+def _num(body: dict[str, Any], name: str, default: float) -> float:
+    v = _get(body, name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise bad_request(f"'{name}' must be a finite number", name, "invalid_type")
+    return float(v)
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = _get(body, name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"'{name}' must be a boolean", name, "invalid_type")
+    return v
+
+
+def _only(body: dict[str, Any], name: str, allowed: tuple[Any, ...], why: str) -> None:
+    v = _get(body, name)
+    if v is not None and v not in allowed:
+        raise unsupported(name, f"'{name}'={v!r} is not supported: {why}")
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    v = _get(body, "stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise bad_request("'stop' must be a non-empty string or a list of them", "stop")
+    return tuple(items)
+
+
+def _token_list(v: Any, name: str, vocab: int) -> list[int]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise bad_request(f"'{name}' token ids must be integers", name, "invalid_type")
+    if any(not 0 <= t < vocab for t in v):
+        raise bad_request(f"'{name}' token ids must be in [0, {vocab})", name)
+    return list(v)
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+def check_model(body: dict[str, Any], info: ModelInfo) -> str:
+    model = _get(body, "model")
+    if model is None:
+        return info.name
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model", "invalid_type")
+    if not info.accepts(model):
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. Served: `{info.name}`.",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
+    return info.name
+
+
+def _common_unsupported(body: dict[str, Any]) -> None:
+    _only(body, "presence_penalty", (0, 0.0), "penalties need engine support")
+    _only(body, "frequency_penalty", (0, 0.0), "penalties need engine support")
+    _only(body, "repetition_penalty", (1, 1.0), "penalties need engine support")
+    _only(body, "min_p", (0, 0.0), "min_p sampling is not implemented")
+    lb = _get(body, "logit_bias")
+    if lb not in (None, {}):
+        raise unsupported("logit_bias", "'logit_bias' is not supported")
+    if _get(body, "best_of") not in (None, _get(body, "n") or 1):
+        raise unsupported("best_of", "'best_of' must equal n (no server-side reranking)")
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    opts = _get(body, "stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise bad_request("'stream_options' is only allowed with stream=true", "stream_options")
+    if not isinstance(opts, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request(
+            "'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type"
+        )
+    return stream, include
+
+
+def _client_salt(body: dict[str, Any]) -> str | None:
+    v = _get(body, "cache_salt")
+    if v is not None and not isinstance(v, str):
+        raise bad_request("'cache_salt' must be a string", "cache_salt", "invalid_type")
+    return v
+
+
+def _sampling(
+    body: dict[str, Any],
+    prompts: list[list[int]],
+    info: ModelInfo,
+    max_tokens: int | None,
+    logprobs: bool,
+) -> SamplingParams:
+    longest = max(len(p) for p in prompts)
+    room = info.max_model_len - longest
+    if room < 1:
+        raise bad_request(
+            f"the prompt ({longest} tokens) leaves no room in the context window of "
+            f"{info.max_model_len} tokens",
+            "messages" if "messages" in body else "prompt",
+            "context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = room
+    elif longest + max_tokens > info.max_model_len:
+        raise bad_request(
+            f"prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+            f"window of {info.max_model_len} tokens",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    stop_ids = _get(body, "stop_token_ids")
+    if stop_ids is not None and not isinstance(stop_ids, list):
+        raise bad_request("'stop_token_ids' must be a list", "stop_token_ids", "invalid_type")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_num(body, "temperature", 1.0),
+            top_p=_num(body, "top_p", 1.0),
+            top_k=max(0, _int(body, "top_k", 0, -1) or 0),  # vLLM: -1 means off
+            seed=_int(body, "seed", None, 0, MAX_SEED),
+            n=_int(body, "n", 1, 1, MAX_N) or 1,
+            stop=_stop(body),
+            stop_token_ids=tuple(_token_list(stop_ids or [], "stop_token_ids", info.vocab_size)),
+            ignore_eos=_bool(body, "ignore_eos", False),
+            logprobs=logprobs,
+            skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        )
+    except InvalidRequestError as e:
+        raise bad_request(str(e), e.param) from e
+
+
+def parse_completion(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
+    model = check_model(body, info)
+    _common_unsupported(body)
+    if _get(body, "echo"):
+        raise unsupported("echo", "'echo' is not supported")
+    if _get(body, "suffix") is not None:
+        raise unsupported("suffix", "'suffix' (insertion) is not supported")
+    prompts, texts = _completion_prompts(body.get("prompt"), info)
+    lp = _int(body, "logprobs", None, 0, 5)
+    if lp is not None and lp > 0:
+        raise unsupported(
+            "logprobs",
+            "only logprobs=0 (the sampled tokens' logprobs) is supported; top alternatives "
+            "are not reported yet",
+        )
+    stream, include_usage = _stream_flags(body)
+    params = _sampling(body, prompts, info, _int(body, "max_tokens", 16, 1), lp is not None)
+    return GenerationPlan(
+        "completion",
+        model,
+        prompts,
+        params,
+        stream,
+        include_usage,
+        lp is not None,
+        _client_salt(body),
+        texts,
+    )
+
+
+def _completion_prompts(v: Any, info: ModelInfo) -> tuple[list[list[int]], list[str]]:
+    """str | list[str] | list[int] | list[list[int]] -> token ids per prompt (and texts)."""
+    tok = info.tokenizer
+    if v is None:
+        raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
+    if isinstance(v, str):
+        items: list[Any] = [v]
+    elif isinstance(v, list) and v and all(isinstance(t, int) for t in v):
+        items = [v]
+    elif isinstance(v, list) and v:
+        items = v
+    else:
+        raise bad_request("'prompt' must be a non-empty string or list", "prompt")
+    prompts, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            ids = tok.encode(item)
+            texts.append(item)
+        elif isinstance(item, list):
+            ids = _token_list(item, "prompt", info.vocab_size)
+            texts.append(tok.decode(ids, skip_special_tokens=False))
+        else:
+            raise bad_request("'prompt' items must be strings or token id lists", "prompt")
+        if not ids:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        prompts.append(ids)
+    return prompts, texts
+
+
+def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
+    model = check_model(body, info)
+    _common_unsupported(body)
+    if _get(body, "tools") not in (None, []) or _get(body, "functions") not in (None, []):
+        raise unsupported("tools", "tool calling is not supported")
+    rf = _get(body, "response_format")
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+        raise unsupported("response_format", "only response_format {'type': 'text'}")
+    text, ids = chat_prompt(body, info)
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, 20)
+    if top is not None and not logprobs:
+        raise bad_request("'top_logprobs' requires logprobs=true", "top_logprobs")
+    if top:
+        raise unsupported(
+            "top_logprobs", "only top_logprobs=0 is supported; top alternatives are not reported"
+        )
+    max_tokens = _int(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, 1)
+    stream, include_usage = _stream_flags(body)
+    params = _sampling(body, [ids], info, max_tokens, logprobs)
+    return GenerationPlan(
+        "chat", model, [ids], params, stream, include_usage, logprobs, _client_salt(body), [text]
+    )
+
+
+def chat_prompt(body: dict[str, Any], info: ModelInfo) -> tuple[str, list[int]]:
+    """The rendered chat template and its token ids."""
+    messages = _messages(body.get("messages"))
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    try:
+        text = info.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from e
+    return text, info.tokenizer.encode(text)
+
+
+def _messages(v: Any) -> list[dict[str, Any]]:
+    if not isinstance(v, list) or not v:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages", "invalid_type")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", "messages"
+            )
+        out.append({**m, "role": role, "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(c: Any, i: int) -> str:
+    """A string, null, or a list of text parts (OpenAI's content parts)."""
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        texts = []
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise unsupported("messages", f"messages[{i}]: only text content parts")
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}]: a text part needs 'text'", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{i}].content must be a string or a list", "messages")

@@ -1,0 +1,266 @@
+"""EngineWorker: takes requests off the bus, runs them on an AsyncEngine, puts token events back.
+
+One asyncio task per request. A cancel (client gone, deadline, shutdown) cancels that task; the
+AsyncEngine generator's cleanup then aborts the request in the engine, which frees its blocks.
+
+Invariants:
+- Every delivery is acked exactly once, after its request finished, failed or was cancelled
+  (so a worker that dies mid-request leaves the request pending for another worker).
+- A request's events carry seq 0, 1, 2, ... in order; one event per completion delta that has
+  tokens, text or a finish reason; an error event is the last one.
+- A request id runs at most once at a time on this worker (a redelivery of a request still
+  running here is dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.shared.bus import Delivery, WorkerPort, error_event
+from kvserve.shared.engine.async_engine import AsyncEngine
+from kvserve.shared.engine.engine import RequestOutput
+from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvserve.shared.protocol import ErrorInfo, TokenEvent
+from kvserve.shared.telemetry import (
+    GEN_AI_CACHED_TOKENS,
+    GEN_AI_INPUT_TOKENS,
+    GEN_AI_OPERATION,
+    GEN_AI_OUTPUT_TOKENS,
+    KVSERVE_CACHED_TOKENS,
+    KVSERVE_REQUEST_ID,
+    context_from_traceparent,
+    get_logger,
+    get_tracer,
+)
+
+log = get_logger("kvserve.worker")
+tracer = get_tracer("kvserve.worker")
+
+_TUPLE_FIELDS = ("stop", "stop_token_ids")
+
+
+def sampling_params_from_dict(d: dict[str, Any]) -> SamplingParams:
+    """The bus carries SamplingParams as a plain dict; lists become the tuples it holds."""
+    known = set(SamplingParams.__dataclass_fields__)
+    unknown = set(d) - known
+    if unknown:
+        raise InvalidRequestError(sorted(unknown)[0], f"unknown sampling parameter {unknown}")
+    kw: dict[str, Any] = {
+        k: tuple(v) if k in _TUPLE_FIELDS and v is not None else v for k, v in d.items()
+    }
+    try:
+        return SamplingParams(**kw)
+    except TypeError as e:
+        raise InvalidRequestError("sampling", str(e)) from e
+
+
+@dataclass
+class _Running:
+    delivery: Delivery
+    task: asyncio.Task[None]
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        port: WorkerPort,
+        engine: AsyncEngine,
+        max_receive: int = 64,
+        poll_s: float = 1.0,
+    ) -> None:
+        self.port = port
+        self.engine = engine
+        self.max_receive = max_receive
+        self.poll_s = poll_s
+        self._running: dict[str, _Running] = {}
+        self._accepting = True
+        self._loops: list[asyncio.Task[None]] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "worker_requests": len(self._running)}
+
+    async def start(self) -> None:
+        await self.port.start(self.stats)
+        self._loops = [
+            asyncio.create_task(self._receive_loop(), name="worker-receive"),
+            asyncio.create_task(self._cancel_loop(), name="worker-cancels"),
+        ]
+        log.info("worker started", worker=self.port.name)
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Stop taking requests, let running ones finish (at most `drain_timeout` seconds),
+        cancel the rest, deregister."""
+        self._accepting = False
+        receive = self._loops[0] if self._loops else None
+        if receive is not None:
+            receive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await receive
+        tasks = [r.task for r in self._running.values()]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=drain_timeout)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        for t in self._loops[1:]:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.port.close()
+        log.info("worker stopped", worker=self.port.name)
+
+    # ---- loops ----------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while self._accepting:
+            try:
+                deliveries = await self.port.receive(self.max_receive, self.poll_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("bus receive failed")
+                await asyncio.sleep(self.poll_s)  # back off before retrying the bus
+                continue
+            for d in deliveries:
+                self._admit(d)
+
+    async def _cancel_loop(self) -> None:
+        while True:
+            try:
+                cancels = await self.port.cancels(self.poll_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("bus cancel read failed")
+                await asyncio.sleep(self.poll_s)
+                continue
+            for c in cancels:
+                running = self._running.get(c.request_id)
+                if running is not None:
+                    log.info("cancelling request", request_id=c.request_id, reason=c.reason)
+                    running.task.cancel()
+
+    def _admit(self, d: Delivery) -> None:
+        rid = d.request.request_id
+        if rid in self._running:
+            log.warning("dropping a redelivery of a running request", request_id=rid)
+            return
+        task = asyncio.create_task(self._serve(d), name=f"request-{rid}")
+        self._running[rid] = _Running(d, task)
+
+        def forget(_task: asyncio.Task[None]) -> None:
+            self._running.pop(rid, None)
+
+        task.add_done_callback(forget)
+
+    # ---- one request ----------------------------------------------------------------------
+
+    async def _serve(self, d: Delivery) -> None:
+        req = d.request
+        ctx = context_from_traceparent(req.traceparent)
+        received = time.time()
+        try:
+            with tracer.start_as_current_span(
+                "kvserve.worker.generate",
+                context=ctx,
+                attributes={KVSERVE_REQUEST_ID: req.request_id, GEN_AI_OPERATION: "generate"},
+            ) as span:
+                queue_span = tracer.start_span(
+                    "kvserve.queue", start_time=int(req.submitted_at * 1e9)
+                )
+                queue_span.end(end_time=int(received * 1e9))
+                emitted = await self._run(d)
+                span.set_attribute(GEN_AI_INPUT_TOKENS, len(req.prompt_token_ids))
+                span.set_attribute(GEN_AI_OUTPUT_TOKENS, emitted.output_tokens)
+                span.set_attribute(GEN_AI_CACHED_TOKENS, emitted.cached_tokens)
+                span.set_attribute(KVSERVE_CACHED_TOKENS, emitted.cached_tokens)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.port.ack(d)
+
+    async def _run(self, d: Delivery) -> _Emitted:
+        req = d.request
+        out = _Emitted(self.port, req.request_id, len(req.prompt_token_ids))
+        if await self.port.is_cancelled(req.request_id):
+            return out
+        if req.deadline is not None and time.time() > req.deadline:
+            await out.error(ErrorInfo("request deadline passed before it ran", "timeout"))
+            return out
+        try:
+            params = sampling_params_from_dict(req.sampling)
+            stream = self.engine.generate(
+                req.request_id, req.prompt_token_ids, params, cache_salt=req.cache_salt
+            )
+            prefill = tracer.start_span("kvserve.prefill")
+            decode = None
+            try:
+                # aclosing: a cancel lands here and must abort the request in the engine now
+                # (the generator's cleanup), not whenever the generator is collected.
+                async with contextlib.aclosing(stream):
+                    async for output in stream:
+                        if decode is None:
+                            prefill.end()
+                            decode = tracer.start_span("kvserve.decode")
+                        await out.deltas(output)
+            finally:
+                if decode is None:
+                    prefill.end()
+                else:
+                    decode.end()
+        except InvalidRequestError as e:
+            await out.error(ErrorInfo(str(e), "invalid_request_error", e.param))
+        except asyncio.CancelledError:
+            # Cancelled by a Cancel message or shutdown: the engine generator's cleanup has
+            # aborted the request. Tell a reader that may still listen, then stop quietly.
+            with contextlib.suppress(Exception):
+                await out.error(ErrorInfo("request cancelled", "cancelled"))
+        except Exception as e:
+            log.exception("request failed", request_id=req.request_id)
+            await out.error(ErrorInfo(f"internal error: {type(e).__name__}", "server_error"))
+        return out
+
+
+class _Emitted:
+    """Turns RequestOutputs into numbered token events on the bus."""
+
+    def __init__(self, port: WorkerPort, request_id: str, num_prompt_tokens: int) -> None:
+        self.port = port
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.seq = 0
+        self.output_tokens = 0
+        self.cached_tokens = 0
+
+    async def deltas(self, output: RequestOutput) -> None:
+        self.cached_tokens = output.num_cached_tokens
+        for c in output.completions:
+            if not (c.token_ids or c.text or c.finish_reason):
+                continue
+            self.output_tokens += len(c.token_ids)
+            await self.port.emit(
+                TokenEvent(
+                    request_id=self.request_id,
+                    seq=self.seq,
+                    index=c.index,
+                    token_ids=list(c.token_ids),
+                    text=c.text,
+                    logprobs=[float(x) for x in c.logprobs],
+                    finish_reason=c.finish_reason,
+                    num_prompt_tokens=self.num_prompt_tokens,
+                    num_cached_tokens=output.num_cached_tokens,
+                )
+            )
+            self.seq += 1
+
+    async def error(self, info: ErrorInfo) -> None:
+        await self.port.emit(error_event(self.request_id, self.seq, info))
+        self.seq += 1

@@ -1,0 +1,608 @@
+"""The bus between the gateway and the engine workers, behind one async interface.
+
+Gateway side (`Bus`): `submit(request) -> EventStream` (the request's token events, deduplicated
+by seq and released in seq order, ending after the request's terminal event), `cancel(id)`,
+`ready()` (is any worker alive), `stats()` (each live worker's latest engine statistics).
+
+Worker side (`WorkerPort`, one per worker, from `bus.worker(name)`): `receive()` requests,
+`cancels()`, `is_cancelled(id)`, `emit(event)`, `ack(delivery)` once a request is done.
+
+Two implementations:
+- `InProcessBus`: asyncio queues, for `kvserve serve` (gateway and worker on one event loop).
+- `RedisBus`: Redis Streams. Requests go on `kvserve:prefill`, read through a consumer group;
+  a request stays pending until its worker acks it, so a worker that dies leaves it pending and
+  a live one claims it (XAUTOCLAIM after `claim_idle_s`; live workers refresh the idle time of
+  what they hold on every heartbeat, so only a dead worker's messages go stale). Token events go
+  on `kvserve:out:{id}` (expiring), cancels on the broadcast stream `kvserve:cancel` that every
+  worker reads, plus a short-lived `kvserve:cancelled:{id}` key for requests not yet picked up.
+  Workers register in the sorted set `kvserve:workers` (score: last heartbeat) and publish
+  their stats in the hash `kvserve:worker_stats`.
+
+Ownership: the gateway owns a request's event stream (it deletes the Redis key on close); a
+worker owns a delivery from `receive()` until it acks it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from kvserve.shared.protocol import (
+    Cancel,
+    ErrorInfo,
+    GenerateRequest,
+    ProtocolError,
+    TokenEvent,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+StatsSource = Callable[[], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A request handed to a worker. `message_id` identifies it on the bus (for ack);
+    `redelivered` is True when it was claimed from a worker that stopped answering."""
+
+    message_id: str
+    request: GenerateRequest
+    redelivered: bool = False
+
+
+class EventStream(abc.ABC):
+    """One request's token events for the gateway: duplicates (seq already seen) are dropped,
+    events are released in seq order, iteration ends after the terminal event (an error, or
+    every completion index finished). `close()` releases what the bus holds for it."""
+
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request = request
+        self._next_seq = 0
+        self._held: dict[int, TokenEvent] = {}  # arrived ahead of a gap
+        self._finished: set[int] = set()
+        self.done = False
+
+    @abc.abstractmethod
+    async def _receive(self) -> list[TokenEvent]:
+        """Wait for the next raw events (possibly duplicates, possibly out of order)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[TokenEvent]:
+        while not self.done:
+            error: TokenEvent | None = None
+            for event in await self._receive():
+                if event.error is not None:
+                    error = error or event
+                elif event.seq >= self._next_seq:
+                    self._held.setdefault(event.seq, event)
+            while not self.done and self._next_seq in self._held:
+                event = self._held.pop(self._next_seq)
+                self._next_seq += 1
+                self._observe(event)
+                yield event
+            if error is not None and not self.done:
+                # Terminal whatever its seq: a worker failing a request it never ran (a poison
+                # message) does not know how many events came before.
+                self.done = True
+                yield error
+
+    def _observe(self, event: TokenEvent) -> None:
+        if event.finish_reason is not None:
+            self._finished.add(event.index)
+        if len(self._finished) >= self.request.n:
+            self.done = True
+
+    async def __aenter__(self) -> EventStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class WorkerPort(abc.ABC):
+    """A worker's end of the bus."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def start(self, stats_source: StatsSource | None = None) -> None:
+        """Register as a live worker; `stats_source()` is published as this worker's stats."""
+
+    @abc.abstractmethod
+    async def receive(self, max_count: int = 16, timeout: float = 1.0) -> list[Delivery]:
+        """Up to `max_count` requests (new ones, or ones claimed from a dead worker); waits at
+        most `timeout` seconds for the first."""
+
+    @abc.abstractmethod
+    async def cancels(self, timeout: float = 1.0) -> list[Cancel]:
+        """Cancels published since the previous call (every worker sees every cancel)."""
+
+    @abc.abstractmethod
+    async def is_cancelled(self, request_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def emit(self, event: TokenEvent) -> None: ...
+
+    @abc.abstractmethod
+    async def ack(self, delivery: Delivery) -> None:
+        """The request is done (finished, failed or cancelled): it is not redelivered."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Deregister. Unacked deliveries stay pending (Redis) for another worker."""
+
+
+class Bus(abc.ABC):
+    """The gateway's end of the bus, and the factory of worker ports."""
+
+    @abc.abstractmethod
+    async def submit(self, request: GenerateRequest) -> EventStream:
+        """Queue a request; its events are readable from the returned stream at once."""
+
+    @abc.abstractmethod
+    async def cancel(self, request_id: str, reason: str = "client") -> None: ...
+
+    @abc.abstractmethod
+    async def ready(self) -> bool:
+        """Is at least one worker alive?"""
+
+    @abc.abstractmethod
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        """Latest stats of each live worker, by worker name."""
+
+    @abc.abstractmethod
+    def worker(self, name: str | None = None) -> WorkerPort: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+def error_event(request_id: str, seq: int, error: ErrorInfo) -> TokenEvent:
+    return TokenEvent(request_id=request_id, seq=seq, error=error)
+
+
+class _BoundedSet:
+    """Remembers the last `capacity` keys (cancelled request ids)."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self._items: OrderedDict[str, None] = OrderedDict()
+        self._capacity = capacity
+
+    def add(self, key: str) -> None:
+        self._items[key] = None
+        self._items.move_to_end(key)
+        while len(self._items) > self._capacity:
+            self._items.popitem(last=False)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+
+# ---- in-process ------------------------------------------------------------------------------
+
+
+class _QueueEventStream(EventStream):
+    def __init__(self, bus: InProcessBus, request: GenerateRequest) -> None:
+        super().__init__(request)
+        self._bus = bus
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    async def _receive(self) -> list[TokenEvent]:
+        first = await self.queue.get()
+        rest = []
+        while not self.queue.empty():
+            rest.append(self.queue.get_nowait())
+        return [first, *rest]
+
+    async def close(self) -> None:
+        self._bus._streams.pop(self.request.request_id, None)
+
+
+class InProcessBus(Bus):
+    """Queues on one event loop. Messages still go through `encode`/`decode`, so what the
+    in-process bus accepts is exactly what the Redis bus would."""
+
+    def __init__(self) -> None:
+        self._requests: asyncio.Queue[bytes] = asyncio.Queue()
+        self._streams: dict[str, _QueueEventStream] = {}
+        self._ports: dict[str, _InProcessPort] = {}
+        self._cancelled = _BoundedSet()
+
+    async def submit(self, request: GenerateRequest) -> EventStream:
+        stream = _QueueEventStream(self, request)
+        self._streams[request.request_id] = stream
+        self._requests.put_nowait(encode(request))
+        return stream
+
+    async def cancel(self, request_id: str, reason: str = "client") -> None:
+        self._cancelled.add(request_id)
+        data = encode(Cancel(request_id, reason))
+        for port in self._ports.values():
+            port.cancel_queue.put_nowait(data)
+
+    async def ready(self) -> bool:
+        return any(p.started for p in self._ports.values())
+
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        return {
+            name: p.stats_source() if p.stats_source else {}
+            for name, p in self._ports.items()
+            if p.started
+        }
+
+    def worker(self, name: str | None = None) -> WorkerPort:
+        port = _InProcessPort(self, name or f"worker-{uuid.uuid4().hex[:8]}")
+        self._ports[port.name] = port
+        return port
+
+
+class _InProcessPort(WorkerPort):
+    def __init__(self, bus: InProcessBus, name: str) -> None:
+        self.name = name
+        self._bus = bus
+        self.cancel_queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self.started = False
+        self.stats_source: StatsSource | None = None
+        self._ids = 0
+
+    async def start(self, stats_source: StatsSource | None = None) -> None:
+        self.stats_source = stats_source
+        self.started = True
+
+    async def receive(self, max_count: int = 16, timeout: float = 1.0) -> list[Delivery]:
+        q = self._bus._requests
+        try:
+            first = await asyncio.wait_for(q.get(), timeout)
+        except TimeoutError:
+            return []
+        raw = [first]
+        while len(raw) < max_count and not q.empty():
+            raw.append(q.get_nowait())
+        out = []
+        for data in raw:
+            msg = decode(data)
+            assert isinstance(msg, GenerateRequest)
+            self._ids += 1
+            out.append(Delivery(f"{self.name}-{self._ids}", msg))
+        return out
+
+    async def cancels(self, timeout: float = 1.0) -> list[Cancel]:
+        try:
+            first = await asyncio.wait_for(self.cancel_queue.get(), timeout)
+        except TimeoutError:
+            return []
+        raw = [first]
+        while not self.cancel_queue.empty():
+            raw.append(self.cancel_queue.get_nowait())
+        return [m for m in map(decode, raw) if isinstance(m, Cancel)]
+
+    async def is_cancelled(self, request_id: str) -> bool:
+        return request_id in self._bus._cancelled
+
+    async def emit(self, event: TokenEvent) -> None:
+        stream = self._bus._streams.get(event.request_id)
+        if stream is not None:
+            msg = decode(encode(event))
+            assert isinstance(msg, TokenEvent)
+            stream.queue.put_nowait(msg)
+
+    async def ack(self, delivery: Delivery) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.started = False
+        self._bus._ports.pop(self.name, None)
+
+
+# ---- Redis Streams ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RedisBusConfig:
+    prefix: str = "kvserve"
+    request_stream: str = "prefill"  # full key: {prefix}:{request_stream}
+    group: str = "prefill"
+    claim_idle_s: float = 30.0  # a pending request idle this long belongs to a dead worker
+    heartbeat_s: float = 2.0
+    worker_ttl_s: float = 10.0  # a worker without a heartbeat for this long is not alive
+    out_ttl_s: int = 600  # per-request event streams expire (a gateway that died never reads)
+    cancel_ttl_s: int = 600
+    max_deliveries: int = 3  # a request delivered this often is failed, not retried again
+    cancel_stream_maxlen: int = 10_000
+
+
+class _RedisEventStream(EventStream):
+    def __init__(self, bus: RedisBus, request: GenerateRequest) -> None:
+        super().__init__(request)
+        self._bus = bus
+        self._key = bus.out_key(request.request_id)
+        self._last_id = "0-0"
+
+    async def _receive(self) -> list[TokenEvent]:
+        while True:
+            reply = await self._bus.redis.xread({self._key: self._last_id}, count=64, block=1000)
+            if reply:
+                break
+        events = []
+        for _stream, entries in reply:
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                try:
+                    msg = decode(fields[b"m"])
+                except (ProtocolError, KeyError):
+                    log.warning("dropping a malformed event on %s", self._key)
+                    continue
+                if isinstance(msg, TokenEvent) and msg.request_id == self.request.request_id:
+                    events.append(msg)
+        return events
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._bus.redis.delete(self._key)
+
+
+class RedisBus(Bus):
+    def __init__(self, url: str, config: RedisBusConfig | None = None, redis: Any = None) -> None:
+        import redis.asyncio as aioredis
+
+        self.config = config or RedisBusConfig()
+        self.redis: Any = redis or aioredis.Redis.from_url(url)
+        p = self.config.prefix
+        self.request_key = f"{p}:{self.config.request_stream}"
+        self.cancel_key = f"{p}:cancel"
+        self.workers_key = f"{p}:workers"
+        self.stats_key = f"{p}:worker_stats"
+
+    def out_key(self, request_id: str) -> str:
+        return f"{self.config.prefix}:out:{request_id}"
+
+    def cancelled_key(self, request_id: str) -> str:
+        return f"{self.config.prefix}:cancelled:{request_id}"
+
+    async def submit(self, request: GenerateRequest) -> EventStream:
+        stream = _RedisEventStream(self, request)
+        await self.redis.xadd(self.request_key, {b"m": encode(request)})
+        return stream
+
+    async def cancel(self, request_id: str, reason: str = "client") -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.cancelled_key(request_id), reason, ex=self.config.cancel_ttl_s)
+        pipe.xadd(
+            self.cancel_key,
+            {b"m": encode(Cancel(request_id, reason))},
+            maxlen=self.config.cancel_stream_maxlen,
+            approximate=True,
+        )
+        await pipe.execute()
+
+    async def live_workers(self) -> list[str]:
+        since = time.time() - self.config.worker_ttl_s
+        names = await self.redis.zrangebyscore(self.workers_key, since, "+inf")
+        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.live_workers())
+        except Exception:  # Redis down: not ready
+            return False
+
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        names = await self.live_workers()
+        if not names:
+            return {}
+        raw = await self.redis.hmget(self.stats_key, names)
+        return {
+            n: msgpack.unpackb(r, raw=False) if r else {} for n, r in zip(names, raw, strict=True)
+        }
+
+    def worker(self, name: str | None = None) -> WorkerPort:
+        return _RedisPort(self, name or f"worker-{uuid.uuid4().hex[:8]}")
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+class _RedisPort(WorkerPort):
+    def __init__(self, bus: RedisBus, name: str) -> None:
+        self.name = name
+        self._bus = bus
+        self._r: Any = bus.redis
+        self._cfg = bus.config
+        self._held: dict[str, Delivery] = {}  # received, not yet acked
+        self._cancel_cursor: bytes | str | None = None
+        self._stats_source: StatsSource | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._last_claim = 0.0
+
+    async def start(self, stats_source: StatsSource | None = None) -> None:
+        self._stats_source = stats_source
+        with contextlib.suppress(Exception):  # BUSYGROUP: it exists already
+            await self._r.xgroup_create(
+                self._bus.request_key, self._cfg.group, id="0", mkstream=True
+            )
+        await self._init_cancel_cursor()
+        await self.heartbeat()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+
+    async def _init_cancel_cursor(self) -> None:
+        """Read cancels from now on (older ones reach us through the cancelled keys)."""
+        last = await self._r.xrevrange(self._bus.cancel_key, count=1)
+        self._cancel_cursor = last[0][0] if last else "0-0"
+
+    async def heartbeat(self) -> None:
+        """Say we are alive, publish stats, and reset the idle time of every request we hold
+        (so XAUTOCLAIM takes only a dead worker's requests)."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.zadd(self._bus.workers_key, {self.name: time.time()})
+        if self._stats_source is not None:
+            stats = msgpack.packb(self._stats_source(), default=str)
+            pipe.hset(self._bus.stats_key, self.name, stats)
+        if self._held:
+            pipe.xclaim(
+                self._bus.request_key,
+                self._cfg.group,
+                self.name,
+                min_idle_time=0,
+                message_ids=list(self._held),
+                justid=True,
+            )
+        await pipe.execute()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cfg.heartbeat_s)
+            try:
+                await self.heartbeat()
+            except Exception:
+                log.exception("worker heartbeat failed")
+
+    async def receive(self, max_count: int = 16, timeout: float = 1.0) -> list[Delivery]:
+        out = await self._claim_stale(max_count)
+        if out:
+            return out
+        reply = await self._r.xreadgroup(
+            self._cfg.group,
+            self.name,
+            {self._bus.request_key: ">"},
+            count=max_count,
+            block=max(1, int(timeout * 1000)),
+        )
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                d = await self._delivery(entry_id, fields, redelivered=False)
+                if d is not None:
+                    out.append(d)
+        return out
+
+    async def _claim_stale(self, max_count: int) -> list[Delivery]:
+        """XAUTOCLAIM requests idle longer than claim_idle_s (their worker is dead). Checked
+        at most once per heartbeat period."""
+        now = time.monotonic()
+        if now - self._last_claim < self._cfg.heartbeat_s:
+            return []
+        self._last_claim = now
+        reply = await self._r.xautoclaim(
+            self._bus.request_key,
+            self._cfg.group,
+            self.name,
+            min_idle_time=int(self._cfg.claim_idle_s * 1000),
+            start_id="0-0",
+            count=max_count,
+        )
+        out = []
+        for entry_id, fields in reply[1]:
+            if fields is None:  # deleted while pending
+                continue
+            if await self._delivered_too_often(entry_id):
+                continue
+            d = await self._delivery(entry_id, fields, redelivered=True)
+            if d is not None:
+                out.append(d)
+        return out
+
+    async def _delivered_too_often(self, entry_id: bytes) -> bool:
+        info = await self._r.xpending_range(
+            self._bus.request_key, self._cfg.group, min=entry_id, max=entry_id, count=1
+        )
+        if not info or info[0]["times_delivered"] <= self._cfg.max_deliveries:
+            return False
+        d = await self._delivery(entry_id, (await self._fields(entry_id)) or {}, True)
+        if d is not None:
+            err = ErrorInfo(
+                f"request failed on {self._cfg.max_deliveries} workers; not retried again",
+                "server_error",
+            )
+            await self.emit(error_event(d.request.request_id, 0, err))
+            await self.ack(d)
+        else:
+            await self._ack_id(entry_id)
+        return True
+
+    async def _fields(self, entry_id: bytes) -> dict[bytes, bytes] | None:
+        rows = await self._r.xrange(self._bus.request_key, min=entry_id, max=entry_id)
+        return dict(rows[0][1]) if rows else None
+
+    async def _delivery(
+        self, entry_id: bytes | str, fields: dict[bytes, bytes], redelivered: bool
+    ) -> Delivery | None:
+        mid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        try:
+            msg = decode(fields[b"m"])
+            if not isinstance(msg, GenerateRequest):
+                raise ProtocolError(f"expected a generate request, got {type(msg).__name__}")
+        except (ProtocolError, KeyError) as e:
+            log.warning("dropping malformed request %s: %s", mid, e)
+            await self._ack_id(mid)
+            return None
+        d = Delivery(mid, msg, redelivered)
+        self._held[mid] = d
+        return d
+
+    async def cancels(self, timeout: float = 1.0) -> list[Cancel]:
+        if self._cancel_cursor is None:
+            await self._init_cancel_cursor()
+        reply = await self._r.xread(
+            {self._bus.cancel_key: self._cancel_cursor},
+            count=256,
+            block=max(1, int(timeout * 1000)),
+        )
+        out = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._cancel_cursor = entry_id
+                with contextlib.suppress(ProtocolError, KeyError):
+                    msg = decode(fields[b"m"])
+                    if isinstance(msg, Cancel):
+                        out.append(msg)
+        return out
+
+    async def is_cancelled(self, request_id: str) -> bool:
+        return bool(await self._r.exists(self._bus.cancelled_key(request_id)))
+
+    async def emit(self, event: TokenEvent) -> None:
+        key = self._bus.out_key(event.request_id)
+        pipe = self._r.pipeline(transaction=False)
+        pipe.xadd(key, {b"m": encode(event)})
+        pipe.expire(key, self._cfg.out_ttl_s)
+        await pipe.execute()
+
+    async def ack(self, delivery: Delivery) -> None:
+        self._held.pop(delivery.message_id, None)
+        await self._ack_id(delivery.message_id)
+
+    async def _ack_id(self, message_id: bytes | str) -> None:
+        pipe = self._r.pipeline(transaction=False)
+        pipe.xack(self._bus.request_key, self._cfg.group, message_id)
+        pipe.xdel(self._bus.request_key, message_id)
+        await pipe.execute()
+
+    async def close(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+        with contextlib.suppress(Exception):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.zrem(self._bus.workers_key, self.name)
+            pipe.hdel(self._bus.stats_key, self.name)
+            await pipe.execute()
+
+    @property
+    def held(self) -> Sequence[str]:
+        return list(self._held)

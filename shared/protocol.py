@@ -1,0 +1,176 @@
+"""The messages on the bus: a generate request, a token event, a cancel.
+
+Each message is a small frozen dataclass; `encode` turns it into a msgpack map (never pickle)
+tagged with its kind and the protocol version, `decode` turns bytes back into the dataclass and
+raises ProtocolError for anything malformed (wrong version, unknown kind, missing or mistyped
+field), so a bad message is rejected at the boundary rather than deep in a worker.
+
+Invariants:
+- A request's token events carry `seq` = 0, 1, 2, ... in emission order; a consumer keeps the
+  first event of each seq and drops the rest (a redelivered request is re-run from the start and
+  re-emits the same seqs).
+- An event with `error` set is terminal for the whole request. Otherwise the request is finished
+  when every completion index 0..n-1 has had an event with `finish_reason` set.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a valid message of this protocol version."""
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An error in OpenAI's shape: `type` as OpenAI names it, `param` the offending field."""
+
+    message: str
+    type: str = "server_error"
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A tokenized, validated request. `sampling` is SamplingParams as a plain dict (field
+    names of kvserve.shared.engine.sampling_params.SamplingParams); `deadline` is a Unix
+    time after which the request is no longer worth running."""
+
+    KIND: ClassVar[str] = "generate"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    cache_salt: str | None = None
+    traceparent: str | None = None
+    deadline: float | None = None
+    submitted_at: float = field(default_factory=time.time)
+
+    @property
+    def n(self) -> int:
+        return int(self.sampling.get("n", 1))
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one completion (`index`) of a request produced since its previous event."""
+
+    KIND: ClassVar[str] = "token"
+    request_id: str
+    seq: int
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop a request wherever it is (client gone, deadline passed, shutdown)."""
+
+    KIND: ClassVar[str] = "cancel"
+    request_id: str
+    reason: str = "client"
+
+
+Message = GenerateRequest | TokenEvent | Cancel
+_KINDS: dict[str, type[GenerateRequest] | type[TokenEvent] | type[Cancel]] = {
+    c.KIND: c for c in (GenerateRequest, TokenEvent, Cancel)
+}
+
+# Expected Python types of each field (after msgpack decoding), checked on decode.
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+_OPT_STR = (str, type(None))
+_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "generate": {
+        "request_id": _STR,
+        "prompt_token_ids": (list,),
+        "sampling": (dict,),
+        "cache_salt": _OPT_STR,
+        "traceparent": _OPT_STR,
+        "deadline": (int, float, type(None)),
+        "submitted_at": _NUM,
+    },
+    "token": {
+        "request_id": _STR,
+        "seq": _INT,
+        "index": _INT,
+        "token_ids": (list,),
+        "text": _STR,
+        "logprobs": (list,),
+        "finish_reason": _OPT_STR,
+        "num_prompt_tokens": _INT,
+        "num_cached_tokens": _INT,
+        "error": (dict, type(None)),
+    },
+    "cancel": {"request_id": _STR, "reason": _STR},
+}
+
+
+def encode(msg: Message) -> bytes:
+    body = asdict(msg)
+    body["kind"] = msg.KIND
+    body["v"] = PROTOCOL_VERSION
+    return bytes(msgpack.packb(body, use_bin_type=True))
+
+
+def decode(data: bytes) -> Message:
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"not a msgpack message: {e}") from e
+    if not isinstance(body, dict):
+        raise ProtocolError("a message is a msgpack map")
+    if body.pop("v", None) != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version (expected {PROTOCOL_VERSION})")
+    kind = body.pop("kind", None)
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    _check_fields(str(kind), body)
+    if cls is TokenEvent and body.get("error") is not None:
+        body["error"] = _error_info(body["error"])
+    try:
+        return cls(**body)
+    except TypeError as e:
+        raise ProtocolError(f"bad {kind} message: {e}") from e
+
+
+def _check_fields(kind: str, body: dict[str, Any]) -> None:
+    types = _FIELD_TYPES[kind]
+    unknown = set(body) - set(types)
+    if unknown:
+        raise ProtocolError(f"{kind} message has unknown fields {sorted(unknown)}")
+    for name, value in body.items():
+        is_bool = isinstance(value, bool) and bool not in types[name]
+        if not isinstance(value, types[name]) or is_bool:
+            raise ProtocolError(f"{kind} message field {name!r} has type {type(value).__name__}")
+    for name in ("prompt_token_ids", "token_ids"):
+        if name in body and not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in body[name]
+        ):
+            raise ProtocolError(f"{kind} message field {name!r} must hold ints")
+
+
+def _error_info(raw: dict[str, Any]) -> ErrorInfo:
+    names = {f.name for f in fields(ErrorInfo)}
+    if (
+        not isinstance(raw.get("message"), str)
+        or set(raw) - names
+        or not all(isinstance(raw.get(k), str | None) for k in ("type", "param", "code"))
+    ):
+        raise ProtocolError("bad error in token event")
+    return ErrorInfo(**raw)

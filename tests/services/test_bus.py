@@ -1,0 +1,242 @@
+"""Both bus implementations behind one interface; the Redis Streams one also for what only it
+has (consumer groups, claiming a dead worker's requests, poison messages), against the real
+Redis (marker `redis`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from kvserve.shared.bus import Bus, InProcessBus, RedisBus, RedisBusConfig
+from kvserve.shared.protocol import Cancel, ErrorInfo, GenerateRequest, TokenEvent
+
+REDIS_URL = "redis://127.0.0.1:6379/13"
+
+
+async def redis_answers() -> bool:
+    client = aioredis.from_url(REDIS_URL, socket_connect_timeout=0.5)
+    try:
+        return bool(await client.ping())
+    except Exception:
+        return False
+    finally:
+        await client.aclose()
+
+
+async def make_redis_bus(**config: Any) -> RedisBus:
+    if not await redis_answers():
+        pytest.skip(f"no Redis at {REDIS_URL}")
+    prefix = f"kvtest-{uuid.uuid4().hex[:12]}"
+    return RedisBus(REDIS_URL, RedisBusConfig(prefix=prefix, **config))
+
+
+async def drop(bus: RedisBus) -> None:
+    keys = [k async for k in bus.redis.scan_iter(match=f"{bus.config.prefix}:*")]
+    if keys:
+        await bus.redis.delete(*keys)
+    await bus.close()
+
+
+@pytest.fixture(params=["inproc", pytest.param("redis", marks=pytest.mark.redis)])
+async def bus(request: pytest.FixtureRequest) -> AsyncIterator[Bus]:
+    if request.param == "inproc":
+        yield InProcessBus()
+        return
+    b = await make_redis_bus()
+    try:
+        yield b
+    finally:
+        await drop(b)
+
+
+@pytest.fixture
+async def rbus() -> AsyncIterator[RedisBus]:
+    b = await make_redis_bus(claim_idle_s=0.0, max_deliveries=3)
+    try:
+        yield b
+    finally:
+        await drop(b)
+
+
+def request(rid: str = "r1", n: int = 1) -> GenerateRequest:
+    return GenerateRequest(rid, [1, 2, 3], {"max_tokens": 4, "n": n}, cache_salt="t")
+
+
+def event(seq: int, index: int = 0, finish: str | None = None, rid: str = "r1") -> TokenEvent:
+    return TokenEvent(rid, seq, index, [100 + seq], f"t{seq}", finish_reason=finish)
+
+
+# ---- both implementations --------------------------------------------------------------------
+
+
+async def test_events_deduplicated_in_seq_order_until_every_completion_ends(bus: Bus) -> None:
+    port = bus.worker("w1")
+    await port.start()
+    sent = request(n=2)
+    stream = await bus.submit(sent)
+    (d,) = await port.receive(timeout=5)
+    assert d.request == sent and not d.redelivered
+    for ev in [event(0), event(0), event(2, 1, "length"), event(1, 0, "stop"), event(1)]:
+        await port.emit(ev)  # a duplicate, a gap filled late, a duplicate after the end
+    got = [ev async for ev in stream]
+    assert [(e.seq, e.index, e.finish_reason) for e in got] == [
+        (0, 0, None),
+        (1, 0, "stop"),
+        (2, 1, "length"),
+    ]
+    assert stream.done
+    await port.ack(d)
+    await stream.close()
+    await port.close()
+
+
+async def test_error_event_ends_the_stream_whatever_its_seq(bus: Bus) -> None:
+    port = bus.worker()
+    await port.start()
+    stream = await bus.submit(request())
+    await port.receive(timeout=5)
+    await port.emit(event(0))
+    await port.emit(TokenEvent("r1", 7, error=ErrorInfo("boom", "server_error")))
+    got = [ev async for ev in stream]
+    assert [e.seq for e in got] == [0, 7] and got[-1].error == ErrorInfo("boom", "server_error")
+    await stream.close()
+    await port.close()
+
+
+async def test_cancel_reaches_every_worker(bus: Bus) -> None:
+    a, b = bus.worker("a"), bus.worker("b")
+    await a.start()
+    await b.start()
+    await bus.cancel("r1", "client")
+    assert await a.cancels(timeout=5) == [Cancel("r1", "client")]
+    assert await b.cancels(timeout=5) == [Cancel("r1", "client")]
+    assert await a.is_cancelled("r1") and not await a.is_cancelled("r2")
+    assert await a.cancels(timeout=0.01) == []
+    await a.close()
+    await b.close()
+
+
+async def test_ready_and_stats_follow_live_workers(bus: Bus) -> None:
+    assert not await bus.ready()
+    port = bus.worker("w1")
+    await port.start(lambda: {"num_requests_running": 2})
+    assert await bus.ready()
+    assert await bus.stats() == {"w1": {"num_requests_running": 2}}
+    await port.close()
+    assert not await bus.ready()
+    assert await bus.stats() == {}
+
+
+async def test_receive_times_out_empty(bus: Bus) -> None:
+    port = bus.worker()
+    await port.start()
+    assert await port.receive(timeout=0.01) == []
+    await port.close()
+
+
+# ---- Redis Streams only ----------------------------------------------------------------------
+
+
+@pytest.mark.redis
+async def test_dead_workers_request_is_claimed_and_completes(rbus: RedisBus) -> None:
+    stream = await rbus.submit(request())
+    dead = rbus.worker("dead")
+    await dead.start()
+    (first,) = await dead.receive(timeout=5)
+    await dead.emit(event(0))  # it got this far, then died (no ack, no heartbeat)
+    await dead.close()
+    live = rbus.worker("live")
+    await live.start()
+    (again,) = await live.receive(timeout=5)
+    assert again.redelivered and again.request == first.request
+    await live.emit(event(0))  # re-run from the start: the duplicate is dropped
+    await live.emit(event(1, 0, "stop"))
+    await live.ack(again)
+    assert [e.seq for e in [ev async for ev in stream]] == [0, 1]
+    assert (await rbus.redis.xpending(rbus.request_key, "prefill"))["pending"] == 0
+    assert await rbus.redis.xlen(rbus.request_key) == 0
+    await stream.close()
+    assert not await rbus.redis.exists(rbus.out_key("r1"))
+    await live.close()
+
+
+@pytest.mark.redis
+async def test_heartbeat_keeps_held_requests_fresh() -> None:
+    bus = await make_redis_bus(claim_idle_s=30.0)
+    try:
+        port = bus.worker("w")
+        await port.start()
+        await bus.submit(request())
+        (d,) = await port.receive(timeout=5)
+
+        async def pending() -> dict[str, Any]:
+            rows = await bus.redis.xpending_range(bus.request_key, "prefill", "-", "+", 1)
+            return dict(rows[0])
+
+        deadline = time.monotonic() + 5
+        while (await pending())["time_since_delivered"] < 200:  # let it go idle a little
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        await port.heartbeat()  # type: ignore[attr-defined]
+        after = await pending()
+        assert after["time_since_delivered"] < 200 and after["times_delivered"] == 1
+        # A second worker does not take a request whose worker is alive.
+        other = bus.worker("other")
+        await other.start()
+        assert await other.receive(timeout=0.05) == []
+        await port.ack(d)
+        await other.close()
+        await port.close()
+    finally:
+        await drop(bus)
+
+
+@pytest.mark.redis
+async def test_poison_request_fails_after_max_deliveries() -> None:
+    bus = await make_redis_bus(claim_idle_s=0.0, max_deliveries=1)
+    try:
+        stream = await bus.submit(request())
+        a = bus.worker("a")
+        await a.start()
+        await a.receive(timeout=5)  # delivery 1; a dies with it
+        await a.close()
+        b = bus.worker("b")
+        await b.start()
+        assert await b.receive(timeout=0.05) == []  # delivery 2 > max: failed, not run
+        (err,) = [ev async for ev in stream]
+        assert err.error is not None and "not retried" in err.error.message
+        assert (await bus.redis.xpending(bus.request_key, "prefill"))["pending"] == 0
+        await b.close()
+    finally:
+        await drop(bus)
+
+
+@pytest.mark.redis
+async def test_malformed_request_is_acked_and_dropped(rbus: RedisBus) -> None:
+    port = rbus.worker("w")
+    await port.start()
+    await rbus.redis.xadd(rbus.request_key, {b"m": b"\xc1 not msgpack"})
+    await rbus.submit(request("good"))
+    got = await port.receive(timeout=5)
+    while not got:
+        got = await port.receive(timeout=5)
+    assert [d.request.request_id for d in got] == ["good"]
+    await port.ack(got[0])
+    assert (await rbus.redis.xpending(rbus.request_key, "prefill"))["pending"] == 0
+    await port.close()
+
+
+@pytest.mark.redis
+async def test_cancel_before_pickup_is_remembered(rbus: RedisBus) -> None:
+    await rbus.submit(request())
+    await rbus.cancel("r1", "deadline")
+    port = rbus.worker("late")
+    await port.start()  # reads cancels from now on; the earlier one is in the cancelled key
+    assert await port.cancels(timeout=0.01) == []
+    assert await port.is_cancelled("r1")
+    await port.close()
