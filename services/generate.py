@@ -6,9 +6,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from kvserve.services.cli import CliError
-from kvserve.shared.config import KV_DTYPES, CacheConfig, EngineConfig, default_model_path
+from kvserve.shared.config import (
+    DEFAULT_STORE,
+    KV_DTYPES,
+    STORE_FORMATS,
+    CacheConfig,
+    EngineConfig,
+    StoreConfig,
+    default_model_path,
+)
+
+if TYPE_CHECKING:
+    from kvserve.shared.engine.engine import Engine
+    from kvserve.shared.engine.sampling_params import SamplingParams
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,12 +41,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--attention-backend", choices=("auto", "torch", "cpu", "triton"), default="auto"
     )
+    p.add_argument(
+        "--store",
+        default="none",
+        metavar="URL",
+        help="prefix store: memory://, file:///dir, redis://host:port/db, redis+cluster://..., "
+        "'default' (disk tier under the cache directory) or 'none' (the default here)",
+    )
+    p.add_argument("--store-format", choices=STORE_FORMATS, default="native")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.shared.engine.engine import Engine
     from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
+    from kvserve.shared.store.base import check_store_url
 
     if not args.prompt:
         raise CliError("prompt must not be empty")
@@ -50,15 +72,30 @@ def run(args: argparse.Namespace) -> int:
         )
     except InvalidRequestError as e:
         raise CliError(f"--{e.param.replace('_', '-')}: {e}") from e
+    store = None if args.store == "none" else args.store
+    if store is not None and store != DEFAULT_STORE:
+        try:
+            check_store_url(store)
+        except ValueError as e:
+            raise CliError(f"--store: {e}") from e
     t0 = time.perf_counter()
     engine = Engine(
         EngineConfig(
             model_path=args.model,
             cache=CacheConfig(kv_dtype=args.kv_dtype),
+            store=StoreConfig(url=store, format=args.store_format),
             attention_backend=args.attention_backend,
         )
     )
-    load_s = time.perf_counter() - t0
+    with engine:
+        return _generate(engine, args, params, time.perf_counter() - t0)
+
+
+def _generate(
+    engine: Engine, args: argparse.Namespace, params: SamplingParams, load_s: float
+) -> int:
+    from kvserve.shared.engine.sampling_params import InvalidRequestError
+
     tok = engine.tokenizer
     ids = (
         tok.encode(args.prompt)
@@ -71,9 +108,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"{e.param}: {e}") from e
     t1 = time.perf_counter()
     first: float | None = None
-    n_out = 0
+    n_out = cached = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
+            cached = out.num_cached_tokens
             for d in out.completions:
                 if d.token_ids and first is None:
                     first = time.perf_counter() - t1
@@ -83,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - t1
     sys.stdout.write("\n")
     print(
-        f"[load {load_s:.2f}s, prompt {len(ids)} tokens, ttft {first or 0:.3f}s, "
+        f"[load {load_s:.2f}s, prompt {len(ids)} tokens ({cached} cached), "
+        f"ttft {first or 0:.3f}s, "
         f"{n_out} tokens in {total:.2f}s, {n_out / total if total else 0:.1f} tok/s]",
         file=sys.stderr,
     )

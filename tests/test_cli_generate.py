@@ -23,6 +23,8 @@ def test_generate_prints_greedy_text(make_engine, tokenizer, capsys) -> None:  #
         (["--top-p", "0"], "--top-p"),
         (["--max-tokens", "0"], "--max-tokens"),
         (["--temperature", "-1"], "--temperature"),
+        (["--store", "ftp://host/x"], "--store"),
+        (["--store", "file://relative/dir"], "--store"),
     ],
 )
 def test_generate_bad_arguments_one_line(capsys, args: list[str], message: str) -> None:  # type: ignore[no-untyped-def]

@@ -99,6 +99,20 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
+STORE_SCHEMES = ("memory", "file", "redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+def check_store_url(url: str) -> None:
+    """Raise ValueError (a one-line message) for a URL `open_store` cannot open."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in STORE_SCHEMES:
+        raise ValueError(f"unknown store URL scheme {parts.scheme!r} in {url!r}")
+    if parts.scheme.lower() == "file" and (
+        parts.netloc not in ("", "localhost") or not parts.path.startswith("/")
+    ):
+        raise ValueError(f"file store needs an absolute path: file:///abs/dir, got {url!r}")
+
+
 def open_store(url: str) -> BlockStore:
     """Open a backend from a URL.
 
