@@ -226,6 +226,12 @@ class EngineWorker:
         except Exception as e:
             log.exception("request failed", request_id=req.request_id)
             await out.error(ErrorInfo(f"internal error: {type(e).__name__}", "server_error"))
+            if not self.engine.healthy and self._accepting:
+                # The engine thread is dead: leave the bus so /ready says so and no new
+                # request is sent here.
+                log.error("engine failed; the worker stops taking requests")
+                self._accepting = False
+                await self.port.close()
         return out
 
 

@@ -9,8 +9,10 @@ Invariants:
 - A request's token events carry `seq` = 0, 1, 2, ... in emission order; a consumer keeps the
   first event of each seq and drops the rest (a redelivered request is re-run from the start and
   re-emits the same seqs).
-- An event with `error` set is terminal for the whole request. Otherwise the request is finished
-  when every completion index 0..n-1 has had an event with `finish_reason` set.
+- An event with `error` set is terminal for the whole request, whatever its seq (a worker that
+  fails a request it never ran does not know how many events came before). Otherwise the
+  request is finished when every completion index 0..n-1 has had an event with
+  `finish_reason` set.
 """
 
 from __future__ import annotations

@@ -77,6 +77,7 @@ log = get_logger("kvserve.gateway")
 tracer = get_tracer("kvserve.gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+TENANT_SALT: web.RequestKey[str] = web.RequestKey("tenant_salt", str)  # set by auth on /v1
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,9 @@ class Gateway:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            request["tenant_salt"] = self.keys.authenticate(request.headers.get("Authorization"))
+            salt = self.keys.authenticate(request.headers.get("Authorization"))
+            if salt is not None:
+                request[TENANT_SALT] = salt
         return await handler(request)
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
@@ -203,7 +206,16 @@ class Gateway:
         return await self._generate(request, plan)
 
     async def _generate(self, request: web.Request, plan: GenerationPlan) -> web.StreamResponse:
-        salt = self.keys.effective_salt(request.get("tenant_salt"), plan.cache_salt)
+        salt = self.keys.effective_salt(request.get(TENANT_SALT), plan.cache_salt)
+        if not await self.bus.ready():
+            raise APIError(
+                503,
+                "No engine worker is ready yet; retry shortly.",
+                "server_error",
+                None,
+                "not_ready",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
         with self.admission.admit():
             return await self._traced(request, plan, salt)
 

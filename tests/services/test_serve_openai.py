@@ -4,6 +4,7 @@ process, the real model, the in-process bus and worker. One server for the modul
 from __future__ import annotations
 
 import json
+import socket
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -281,6 +282,24 @@ def test_cancelled_stream_frees_blocks(client: openai.OpenAI, http: Http) -> Non
     # The server keeps serving.
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason == "length"
+
+
+def test_client_gone_during_non_stream_request_cancels_it(server: ServeProcess, http: Http) -> None:
+    poll_until(lambda: idle(http))
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps(
+        {"prompt": "Count: one, two,", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + body)
+        poll_until(lambda: cache_totals(http)["num_requests_running"] == 1)
+    # The connection is closed: the handler is cancelled, the request cancelled on the bus.
+    after = poll_until(lambda: idle(http))
+    assert after["num_used_blocks"] == 0
 
 
 # ---- errors ----------------------------------------------------------------------------------

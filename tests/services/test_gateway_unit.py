@@ -1,0 +1,176 @@
+"""The gateway alone, over the in-process bus with a scripted worker (no engine): stream
+failures mid-way, deadlines, readiness, auth salts, admission."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from kvserve.services.gateway.admission import Admission
+from kvserve.services.gateway.app import Gateway, GatewayConfig
+from kvserve.services.gateway.auth import ApiKeys, key_salt
+from kvserve.services.gateway.errors import APIError
+from kvserve.services.gateway.schema import ModelInfo
+from kvserve.shared.bus import Delivery, InProcessBus, WorkerPort
+from kvserve.shared.model.tokenizer import KVTokenizer
+from kvserve.shared.protocol import ErrorInfo, TokenEvent
+from kvserve.shared.store.hashing import validate_cache_salt
+
+Script = Callable[[WorkerPort, Delivery], Awaitable[None]]
+
+
+class Harness:
+    def __init__(self, tokenizer: KVTokenizer, **config: Any) -> None:
+        self.bus = InProcessBus()
+        info = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size)
+        self.gateway = Gateway(GatewayConfig(**config), self.bus, info)
+        self.server = TestServer(self.gateway.app)
+        self.port = self.bus.worker("fake")
+        self.script: Script | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Harness:
+        await self.server.start_server()
+        self.session = aiohttp.ClientSession(str(self.server.make_url("")))
+        return self
+
+    async def start_worker(self, script: Script) -> None:
+        await self.port.start()
+        self.script = script
+        self._task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            for d in await self.port.receive(timeout=1):
+                assert self.script is not None
+                await self.script(self.port, d)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.session.close()
+        await self.server.close()
+
+    async def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any, str]:
+        async with self.session.post(path, json=body) as r:
+            text = await r.text()
+            is_json = r.content_type == "application/json"
+            return r.status, json.loads(text) if is_json else None, text
+
+
+@pytest.fixture
+async def harness(tokenizer: KVTokenizer) -> AsyncIterator[Harness]:
+    async with Harness(tokenizer, request_timeout_s=0.5) as h:
+        yield h
+
+
+def tokens(rid: str, seq: int, text: str, finish: str | None = None) -> TokenEvent:
+    return TokenEvent(rid, seq, 0, [42], text, finish_reason=finish, num_prompt_tokens=3)
+
+
+async def one_token_then_error(port: WorkerPort, d: Delivery) -> None:
+    rid = d.request.request_id
+    await port.emit(tokens(rid, 0, "Hel"))
+    await port.emit(TokenEvent(rid, 1, error=ErrorInfo("the engine failed", "server_error")))
+
+
+async def silent(port: WorkerPort, d: Delivery) -> None:
+    pass
+
+
+async def one_token_then_silence(port: WorkerPort, d: Delivery) -> None:
+    await port.emit(tokens(d.request.request_id, 0, "Hel"))
+
+
+async def test_stream_failing_midway_sends_error_event_then_done(harness: Harness) -> None:
+    await harness.start_worker(one_token_then_error)
+    status, _, text = await harness.post(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    assert status == 200
+    events = [ln.removeprefix("data: ") for ln in text.split("\n\n") if ln]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["message"] == "the engine failed" and err["type"] == "server_error"
+    assert set(err) == {"message", "type", "param", "code"}
+    assert json.loads(events[-3])["choices"][0]["delta"]["content"] == "Hel"
+
+
+async def test_error_before_first_token_is_an_http_error(harness: Harness) -> None:
+    async def reject(port: WorkerPort, d: Delivery) -> None:
+        err = ErrorInfo("cannot fit", "invalid_request_error", "max_tokens")
+        await port.emit(TokenEvent(d.request.request_id, 0, error=err))
+
+    await harness.start_worker(reject)
+    status, body, _ = await harness.post("/v1/completions", {"prompt": "hi", "stream": True})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
+async def test_deadline_504_and_mid_stream_timeout(harness: Harness) -> None:
+    await harness.start_worker(silent)
+    status, body, _ = await harness.post("/v1/completions", {"prompt": "hi"})
+    assert status == 504 and body["error"]["type"] == "timeout"
+    harness.script = one_token_then_silence
+    status, _, text = await harness.post("/v1/completions", {"prompt": "hi", "stream": True})
+    assert status == 200
+    events = [ln.removeprefix("data: ") for ln in text.split("\n\n") if ln]
+    assert json.loads(events[-2])["error"]["code"] == "timeout" and events[-1] == "[DONE]"
+
+
+async def test_not_ready_without_worker_then_ready(harness: Harness) -> None:
+    async with harness.session.get("/ready") as r:
+        assert r.status == 503 and (await r.json()) == {"status": "starting"}
+    status, body, _ = await harness.post("/v1/completions", {"prompt": "hi"})
+    assert status == 503 and body["error"]["code"] == "not_ready"
+
+    async def done(port: WorkerPort, d: Delivery) -> None:
+        await port.emit(tokens(d.request.request_id, 0, "ok", "stop"))
+
+    await harness.start_worker(done)
+    async with harness.session.get("/ready") as r:
+        assert r.status == 200
+    status, body, _ = await harness.post("/v1/completions", {"prompt": "hi"})
+    assert status == 200 and body["choices"][0]["text"] == "ok"
+    harness.gateway.start_draining()
+    async with harness.session.get("/ready") as r:
+        assert r.status == 503 and (await r.json()) == {"status": "draining"}
+
+
+def test_key_salts_are_valid_distinct_and_nest_client_salts() -> None:
+    keys = ApiKeys(["a", "b"], allow_client_salt=True)
+    sa = keys.authenticate("Bearer a")
+    sb = keys.authenticate("bearer b")
+    assert sa == key_salt("a") and sb == key_salt("b") and sa != sb
+    assert validate_cache_salt(sa) == sa and "a" not in (sa or "")[4:5]
+    assert keys.effective_salt(sa, None) == sa
+    assert keys.effective_salt(sa, "team1") == f"{sa}.team1"
+    for header in (None, "", "Bearer", "Bearer c", "Basic a"):
+        with pytest.raises(APIError) as e:
+            keys.authenticate(header)
+        assert e.value.status == 401
+    with pytest.raises(APIError):
+        keys.effective_salt(sa, "bad salt!")
+    with pytest.raises(APIError):
+        ApiKeys(["a"]).effective_salt(sa, "x")  # not allowed by default
+    assert ApiKeys().authenticate(None) is None
+    assert ApiKeys().effective_salt(None, "tenant-7") == "tenant-7"
+
+
+async def test_admission_bound_and_drain() -> None:
+    adm = Admission(1)
+    with adm.admit():
+        with pytest.raises(APIError) as e, adm.admit():
+            pass
+        assert e.value.status == 503 and e.value.headers["Retry-After"] == "1"
+        assert not await adm.drained(0.01)
+    assert await adm.drained(0.01)
+    adm.start_draining()
+    with pytest.raises(APIError) as e, adm.admit():
+        pass
+    assert e.value.code == "shutting_down"
