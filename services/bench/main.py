@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "engine": Benchmark("engine", "engine output tok/s vs HF transformers, and the roofline"),
     "prefix": Benchmark("prefix", "prefix caching: TTFT cold vs warm, shared-prefix throughput"),
     "kvquant": Benchmark("kvquant", "int8/fp8 KV cache: perplexity, KLD, greedy agreement, bytes"),
+    "store": Benchmark("store", "prefix store: bytes/token and quality per format, TTFT, MB/s"),
 }
 
 

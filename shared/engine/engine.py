@@ -111,6 +111,7 @@ class _Fetch:
     future: concurrent.futures.Future[FetchResult]
     seq: Sequence
     deadline: float
+    started: float = field(default_factory=time.perf_counter)
 
 
 def store_url(url: str) -> str:
@@ -164,6 +165,8 @@ class Engine:
         self._fetching: dict[str, _Fetch] = {}
         # Running estimate of prefill seconds per token, for the store's cost rule.
         self.prefill_s_per_token = 1 / 300
+        self.last_fetch: FetchResult | None = None  # the latest finished fetch (benchmarks)
+        self.copy_in_s = 0.0  # total time spent copying host-tier blocks into the cache
         if config.store.url and cc.enable_prefix_caching:
             self._open_tiers()
         self.sampler = Sampler()
@@ -320,7 +323,9 @@ class Engine:
                 run.append((h, *got))
             new = self.pool.allocate(len(run)) if run else None
             if new:
+                t0 = time.perf_counter()
                 self.runner.cache.write_blocks(new, [d for _, d, _ in run])
+                self.copy_in_s += time.perf_counter() - t0
                 for (h, _, src), b in zip(run, new, strict=True):
                     self.pool.cache(blocks[-1] if blocks else None, h, b)
                     blocks.append(b)
@@ -401,6 +406,8 @@ class Engine:
             else:
                 f.future.cancel()
             assert self.host_tier is not None
+            res.timings["admitted_after_s"] = time.perf_counter() - f.started
+            self.last_fetch = res
             for h, data in res.blocks:
                 self.host_tier.put(h, data, "store")
             if res.decision != "none":

@@ -1,0 +1,295 @@
+"""`kvserve bench store`: the prefix store's formats, cross-instance reuse through Redis, and the
+store's raw throughput.
+
+- formats: stored bytes per token and quality for each store format against raw fp16, measured
+  on the model's real K/V by `store_quality.format_quality` (every earlier block of a text or a
+  greedy continuation has made the round trip through the codec): mean KLD of the next-token
+  distributions over --text-tokens of prose, teacher-forced greedy agreement over --num-prompts
+  chat prompts x --gen-tokens reference tokens.
+- ttft: engine A computes a --prefix-tokens prefix and publishes it to Redis (--format); then,
+  per repeat, a fresh engine B with an empty device cache answers prefix + a new question,
+  loading the prefix from Redis, and a fresh engine B' without a store answers the same request
+  by recomputing. Both B and B' serve one short warm-up request first. TTFT medians, the
+  speedup, and B's breakdown: store round trips (contains + get), frame verification +
+  decompression + dequantization, conversion to the cache dtype, copy into the cache.
+- throughput: put_many / get_many of --blocks real blocks (encoded in --format) against the
+  Redis at --redis, batches of --batch: blocks/s and MB/s.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from typing import Any
+
+from kvserve.services.cli import CliError
+from kvserve.shared.config import (
+    STORE_FORMATS,
+    CacheConfig,
+    EngineConfig,
+    StoreConfig,
+    default_model_path,
+)
+
+PARTS = ("formats", "ttft", "throughput")
+QUESTIONS = [
+    "\n\nQuestion: which topic above is the longest?",
+    "\n\nQuestion: summarise the first paragraph.",
+    "\n\nQuestion: name one keyword mentioned above.",
+    "\n\nQuestion: what is this text about?",
+    "\n\nQuestion: is there any code above?",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(default_model_path()))
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/15")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
+    p.add_argument("--formats", default="fp16,bf16,int8,fp8,compact")
+    p.add_argument("--format", default="native", help="store format for ttft and throughput")
+    p.add_argument("--prefix-tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--text-tokens", type=int, default=1024)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+
+
+def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    parts = [x for x in args.parts.split(",") if x]
+    bad = [x for x in parts if x not in PARTS]
+    if bad or not parts:
+        raise CliError(f"--parts: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
+    formats = [x for x in args.formats.split(",") if x]
+    wrong = [f for f in [*formats, args.format] if f not in STORE_FORMATS]
+    if wrong:
+        raise CliError(f"--formats/--format: unknown {wrong}; choose from {STORE_FORMATS}")
+    if args.prefix_tokens < 64 or args.repeats < 1 or args.blocks < 1 or args.batch < 1:
+        raise CliError("--prefix-tokens >= 64, --repeats, --blocks and --batch >= 1")
+    return parts, formats
+
+
+def run(args: argparse.Namespace) -> int:
+    parts, formats = _check(args)
+    import torch
+    from kvserve.shared.engine.engine import Engine
+    from kvserve.shared.model.loader import load_weights
+    from kvserve.shared.model.tokenizer import KVTokenizer
+
+    weights = load_weights(args.model, torch.float32)
+    tokenizer = KVTokenizer.from_path(args.model)
+
+    def engine(store: StoreConfig | None = None, num_blocks: int = 512) -> Engine:
+        cfg = EngineConfig(
+            model_path=args.model,
+            cache=CacheConfig(num_blocks=num_blocks),
+            store=store or StoreConfig(),
+        )
+        return Engine(cfg, tokenizer=tokenizer, weights=weights)
+
+    result: dict[str, Any] = {}
+    if "formats" in parts:
+        result.update(_formats(engine(), formats, args))
+    if "ttft" in parts:
+        result.update(_ttft(engine, args))
+    if "throughput" in parts:
+        result.update(_throughput(engine(), args))
+    print(json.dumps(result))
+    return 0
+
+
+# ---- formats ---------------------------------------------------------------------------------
+
+
+def _formats(engine: Any, formats: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.services.bench.kvquant import PROMPTS, reference_text
+    from kvserve.services.bench.store_quality import (
+        format_quality,
+        raw_fp16_bytes_per_token,
+        reference_greedy,
+    )
+
+    text = reference_text(engine.tokenizer, args.text_tokens)
+    prompts = [
+        list(engine.tokenizer.encode_chat([{"role": "user", "content": p}]))
+        for p in PROMPTS[: args.num_prompts]
+    ]
+    refs = reference_greedy(engine, prompts, args.gen_tokens)
+    fp16 = raw_fp16_bytes_per_token(engine)
+    rows: dict[str, dict[str, float]] = {}
+    print(f"raw fp16: {fp16} B/token")
+    print(f"{'format':>8} {'B/token':>9} {'vs fp16':>8} {'KLD':>9} {'agree':>7} enc/dec ms")
+    for fmt in formats:
+        q = format_quality(engine, fmt, text, prompts, refs)
+        rows[fmt] = q
+        print(
+            f"{fmt:>8} {q['bytes_per_token']:>9.0f} {q['ratio_vs_fp16']:>8.3f} {q['kld']:>9.5f} "
+            f"{q['agree']:>7.4f} {q.get('encode_ms', 0):.2f}/{q.get('decode_ms', 0):.2f}",
+            flush=True,
+        )
+    out: dict[str, Any] = {
+        "raw_fp16_bytes_per_token": fp16,
+        "bytes_per_token": {f: r["bytes_per_token"] for f, r in rows.items()},
+        "formats": rows,
+    }
+    for fmt, key in (("int8", "int8"), ("compact", "compact")):
+        if fmt in rows:
+            out[f"ratio_{key}_vs_fp16"] = rows[fmt]["ratio_vs_fp16"]
+    if "int8" in rows:
+        out["kld_int8"] = rows["int8"]["kld"]
+    if "compact" in rows:
+        out["kld_compact"] = rows["compact"]["kld"]
+        out["agree_compact"] = rows["compact"]["agree"]
+    return out
+
+
+# ---- cross-instance TTFT ---------------------------------------------------------------------
+
+
+def _first_token_s(engine: Any, rid: str, ids: list[int]) -> float:
+    from kvserve.shared.engine.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    engine.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    ttft = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if ttft is None and out.completions[0].token_ids:
+                ttft = time.perf_counter() - t0
+    assert ttft is not None
+    return ttft
+
+
+def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.services.bench.kvquant import reference_text
+
+    ns = f"bench-{uuid.uuid4().hex[:12]}"
+    url = f"{args.redis}?namespace={ns}&timeout=5"
+    store = StoreConfig(url=url, format=args.format, host_tier_bytes=2 << 30)
+    blocks = args.prefix_tokens // 16 + 8
+    a = make(store, num_blocks=blocks + 16)
+    prefix = reference_text(a.tokenizer, args.prefix_tokens)
+    questions = [list(a.tokenizer.encode(q)) for q in QUESTIONS]
+    t0 = time.perf_counter()
+    _first_token_s(a, "publish", prefix + questions[0])
+    a.close()  # flushes the write-behind queue
+    publish_s = time.perf_counter() - t0
+    print(f"engine A computed and published {len(prefix)} tokens in {publish_s:.2f}s")
+    warm = list(a.tokenizer.encode("A short warm-up request, unrelated to the prefix."))
+    loads, recomputes, rows = [], [], []
+    for r in range(args.repeats):
+        ids = prefix + questions[(r + 1) % len(questions)]
+        b = make(store, num_blocks=blocks + 16)
+        _first_token_s(b, "warm", warm)
+        t_load = _first_token_s(b, "q", ids)
+        f = b.last_fetch
+        cached = b.prefix_cache_stats["hits_tokens_store"]
+        row = {
+            "ttft_s": t_load,
+            "cached_tokens": cached,
+            **(f.timings if f is not None else {}),
+            "copy_in_s": b.copy_in_s,
+        }
+        b.close()
+        c = make(None, num_blocks=blocks + 16)
+        _first_token_s(c, "warm", warm)
+        t_re = _first_token_s(c, "q", ids)
+        del c
+        loads.append(t_load)
+        recomputes.append(t_re)
+        rows.append(row)
+        print(
+            f"repeat {r}: store {t_load:.3f}s ({cached} tokens from Redis) vs recompute "
+            f"{t_re:.3f}s; breakdown "
+            + ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k.endswith("_s")),
+            flush=True,
+        )
+    med_l, med_r = statistics.median(loads), statistics.median(recomputes)
+    print(f"TTFT median: store {med_l:.3f}s, recompute {med_r:.3f}s, speedup {med_r / med_l:.1f}x")
+    return {
+        "ttft_store_s": med_l,
+        "ttft_recompute_s": med_r,
+        "speedup": med_r / med_l,
+        "ttft_store_range_s": [min(loads), max(loads)],
+        "ttft_recompute_range_s": [min(recomputes), max(recomputes)],
+        "ttft_breakdown": rows,
+        "ttft_format": args.format,
+        "prefix_tokens": len(prefix),
+    }
+
+
+# ---- store throughput ------------------------------------------------------------------------
+
+
+def _throughput(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.services.bench.kvquant import reference_text
+    from kvserve.services.bench.store_quality import block_meta
+    from kvserve.shared.engine.sampling_params import SamplingParams
+    from kvserve.shared.store.base import open_store
+    from kvserve.shared.store.codec import encode_block
+    from kvserve.shared.store.hashing import block_hashes
+
+    # Real blocks: the K/V of a prefill, encoded in the chosen format.
+    n_tokens = 16 * min(args.blocks, 256)
+    ids = reference_text(engine.tokenizer, n_tokens + 1)
+    engine.generate([ids], SamplingParams(max_tokens=1))
+    meta, root = block_meta(engine), engine.root_hash()
+    hashes = block_hashes(root, ids[:n_tokens], 16)
+    assert engine.pool.index is not None
+    blocks = [engine.pool.index.block_of(h) for h in hashes]
+    data = engine.runner.cache.read_blocks([b for b in blocks if b is not None])
+    frames = []
+    for i, (h, d) in enumerate(zip(hashes, data, strict=True)):
+        k, v = d.to_float()
+        parent = hashes[i - 1] if i else root
+        toks = ids[i * 16 : (i + 1) * 16]
+        frames.append((h, encode_block(meta, toks, k, v, args.format, parent)))
+    # Repeat the real frames under fresh keys up to --blocks.
+    items = [
+        (uuid.uuid4().bytes + uuid.uuid4().bytes, frames[i % len(frames)][1])
+        for i in range(args.blocks)
+    ]
+    ns = f"bench-{uuid.uuid4().hex[:12]}"
+    nbytes = sum(len(v) for _, v in items)
+
+    async def go() -> tuple[float, float, int]:
+        store = open_store(f"{args.redis}?namespace={ns}&timeout=10")
+        try:
+            t0 = time.perf_counter()
+            for i in range(0, len(items), args.batch):
+                await store.put_many(items[i : i + args.batch])
+            t1 = time.perf_counter()
+            got = 0
+            for i in range(0, len(items), args.batch):
+                vals = await store.get_many([h for h, _ in items[i : i + args.batch]])
+                got += sum(v is not None for v in vals)
+            t2 = time.perf_counter()
+            await store.delete([h for h, _ in items])
+            return t1 - t0, t2 - t1, got
+        finally:
+            await store.close()
+
+    put_s, get_s, got = asyncio.run(go())
+    if got != len(items):
+        raise RuntimeError(f"get_many returned {got} of {len(items)} blocks")
+    mb = nbytes / 1e6
+    out = {
+        "put_blocks_per_s": len(items) / put_s,
+        "put_mb_per_s": mb / put_s,
+        "get_blocks_per_s": len(items) / get_s,
+        "get_mb_per_s": mb / get_s,
+        "throughput_format": args.format,
+        "frame_bytes": nbytes / len(items),
+    }
+    print(
+        f"store throughput ({args.format}, {nbytes / len(items) / 1e3:.0f} kB/block, batch "
+        f"{args.batch}): put {out['put_blocks_per_s']:.0f} blocks/s {out['put_mb_per_s']:.0f} "
+        f"MB/s, get {out['get_blocks_per_s']:.0f} blocks/s {out['get_mb_per_s']:.0f} MB/s"
+    )
+    return out
