@@ -233,7 +233,7 @@ def _throughput(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.shared.engine.sampling_params import SamplingParams
     from kvserve.shared.store.base import open_store
     from kvserve.shared.store.codec import encode_block
-    from kvserve.shared.store.hashing import block_hashes
+    from kvserve.shared.store.hashing import BlockHash, block_hashes
 
     # Real blocks: the K/V of a prefill, encoded in the chosen format.
     n_tokens = 16 * min(args.blocks, 256)
@@ -252,7 +252,7 @@ def _throughput(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
         frames.append((h, encode_block(meta, toks, k, v, args.format, parent)))
     # Repeat the real frames under fresh keys up to --blocks.
     items = [
-        (uuid.uuid4().bytes + uuid.uuid4().bytes, frames[i % len(frames)][1])
+        (BlockHash(uuid.uuid4().bytes + uuid.uuid4().bytes), frames[i % len(frames)][1])
         for i in range(args.blocks)
     ]
     ns = f"bench-{uuid.uuid4().hex[:12]}"
