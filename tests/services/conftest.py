@@ -1,9 +1,11 @@
-"""Fixtures of the service tests: `start_server(*args)` starts `kvserve serve` (module scope)."""
+"""Fixtures of the service tests: `start_server(*args)` starts `kvserve serve` (module scope);
+`services_engine` is the default model in this process (64 blocks), shared by the modules."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,3 +25,10 @@ def start_server(model_path: Path) -> Iterator[Callable[..., ServeProcess]]:
     yield start
     for p in started:
         p.stop()
+
+
+@pytest.fixture(scope="session")
+def services_engine(make_engine: Callable[..., Any]) -> Any:
+    """One Engine for the greedy comparisons and the worker tests (used by one thread at a
+    time: a worker's AsyncEngine thread stops at the end of its test)."""
+    return make_engine(num_blocks=64)

@@ -1,12 +1,15 @@
 """`kvserve serve` end to end, through the official `openai` client and plain HTTP: the real
-process, the real model, the in-process bus and worker. One server for the module."""
+process, the real model, the in-process bus and worker. One server for the module (the model
+loads once), with API keys, a two-request queue and a body limit; the SIGTERM drain runs last
+and stops it."""
 
 from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,9 @@ from tests.services.kvserve_process import Http, ServeProcess, poll_until
 MODEL = "kvtest-smol"
 NUM_BLOCKS = 256  # 4096 tokens of KV cache: less than the model's 8192-token context
 ERROR_KEYS = {"message", "type", "param", "code"}
-MakeEngine = Callable[..., Any]
+KEYS = ("key-one", "key-two")
+MAX_QUEUE = 2
+BODY_LIMIT = 8192
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +40,30 @@ def server(start_server, trace_file: Path) -> ServeProcess:
         "--store", "memory://",
         "--served-model-name", MODEL,
         "--num-blocks", str(NUM_BLOCKS),
+        "--api-key", KEYS[0], "--api-key", KEYS[1],
+        "--max-queue", str(MAX_QUEUE),
+        "--max-body-bytes", str(BODY_LIMIT),
+        "--drain-timeout", "60",
         env={"KVSERVE_TRACE_FILE": str(trace_file)},
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def engine(make_engine: MakeEngine) -> Any:
-    """The same model in this process, for the greedy comparisons."""
-    return make_engine(num_blocks=64)
+def make_client(server: ServeProcess, key: str = KEYS[0]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def make_http(server: ServeProcess, key: str | None = KEYS[0]) -> Http:
+    return Http(server.url, {"Authorization": f"Bearer {key}"} if key else {})
 
 
 @pytest.fixture(scope="module")
 def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return make_client(server)
 
 
 @pytest.fixture(scope="module")
 def http(server: ServeProcess) -> Http:
-    return Http(server.url)
+    return make_http(server)
 
 
 def cache_totals(http) -> dict[str, Any]:
@@ -82,11 +93,11 @@ def test_health_ready_models_version(client: openai.OpenAI, http: Http) -> None:
 
 
 def test_greedy_completion_matches_engine(
-    client: openai.OpenAI, engine: Any, tokenizer: KVTokenizer
+    client: openai.OpenAI, services_engine: Any, tokenizer: KVTokenizer
 ) -> None:
     prompt = "The capital of France is"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-    expected = engine.generate([tokenizer.encode(prompt)], SamplingParams(max_tokens=12))
+    expected = services_engine.generate([tokenizer.encode(prompt)], SamplingParams(max_tokens=12))
     tokens = expected[0][0]
     assert r.choices[0].text == tokenizer.decode(tokens)
     assert r.object == "text_completion" and r.model == MODEL
@@ -97,7 +108,7 @@ def test_greedy_completion_matches_engine(
 
 
 def test_greedy_chat_matches_engine_and_generate(
-    client: openai.OpenAI, engine: Any, tokenizer: KVTokenizer
+    client: openai.OpenAI, services_engine: Any, tokenizer: KVTokenizer
 ) -> None:
     """`kvserve generate` is Engine.generate on the chat-templated prompt (tests/test_cli_generate),
     so matching the engine here matches `kvserve generate` too."""
@@ -109,7 +120,7 @@ def test_greedy_chat_matches_engine_and_generate(
         temperature=0,
     )
     ids = tokenizer.encode_chat([{"role": "user", "content": question}])
-    tokens = engine.generate([ids], SamplingParams(max_tokens=16))[0][0]
+    tokens = services_engine.generate([ids], SamplingParams(max_tokens=16))[0][0]
     msg = r.choices[0].message
     assert msg.role == "assistant" and msg.content == tokenizer.decode(tokens)
     assert r.object == "chat.completion"
@@ -292,7 +303,7 @@ def test_client_gone_during_non_stream_request_cancels_it(server: ServeProcess, 
     ).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"Authorization: Bearer {KEYS[0]}\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode()
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(head + body)
@@ -463,3 +474,121 @@ def test_trace_spans_gateway_to_worker_and_logs(
 
     logs = poll_until(finished_logs)
     assert logs[0]["trace_id"] == gw["trace_id"]
+
+
+def quiet(server: ServeProcess) -> bool:
+    """Nothing in flight at the gateway (every queue slot is free)."""
+    return bool(make_http(server).get("/v1/cache/stats").json()["gateway"]["in_flight"] == 0)
+
+
+def long_stream(c: openai.OpenAI) -> Any:
+    return c.completions.create(
+        model=MODEL,
+        prompt="Count: one, two,",
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+
+
+# ---- limits: keys, body size, queue; the drain last ------------------------------------------
+
+
+def test_bad_serve_arguments_are_one_line_errors() -> None:
+    for args in (["--max-queue", "0"], ["--port", "70000"], ["--api-key", ""]):
+        r = subprocess.run(
+            [sys.executable, "-m", "kvserve.services.cli", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_api_keys(server: ServeProcess) -> None:
+    for key in (None, "wrong"):
+        r = make_http(server, key).get("/v1/models")
+        assert r.status_code == 401 and set(r.json()["error"]) == ERROR_KEYS
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        make_client(server, "wrong").models.list()
+    assert make_http(server, None).get("/health").status_code == 200  # not under /v1
+    for key in KEYS:
+        assert [m.id for m in make_client(server, key).models.list().data]
+
+
+def test_each_key_has_its_own_cache_partition(server: ServeProcess) -> None:
+    prompt = f"[{uuid.uuid4().hex}] " + "A long shared preamble about caching. " * 10
+
+    def cached(key: str) -> int:
+        r = make_client(server, key).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, temperature=0
+        )
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        return r.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached(KEYS[0]) == 0
+    assert cached(KEYS[0]) > 0  # same key: the prefix is reused
+    assert cached(KEYS[1]) == 0  # another key never sees the first key's blocks
+    # A client cache_salt is refused unless the server allows it.
+    r = make_http(server).post("/v1/completions", json={"prompt": "hi", "cache_salt": "mine"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_body_limit_413(server: ServeProcess) -> None:
+    r = make_http(server).post("/v1/completions", json={"prompt": "x" * (BODY_LIMIT + 10)})
+    assert r.status_code == 413
+    err = r.json()["error"]
+    assert set(err) == ERROR_KEYS and err["code"] == "request_too_large"
+    ok = make_client(server).completions.create(
+        model=MODEL, prompt="hi", max_tokens=1, temperature=0
+    )
+    assert ok.choices[0].text is not None
+
+
+def test_full_queue_answers_503_with_retry_after(server: ServeProcess) -> None:
+    poll_until(lambda: quiet(server))
+    c = make_client(server)
+    streams = [long_stream(c) for _ in range(MAX_QUEUE)]
+    for stream in streams:
+        next(iter(stream))  # every slot is taken
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert e.value.status_code == 503
+    assert e.value.response.headers["retry-after"] == "1"
+    assert e.value.code == "server_overloaded"
+    for stream in streams:
+        stream.close()
+    poll_until(lambda: quiet(server))
+    ok = c.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert ok.choices
+
+
+def test_sigterm_drains_running_requests(server: ServeProcess) -> None:
+    """Runs last in this module: the server stops."""
+    poll_until(lambda: quiet(server))
+    c = make_client(server)
+    stream = c.completions.create(
+        model=MODEL,
+        prompt="Count: one, two,",
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    it = iter(stream)
+    first = next(it)
+    server.terminate()
+    poll_until(lambda: make_http(server).get("/ready").status_code == 503)
+    assert make_http(server).get("/ready").json() == {"status": "draining"}
+    r = make_http(server).post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert r.headers["Retry-After"] == "1"
+    rest = list(it)  # the running request still finishes
+    chunks = [first, *rest]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == 24
+    assert server.wait(60) == 0
+    assert any(e.get("event") == "stopped" and e.get("drained") for e in server.events())

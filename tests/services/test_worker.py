@@ -20,9 +20,9 @@ from kvserve.shared.protocol import GenerateRequest, TokenEvent
 NUM_BLOCKS = 64
 
 
-@pytest.fixture(scope="module")
-def engine(make_engine: Callable[..., Any]) -> Any:
-    return make_engine(num_blocks=NUM_BLOCKS)
+@pytest.fixture
+def engine(services_engine: Any) -> Any:
+    return services_engine
 
 
 @pytest.fixture
