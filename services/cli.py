@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "capacity": "capacity",
     "bench": "bench.main",
     "serve": "serve",
+    "warmup": "warmup",
 }
 
 

@@ -45,6 +45,7 @@ from kvserve.shared.store.codec import BlockMeta
 from kvserve.shared.store.hashing import (
     BlockHash,
     InvalidSaltError,
+    block_hashes,
     root_hash,
     validate_cache_salt,
 )
@@ -214,6 +215,46 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def warmup(
+        self, prefix: Seq[int], cache_salt: str | None = None, request_id: str = "warmup"
+    ) -> dict[str, int]:
+        """A shared-prefix warm-up job for one prefix: compute its full blocks unless the
+        store already holds them all, publish what the store lacks, and pin them in the store
+        and the host tier. Runs on the engine's thread (it steps the engine). Returns
+        {"blocks", "computed" (0 or 1), "published", "skipped" (0 or 1)}."""
+        if self.connector is None or self.host_tier is None or self.pool.index is None:
+            raise RuntimeError("warm-up needs a prefix store (EngineConfig.store.url)")
+        bs = self.block_size
+        n = len(prefix) // bs
+        if n == 0:
+            raise InvalidRequestError("prefix", f"a prefix needs at least {bs} tokens")
+        root = self.root_hash(cache_salt)
+        hashes = block_hashes(root, list(prefix[: n * bs]), bs)
+        stored = self.connector.contains(hashes)
+        out = {"blocks": n, "computed": 0, "published": 0, "skipped": int(all(stored))}
+        if not all(stored):
+            self.add_request(request_id, prefix, SamplingParams(max_tokens=1), cache_salt)
+            while request_id in self._requests:
+                self.step()
+            out["computed"] = 1
+        self.connector.flush()
+        stored = self.connector.contains(hashes)
+        on_device = [(i, self.pool.index.block_of(h)) for i, h in enumerate(hashes)]
+        found = [(i, b) for i, b in on_device if b is not None]
+        read = self.runner.cache.read_blocks([b for _, b in found])
+        data = {i: d for (i, _), d in zip(found, read, strict=True)}
+        for i, h in enumerate(hashes):
+            if i not in data:
+                continue
+            self.host_tier.pin(h, data[i], "host")
+            if not stored[i]:
+                toks = list(prefix[i * bs : (i + 1) * bs])
+                self.connector.publish(h, hashes[i - 1] if i else root, toks, data[i])
+                out["published"] += 1
+        self.connector.flush()
+        self.connector.pin(hashes)
+        return out
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ moves blocks to and from a store backend without ever blocking an engine step.
 HostTier invariants (one thread, the engine's, uses it):
 - it maps a block hash to that block's BlockData (the cache's own representation, so moving a
   block back into the cache is a copy, exact), bounded by bytes, least recently used out first;
+- pinned entries (warm-up prefixes) are kept outside the byte bound and never evicted;
 - each entry remembers where it came from (`"host"`: evicted from the device cache, `"store"`:
   fetched from the store), so cached tokens can be counted by source.
 
@@ -58,17 +59,25 @@ class HostTier:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: OrderedDict[BlockHash, _HostEntry] = OrderedDict()
+        self._pinned: dict[BlockHash, _HostEntry] = {}  # warm-up blocks: never evicted
         self.hits = 0
         self.evictions = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._pinned)
 
     def __contains__(self, h: BlockHash) -> bool:
-        return h in self._entries
+        return h in self._entries or h in self._pinned
+
+    def pin(self, h: BlockHash, data: BlockData, source: str) -> None:
+        """Keep this block regardless of the byte bound (warm-up prefixes)."""
+        old = self._entries.pop(h, None)
+        if old is not None:
+            self.bytes -= old.data.nbytes
+        self._pinned[h] = _HostEntry(data, source)
 
     def put(self, h: BlockHash, data: BlockData, source: str) -> None:
-        if data.nbytes > self.max_bytes:
+        if data.nbytes > self.max_bytes or h in self._pinned:
             return
         old = self._entries.pop(h, None)
         if old is not None:
@@ -82,6 +91,10 @@ class HostTier:
 
     def get(self, h: BlockHash) -> tuple[BlockData, str] | None:
         """The block and its source, touched as most recently used; None if absent."""
+        e = self._pinned.get(h)
+        if e is not None:
+            self.hits += 1
+            return e.data, e.source
         e = self._entries.get(h)
         if e is None:
             return None
@@ -158,6 +171,15 @@ class StoreConnector:
         return asyncio.run_coroutine_threadsafe(
             self._fetch(list(hashes), root, recompute_s_per_block), self._loop
         )
+
+    def contains(self, hashes: Sequence[BlockHash], timeout: float = 10.0) -> list[bool]:
+        """Blocking `contains` on the store (for warm-up jobs, not the step path)."""
+        fut = asyncio.run_coroutine_threadsafe(self.store.contains(list(hashes)), self._loop)
+        return fut.result(timeout)
+
+    def pin(self, hashes: Sequence[BlockHash], timeout: float = 10.0) -> None:
+        """Blocking `pin` on the store (for warm-up jobs)."""
+        asyncio.run_coroutine_threadsafe(self.store.pin(list(hashes)), self._loop).result(timeout)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued block has been written (or skipped). False on timeout."""

@@ -1,0 +1,86 @@
+"""`kvserve warmup FILE --store URL`: computes, stores and pins shared prefixes; a second run
+skips them; afterwards a request starting with such a prefix reports those tokens as cached,
+with output identical to a cold run. Bad files are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from kvserve.services import cli
+from kvserve.services.warmup import prefix_ids
+from kvserve.shared.config import StoreConfig
+from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.store.base import block_key
+from kvserve.shared.store.hashing import block_hashes
+
+SYSTEM = "You are the support assistant of a bicycle shop. Be brief, precise and friendly. " * 4
+FEW_SHOT = "Q: 2+2?\nA: 4\nQ: 3+5?\nA: 8\nQ: 7+1?\nA: 8\nQ: 9+9?\nA: 18\n" * 3
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def last_json(capsys) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.redis
+def test_warmup_then_cached(make_engine, tokenizer, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    ns = f"t-{uuid.uuid4().hex}"
+    url = f"redis://127.0.0.1:6379/15?namespace={ns}&ttl=3600"
+    jobs = tmp_path / "prefixes.jsonl"
+    jobs.write_text(json.dumps({"system": SYSTEM}) + "\n\n" + json.dumps({"text": FEW_SHOT}) + "\n")
+    assert cli.main(["warmup", str(jobs), "--store", url]) == 0
+    first = last_json(capsys)
+    assert first["prefixes"] == 2 and first["computed"] == 2 and first["skipped"] == 0
+    assert cli.main(["warmup", str(jobs), "--store", url]) == 0  # resumable: all stored
+    second = last_json(capsys)
+    assert (
+        second["computed"] == 0 and second["skipped"] == 2 and second["blocks"] == first["blocks"]
+    )
+
+    # Pinned: no TTL on the warm-up blocks.
+    eng = make_engine(store=StoreConfig(url))
+    sys_ids = prefix_ids(tokenizer, {"system": SYSTEM})
+    hashes = block_hashes(eng.root_hash(), sys_ids[: len(sys_ids) // 16 * 16], 16)
+    r = redis.Redis.from_url("redis://127.0.0.1:6379/15")
+    assert all(r.ttl(block_key(h, ns)) == -1 for h in hashes)
+    r.close()
+
+    # A request with that system prompt finds its blocks in the store.
+    prompt = tokenizer.encode_chat(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you sell tyres?"}]
+    )
+    assert prompt[: len(sys_ids)] == sys_ids
+    try:
+        eng.add_request("r", prompt, GREEDY)
+        tokens: list[int] = []
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                tokens += out.completions[0].token_ids
+                cached = out.num_cached_tokens
+        assert cached >= len(hashes) * 16
+        assert eng.prefix_cache_stats["hits_tokens_store"] >= len(hashes) * 16
+        cold = make_engine(enable_prefix_caching=False).generate([prompt], GREEDY)[0][0]
+        assert tokens == cold
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json\n", "not JSON"),
+        ('{"system": "a", "text": "b"}\n', "exactly one of"),
+        ('{"messages": "hi"}\n', "non-empty"),
+        ("\n", "no prefixes"),
+    ],
+)
+def test_bad_warmup_file_is_one_line(tmp_path: Path, capsys, content: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    assert cli.main(["warmup", str(f), "--store", "memory://"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
