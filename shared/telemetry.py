@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
@@ -39,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 PREFIX = "kvserve:"
+_METRIC_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
 # ---- logging ---------------------------------------------------------------------------------
 
@@ -273,7 +275,8 @@ class EngineStatsCollector(Collector):
     """Exposes the latest engine stats snapshot of every worker (label `worker`). The owner
     sets `snapshot` (worker name -> stats dict) before each scrape. Optional nested dicts
     `cached_tokens_by_source` ({source: tokens}) and `store` ({name: number}) are exposed as
-    `kvserve:cached_tokens_total{source}` and `kvserve:store_<name>`."""
+    `kvserve:cached_tokens_total{source}` and `kvserve:store_<name>` (nested dicts flattened,
+    the backend's counters as `kvserve:store_backend_<name>`)."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -305,7 +308,7 @@ class EngineStatsCollector(Collector):
         yield by_source
         store: dict[str, GaugeMetricFamily] = {}
         for worker, stats in self.snapshot.items():
-            for key, value in _numbers(stats.get("store") or {}):
+            for key, value in _flat_numbers(stats.get("store") or {}):
                 if key not in store:
                     store[key] = GaugeMetricFamily(
                         f"{PREFIX}store_{key}", f"Prefix store: {key}.", labels=labels
@@ -319,3 +322,14 @@ def _numbers(d: Mapping[str, Any]) -> Iterable[tuple[str, float]]:
     for k, v in d.items():
         if isinstance(v, int | float) and not isinstance(v, bool):
             yield str(k), float(v)
+
+
+def _flat_numbers(d: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, float]]:
+    """Numbers of a nested stats dict as metric-name-safe keys: the store connector's counters
+    as they are, its backend's under `backend_` (for example `backend_get_errors`)."""
+    for k, v in d.items():
+        key = _METRIC_UNSAFE.sub("_", prefix + ("backend" if k == "store" else str(k)))
+        if isinstance(v, Mapping):
+            yield from _flat_numbers(v, key + "_")
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            yield key, float(v)

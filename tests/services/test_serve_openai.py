@@ -409,8 +409,12 @@ def test_openapi_lists_every_route(http: Http, tokenizer) -> None:
 
 def test_metrics_names(http: Http, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
-    families = text_string_to_metric_families(http.get("/metrics").text)
-    names = {s.name for f in families for s in f.samples}
+    samples = [
+        s for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples
+    ]
+    names = {s.name for s in samples}
+    sources = {s.labels["source"] for s in samples if s.name == "kvserve:cached_tokens_total"}
+    assert sources == {"device", "host", "store"}
     for name in (
         "kvserve:num_requests_running",
         "kvserve:num_requests_waiting",
@@ -425,6 +429,8 @@ def test_metrics_names(http: Http, client: openai.OpenAI) -> None:
         "kvserve:prompt_tokens_total",
         "kvserve:generation_tokens_total",
         "kvserve:request_success_total",
+        "kvserve:store_bytes_per_token",  # the prefix store's numbers (memory:// here)
+        "kvserve:store_backend_get_errors",
     ):
         assert name in names, name
 
