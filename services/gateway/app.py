@@ -254,7 +254,7 @@ class Gateway:
                     resp = await self._stream(request, call, builder)
                 else:
                     resp = await self._complete(call, builder)
-                status = "ok" if call.all_done else "incomplete"
+                status = call.error_type or ("ok" if call.all_done else "incomplete")
                 return resp
             except APIError as e:
                 span.set_status(Status(StatusCode.ERROR, e.message))
@@ -475,6 +475,7 @@ class _Call:
     deadline: float = 0.0  # on the event loop's clock
     streams: list[EventStream] = field(default_factory=list)
     first_token_at: float | None = None
+    error_type: str | None = None  # of the error event that ended the request, if one did
     _last_token: float | None = None
 
     def _sub_id(self, p: int) -> str:
@@ -512,6 +513,8 @@ class _Call:
         """(prompt index, event) until every stream ended (the caller bounds the wait by
         `deadline`: a timeout scope must not span a generator's yields)."""
         async for item in self._merged():
+            if item[1].error is not None:
+                self.error_type = item[1].error.type
             self._observe(item[1])
             yield item
 
