@@ -49,7 +49,7 @@ from kvserve.shared.store.hashing import (
     root_hash,
     validate_cache_salt,
 )
-from kvserve.shared.store.tiers import FetchResult, HostTier, StoreConnector
+from kvserve.shared.store.tiers import FetchResult, HostTier, KVTail, StoreConnector
 
 log = logging.getLogger("kvserve.engine")
 
@@ -74,6 +74,7 @@ class RequestOutput:
     num_cached_tokens: int
     completions: list[CompletionDelta]
     finished: bool
+    kv_tail: KVTail | None = None  # with export_tail, on the finished output
 
 
 @dataclass
@@ -97,6 +98,8 @@ class _Request:
     beam: BeamSearch | None = None
     beam_seqs: list[Sequence] = field(default_factory=list)  # live beams, in beam order
     beam_rows: dict[SeqId, torch.Tensor] = field(default_factory=dict)  # this step's rows
+    export_tail: bool = False
+    kv_tail: KVTail | None = None
 
     @property
     def finished(self) -> bool:
@@ -283,8 +286,15 @@ class Engine:
         prompt_token_ids: Seq[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        *,
+        kv_tail: KVTail | None = None,
+        export_tail: bool = False,
     ) -> None:
-        """Queue a request. Requests with different `cache_salt`s never share a block."""
+        """Queue a request. Requests with different `cache_salt`s never share a block.
+
+        Disaggregation: `export_tail` (prefill side) puts the prompt's partial last block on
+        the finished output (`RequestOutput.kv_tail`); `kv_tail` (decode side) is that block,
+        used instead of recomputing it when every full block before it is cached or stored."""
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
@@ -294,7 +304,9 @@ class Engine:
             raise InvalidRequestError("cache_salt", str(e)) from e
         prompt = list(prompt_token_ids)
         req = _Request(request_id, prompt, params, root_hash=self.root_hash(cache_salt))
+        req.export_tail = export_tail
         seq = self._new_seq(req, 0, prompt)
+        seq.kv_tail = kv_tail
         seq.pending_forks = params.n - 1
         if params.beam_width > 1:
             eos = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -375,6 +387,17 @@ class Engine:
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_published = len(blocks)
         seq.cached_tokens_by_source = sources
+        tail, seq.kv_tail = seq.kv_tail, None  # used once: after a preemption, recompute
+        if tail is not None and len(blocks) == limit:
+            start = seq.num_computed_tokens
+            end = start + len(tail.token_ids)
+            if end < seq.num_tokens and seq.token_ids[start:end] == tail.token_ids:
+                new = self.pool.allocate(1)
+                if new:
+                    self.runner.cache.write_blocks(new, [tail.data])
+                    blocks.append(new[0])
+                    seq.num_computed_tokens = end
+                    sources["store"] = sources.get("store", 0) + len(tail.token_ids)
 
     def _publish_full_blocks(self, seq: Sequence) -> None:
         """Put the sequence's newly computed full blocks in the prefix index, and queue those
@@ -676,7 +699,19 @@ class Engine:
         comp.text += comp.detok.add(token)
         reason = self._stop_reason(seq, comp, token)
         if reason is not None:
+            req = self._requests[seq.request_id]
+            if req.export_tail and seq.index == 0:
+                req.kv_tail = self._tail_of(seq)
             self.scheduler.finish(seq, reason)
+
+    def _tail_of(self, seq: Sequence) -> KVTail | None:
+        """The prompt's partial last block (None when the prompt is whole blocks)."""
+        bs = self.block_size
+        full = seq.num_prompt_tokens // bs
+        if seq.num_prompt_tokens == full * bs or len(seq.block_table) <= full:
+            return None
+        (data,) = self.runner.cache.read_blocks([seq.block_table[full]])
+        return KVTail(seq.token_ids[full * bs : seq.num_prompt_tokens], data)
 
     def _stop_reason(self, seq: Sequence, comp: _Completion, token: int) -> FinishReason | None:
         p = seq.params
@@ -716,7 +751,14 @@ class Engine:
         first = req.completions[0].seq
         if finished:
             del self._requests[req.request_id]
-        return RequestOutput(req.request_id, req.prompt, first.num_cached_tokens, deltas, finished)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            first.num_cached_tokens,
+            deltas,
+            finished,
+            kv_tail=req.kv_tail if finished else None,
+        )
 
     @torch.inference_mode()
     def score(self, token_ids: Seq[int]) -> torch.Tensor:

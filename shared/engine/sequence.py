@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 import torch
 from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.store.hashing import BlockHash, block_hashes
+
+if TYPE_CHECKING:
+    from kvserve.shared.store.tiers import KVTail
 
 SeqId = NewType("SeqId", int)
 BlockId = NewType("BlockId", int)
@@ -59,6 +62,9 @@ class Sequence:
     # Where the prefix blocks attached at the last admission came from, in tokens:
     # "device" (the engine's cache), "host" (host-RAM tier), "store" (fetched from the store).
     cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    # Disaggregated decode: the prompt's partial last block as the prefill worker computed it,
+    # attached at first admission when every full block before it is cached (then dropped).
+    kv_tail: KVTail | None = None
 
     @property
     def num_tokens(self) -> int:

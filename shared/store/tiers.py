@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import queue
 import threading
@@ -41,7 +42,7 @@ import torch
 from kvserve.shared.engine.kv_cache import BlockData
 from kvserve.shared.store.base import BlockStore
 from kvserve.shared.store.codec import BlockMeta, Miss, decode_block, encode_block
-from kvserve.shared.store.hashing import BlockHash
+from kvserve.shared.store.hashing import BlockHash, chain_hash
 
 log = logging.getLogger("kvserve.store")
 
@@ -101,6 +102,31 @@ class HostTier:
         self._entries.move_to_end(h)
         self.hits += 1
         return e.data, e.source
+
+
+@dataclass(frozen=True)
+class KVTail:
+    """The last, partial block of a prompt's computed KV: its tokens and the block (positions
+    past len(token_ids) hold nothing meaningful). Prefill hands it to decode through the store
+    under a per-request key (`tail_hash`)."""
+
+    token_ids: list[int]
+    data: BlockData
+
+
+def tail_hash(request_id: str, token_ids: list[int], block_size: int) -> BlockHash:
+    """The per-request key of a tail: its tokens (zero-padded to a block) chained onto a parent
+    derived from the request id, so the frame verifies like any block (checksum, header, hash)
+    and no other request or content can answer for it."""
+    return chain_hash(_tail_parent(request_id), _pad(token_ids, block_size))
+
+
+def _tail_parent(request_id: str) -> BlockHash:
+    return BlockHash(hashlib.sha256(b"kvserve-tail:" + request_id.encode()).digest())
+
+
+def _pad(token_ids: list[int], block_size: int) -> list[int]:
+    return list(token_ids) + [0] * (block_size - len(token_ids))
 
 
 @dataclass
@@ -180,6 +206,39 @@ class StoreConnector:
     def pin(self, hashes: Sequence[BlockHash], timeout: float = 10.0) -> None:
         """Blocking `pin` on the store (for warm-up jobs)."""
         asyncio.run_coroutine_threadsafe(self.store.pin(list(hashes)), self._loop).result(timeout)
+
+    def put_tail(self, request_id: str, tail: KVTail, timeout: float = 10.0) -> bool:
+        """Write a prompt's tail block (native format) under its per-request key; blocking."""
+        bs = self.meta.block_size
+        k, v = tail.data.to_float()
+        toks = _pad(tail.token_ids, bs)
+        frame = encode_block(self.meta, toks, k, v, "native", _tail_parent(request_id))
+        h = tail_hash(request_id, tail.token_ids, bs)
+        coro = self.store.put_many([(h, frame)])
+        return bool(asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout))
+
+    def get_tail(
+        self, request_id: str, token_ids: list[int]
+    ) -> concurrent.futures.Future[KVTail | None]:
+        """Fetch, verify and delete a tail written by `put_tail`; None if absent or bad."""
+        return asyncio.run_coroutine_threadsafe(self._get_tail(request_id, token_ids), self._loop)
+
+    async def _get_tail(self, request_id: str, token_ids: list[int]) -> KVTail | None:
+        bs = self.meta.block_size
+        h = tail_hash(request_id, token_ids, bs)
+        try:
+            (frame,) = await asyncio.wait_for(self.store.get_many([h]), self.fetch_timeout_s)
+        except TimeoutError:
+            return None
+        if frame is None:
+            self.counters["tail_misses"] += 1
+            return None
+        await self.store.delete([h])
+        got = decode_block(frame, self.meta, h, _tail_parent(request_id))
+        if isinstance(got, Miss):
+            self.miss_reasons[got.reason] += 1
+            return None
+        return KVTail(list(token_ids), BlockData.from_float(got.k, got.v, self.cache_dtype))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued block has been written (or skipped). False on timeout."""

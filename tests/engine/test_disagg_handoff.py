@@ -1,0 +1,57 @@
+"""Prefill -> decode handoff through the store only: the prefill engine computes the prompt
+(all but its last token), publishes the full blocks and puts the partial last block under a
+per-request key; a decode engine with an empty cache loads both and computes just the last
+prompt token, with output identical to a cold run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvserve.shared.config import StoreConfig
+from kvserve.shared.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def test_handoff_through_store(make_engine, tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    text = "Tell me about the history of paper making in a few lines. " * 5
+    prompt = list(tokenizer.encode_chat([{"role": "user", "content": text}]))
+    if (len(prompt) - 1) % 16 == 0:  # make sure there is a partial tail block
+        prompt = prompt[:-2] + prompt[-1:]
+    cold = make_engine(enable_prefix_caching=False).generate([prompt], GREEDY)[0][0]
+    store = StoreConfig(f"file://{tmp_path}")
+    head = prompt[:-1]
+    full = len(head) // 16 * 16
+
+    pre = make_engine(store=store)
+    try:
+        pre.add_request("r1", head, SamplingParams(max_tokens=1), export_tail=True)
+        outs = []
+        while pre.has_unfinished_requests():
+            outs += pre.step()
+        tail = outs[-1].kv_tail
+        assert outs[-1].finished and tail is not None
+        assert tail.token_ids == head[full:]
+        assert pre.connector is not None and pre.connector.put_tail("r1", tail)
+        assert pre.connector.flush()
+    finally:
+        pre.close()
+
+    dec = make_engine(store=store)
+    try:
+        assert dec.connector is not None
+        got = dec.connector.get_tail("r1", head[full:]).result(timeout=10)
+        assert got is not None
+        assert dec.connector.get_tail("r1", head[full:]).result(timeout=10) is None  # deleted
+        assert dec.connector.get_tail("r2", head[full:]).result(timeout=10) is None
+        dec.add_request("r1", prompt, GREEDY, kv_tail=got)
+        tokens: list[int] = []
+        while dec.has_unfinished_requests():
+            for out in dec.step():
+                tokens += out.completions[0].token_ids
+                cached = out.num_cached_tokens
+        assert tokens == cold
+        assert cached == len(prompt) - 1  # only the last prompt token was computed here
+        assert dec.prefix_cache_stats["hits_tokens_store"] == len(prompt) - 1
+    finally:
+        dec.close()
