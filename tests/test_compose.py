@@ -1,0 +1,179 @@
+"""compose.yaml, ops/Dockerfile and ops/otel-collector.yaml: the disaggregated topology that
+DESIGN.md section 2 fixes (Redis bus + store, gateway, prefill, decode, collector, Jaeger)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+APP_SERVICES = ("gateway", "prefill", "decode")
+REDIS_URL = "redis://redis:6379/0"
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict[str, Any]]:
+    compose = _load(ROOT / "compose.yaml")
+    return compose["services"]
+
+
+@pytest.fixture(scope="module")
+def collector() -> dict[str, Any]:
+    return _load(ROOT / "ops" / "otel-collector.yaml")
+
+
+def _flag(command: list[str], name: str) -> str:
+    assert name in command, f"{name} missing from {command}"
+    return command[command.index(name) + 1]
+
+
+def test_six_services(services: dict[str, dict[str, Any]]) -> None:
+    assert set(services) == {"redis", "gateway", "prefill", "decode", "otel-collector", "jaeger"}
+
+
+def test_replicas(services: dict[str, dict[str, Any]]) -> None:
+    assert services["prefill"]["deploy"]["replicas"] == 2
+    assert services["decode"]["deploy"]["replicas"] == 1
+
+
+def test_redis_is_an_lru_cache(services: dict[str, dict[str, Any]]) -> None:
+    redis = services["redis"]
+    assert redis["image"].split(":")[0] == "redis"
+    command = [str(c) for c in redis["command"]]
+    assert command[0] == "redis-server"
+    assert "2gb" in _flag(command, "--maxmemory")  # ${KVSERVE_REDIS_MAXMEMORY:-2gb}
+    assert _flag(command, "--maxmemory-policy") == "allkeys-lru"
+    assert _flag(command, "--save") == ""
+    assert _flag(command, "--appendonly") == "no"
+    assert "redis-cli" in redis["healthcheck"]["test"] and "ping" in redis["healthcheck"]["test"]
+
+
+def test_one_image_for_all_kvserve_services(services: dict[str, dict[str, Any]]) -> None:
+    builds = [services[name]["build"] for name in APP_SERVICES]
+    assert builds[0] == {"context": ".", "dockerfile": "ops/Dockerfile"}
+    assert all(b == builds[0] for b in builds)
+    assert {services[name]["image"] for name in APP_SERVICES} == {"kvserve:latest"}
+    assert (ROOT / "ops" / "Dockerfile").is_file()
+
+
+def test_commands(services: dict[str, dict[str, Any]]) -> None:
+    gateway = [str(c) for c in services["gateway"]["command"]]
+    assert gateway[0] == "gateway"
+    assert _flag(gateway, "--bus") == REDIS_URL
+    assert (_flag(gateway, "--host"), _flag(gateway, "--port")) == ("0.0.0.0", "8000")
+    for name in ("prefill", "decode"):
+        command = [str(c) for c in services[name]["command"]]
+        assert command[0] == name
+        assert _flag(command, "--bus") == REDIS_URL
+        assert _flag(command, "--store") == REDIS_URL
+        assert _flag(command, "--metrics-port") == "9100"
+
+
+def test_gateway_published_and_checked(services: dict[str, dict[str, Any]]) -> None:
+    gateway = services["gateway"]
+    assert "8000:8000" in [str(p) for p in gateway["ports"]]
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert any("/health" in str(part) for part in gateway["healthcheck"]["test"])
+
+
+def test_workers_wait_for_redis(services: dict[str, dict[str, Any]]) -> None:
+    for name in ("prefill", "decode"):
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_tracing_env(services: dict[str, dict[str, Any]]) -> None:
+    names = set()
+    for name in APP_SERVICES:
+        env = services[name]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+        names.add(env["OTEL_SERVICE_NAME"])
+    assert names == {"kvserve-gateway", "kvserve-prefill", "kvserve-decode"}
+
+
+def test_collector_and_jaeger(services: dict[str, dict[str, Any]]) -> None:
+    otel = services["otel-collector"]
+    assert otel["image"].startswith("otel/opentelemetry-collector-contrib")
+    assert any(v.startswith("./ops/otel-collector.yaml:") for v in otel["volumes"])
+    published = {str(p).split(":")[-1] for p in otel["ports"]}
+    assert {"4317", "4318"} <= published
+    jaeger = services["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/all-in-one")
+    assert "16686:16686" in [str(p) for p in jaeger["ports"]]
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+
+
+def test_collector_config_exports_to_jaeger(collector: dict[str, Any]) -> None:
+    assert set(collector["receivers"]["otlp"]["protocols"]) == {"grpc", "http"}
+    exporters = collector["exporters"]
+    jaeger = [
+        cfg for name, cfg in exporters.items() if name.split("/")[0] == "otlp" and cfg is not None
+    ]
+    assert [cfg["endpoint"] for cfg in jaeger] == ["jaeger:4317"]
+    assert jaeger[0]["tls"]["insecure"] is True
+    traces = collector["service"]["pipelines"]["traces"]
+    assert traces["receivers"] == ["otlp"]
+    assert "batch" in traces["processors"]
+    assert "otlp/jaeger" in traces["exporters"] and "debug" in traces["exporters"]
+    # Every component a pipeline names is defined.
+    for pipeline in collector["service"]["pipelines"].values():
+        for kind in ("receivers", "processors", "exporters"):
+            assert set(pipeline[kind]) <= set(collector[kind]), (kind, pipeline[kind])
+
+
+def test_collector_scrapes_the_metrics_ports(collector: dict[str, Any]) -> None:
+    jobs = collector["receivers"]["prometheus"]["config"]["scrape_configs"]
+    targets = {
+        job["job_name"]: [t for sc in job.get("static_configs", []) for t in sc["targets"]]
+        + [f"{n}:{sd['port']}" for sd in job.get("dns_sd_configs", []) for n in sd["names"]]
+        for job in jobs
+    }
+    assert targets == {
+        "kvserve-gateway": ["gateway:8000"],
+        "kvserve-prefill": ["prefill:9100"],
+        "kvserve-decode": ["decode:9100"],
+    }
+    assert "prometheus" in collector["service"]["pipelines"]["metrics"]["receivers"]
+
+
+def test_dockerfile() -> None:
+    text = (ROOT / "ops" / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines()]
+    assert next(x for x in lines if x.startswith("FROM")).startswith("FROM python:3.11-slim")
+    torch_at = text.index("download.pytorch.org/whl/cpu")
+    project_at = text.index("pip install /src")
+    assert torch_at < project_at < text.index("kvserve fetch-model")
+    assert "TORCH_VERSION=2.13.0" in text
+    assert "[dev]" not in text
+    assert "KVSERVE_CACHE_DIR=/models" in text
+    user = [x for x in lines if x.startswith("USER ")]
+    assert user and user[-1] not in ("USER root", "USER 0")
+    assert 'ENTRYPOINT ["kvserve"]' in lines
+
+
+def test_dockerignore() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for path in (".venv", ".git"):
+        assert path in ignored or f"{path}/" in ignored
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not on PATH")
+def test_docker_compose_config() -> None:
+    result = subprocess.run(
+        ["docker-compose", "-f", "compose.yaml", "config", "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
