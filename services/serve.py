@@ -16,7 +16,7 @@ import signal
 from typing import Any
 
 from kvserve.services.cli import CliError
-from kvserve.shared.config import DEFAULT_STORE, KV_DTYPES, default_model_path
+from kvserve.shared.config import DEFAULT_STORE, KV_DTYPES, STORE_FORMATS, default_model_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prefix store URL: 'default' (memory + disk tier), memory://, file://DIR, "
         "redis://HOST:PORT/DB, or 'none'",
     )
-    p.add_argument("--store-format", default="native", help="block format in the store")
+    p.add_argument(
+        "--store-format", choices=STORE_FORMATS, default="native", help="block format in the store"
+    )
     p.add_argument(
         "--api-key",
         action="append",
