@@ -16,6 +16,10 @@ SUBCOMMANDS = {
     "bench": "bench.main",
     "serve": "serve",
     "warmup": "warmup",
+    "gateway": "gateway.main",
+    "prefill": "prefill",
+    "decode": "decode",
+    "stack": "stack",
 }
 
 

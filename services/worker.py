@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +25,13 @@ from kvserve.shared.bus import Delivery, WorkerPort, error_event
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.engine import RequestOutput
 from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
-from kvserve.shared.protocol import ErrorInfo, TokenEvent
+from kvserve.shared.protocol import ErrorInfo, GenerateRequest, TokenEvent
 from kvserve.shared.telemetry import (
     GEN_AI_CACHED_TOKENS,
     GEN_AI_INPUT_TOKENS,
     GEN_AI_OPERATION,
     GEN_AI_OUTPUT_TOKENS,
+    GEN_AI_REQUEST_MODEL,
     KVSERVE_CACHED_TOKENS,
     KVSERVE_REQUEST_ID,
     context_from_traceparent,
@@ -65,6 +67,8 @@ class _Running:
 
 
 class EngineWorker:
+    model_name: str | None = None  # for the spans' gen_ai.request.model
+
     def __init__(
         self,
         port: WorkerPort,
@@ -174,6 +178,8 @@ class EngineWorker:
                 context=ctx,
                 attributes={KVSERVE_REQUEST_ID: req.request_id, GEN_AI_OPERATION: "generate"},
             ) as span:
+                if self.model_name:
+                    span.set_attribute(GEN_AI_REQUEST_MODEL, self.model_name)
                 queue_span = tracer.start_span(
                     "kvserve.queue", start_time=int(req.submitted_at * 1e9)
                 )
@@ -197,9 +203,7 @@ class EngineWorker:
             return out
         try:
             params = sampling_params_from_dict(req.sampling)
-            stream = self.engine.generate(
-                req.request_id, req.prompt_token_ids, params, cache_salt=req.cache_salt
-            )
+            stream = self._generate(req, params)
             prefill = tracer.start_span("kvserve.prefill")
             decode = None
             try:
@@ -233,6 +237,14 @@ class EngineWorker:
                 self._accepting = False
                 await self.port.close()
         return out
+
+    def _generate(
+        self, req: GenerateRequest, params: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs from the engine (a decode worker adds the handoff's tail)."""
+        return self.engine.generate(
+            req.request_id, req.prompt_token_ids, params, cache_salt=req.cache_salt
+        )
 
 
 class _Emitted:

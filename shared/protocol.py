@@ -54,6 +54,9 @@ class GenerateRequest:
     traceparent: str | None = None
     deadline: float | None = None
     submitted_at: float = field(default_factory=time.time)
+    # Set by a prefill worker on the request it forwards to decode: the prompt tokens it found
+    # cached (the decode worker loads the rest from the store; clients see this number).
+    num_cached_tokens: int | None = None
 
     @property
     def n(self) -> int:
@@ -105,6 +108,7 @@ _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "traceparent": _OPT_STR,
         "deadline": (int, float, type(None)),
         "submitted_at": _NUM,
+        "num_cached_tokens": (int, type(None)),
     },
     "token": {
         "request_id": _STR,

@@ -126,8 +126,10 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
 
 def configure_tracing(service_name: str, trace_file: str | None = None) -> TracerProvider | None:
     """Install the process's TracerProvider (once; later calls return the first). None when
-    no exporter is configured: spans are then no-ops and cost next to nothing."""
+    no exporter is configured: spans are then no-ops and cost next to nothing.
+    OTEL_SERVICE_NAME, when set, overrides `service_name`."""
     global _provider
+    service_name = os.environ.get("OTEL_SERVICE_NAME") or service_name
     with _tracing_lock:
         if _provider is not None:
             return _provider

@@ -29,6 +29,8 @@ class _Add:
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
     cache_salt: str | None = None
+    kv_tail: Any = None  # KVTail (decode side of a prefill/decode handoff)
+    export_tail: bool = False  # prefill side: the finished output carries the prompt's tail
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,13 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        *,
+        kv_tail: Any = None,
+        export_tail: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs (deltas) until the finished one. Raises
-        InvalidRequestError before yielding anything for a request that can never run."""
+        InvalidRequestError before yielding anything for a request that can never run.
+        `kv_tail` / `export_tail`: the disaggregation handoff, as in `Engine.add_request`."""
         if self._error is not None:
             raise RuntimeError("the engine thread has failed") from self._error
         self.engine.validate(prompt_token_ids, params)
@@ -75,7 +81,16 @@ class AsyncEngine:
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._inbox.put(
-            _Add(request_id, list(prompt_token_ids), params, sink, loop, cache_salt=cache_salt)
+            _Add(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                sink,
+                loop,
+                cache_salt=cache_salt,
+                kv_tail=kv_tail,
+                export_tail=export_tail,
+            )
         )
         finished = False
         try:
@@ -171,7 +186,14 @@ class AsyncEngine:
                 self._sinks.pop(cmd.request_id, None)
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.cache_salt)
+                self.engine.add_request(
+                    cmd.request_id,
+                    cmd.prompt,
+                    cmd.params,
+                    cmd.cache_salt,
+                    kv_tail=cmd.kv_tail,
+                    export_tail=cmd.export_tail,
+                )
             except Exception as e:
                 cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, e)
                 continue

@@ -23,8 +23,15 @@ READY_TIMEOUT_S = 180.0
 
 
 class ServeProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "kvserve.services.cli", "serve", "--port", "0", *args]
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        command: tuple[str, ...] = ("serve", "--port", "0"),
+    ) -> None:
+        """`command`: the subcommand and its leading flags (any command that logs a `ready`
+        event with a `url`: serve, gateway, prefill, decode)."""
+        cmd = [sys.executable, "-m", "kvserve.services.cli", *command, *args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,
@@ -56,7 +63,7 @@ class ServeProcess:
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServeProcess:
         if not self._ready.wait(timeout) or not self.url:
             self.kill()
-            raise RuntimeError("kvserve serve did not become ready:\n" + "".join(self.lines[-30:]))
+            raise RuntimeError("kvserve did not become ready:\n" + "".join(self.lines[-30:]))
         return self
 
     def events(self) -> list[dict[str, Any]]:

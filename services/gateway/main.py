@@ -1,0 +1,102 @@
+"""`kvserve gateway`: the OpenAI-compatible gateway on the Redis bus, with no engine in the
+process (it never imports torch). Requests go to the `kvserve:prefill` consumer group; /ready
+is 200 while any worker is alive. SIGTERM/SIGINT: drain like `kvserve serve`, then exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+from kvserve.services.cli import CliError
+from kvserve.shared.config import default_model_path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gateway", help="the OpenAI-compatible gateway on the Redis bus (no engine)")
+    p.add_argument("--bus", required=True, help="redis://HOST:PORT/DB of the request bus")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
+    p.add_argument("--model", default=str(default_model_path()), help="for the tokenizer only")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send")
+    p.add_argument("--api-key", action="append", default=[], help="repeatable; see serve")
+    p.add_argument("--allow-client-cache-salt", action="store_true")
+    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 503")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
+    p.add_argument("--log-level", default=None)
+    p.set_defaults(handler=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not args.bus.startswith(("redis://", "rediss://", "unix://")):
+        raise CliError(f"--bus must be a redis:// URL, got {args.bus!r}")
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 1 or args.max_body_bytes < 1:
+        raise CliError("--max-queue and --max-body-bytes must be >= 1")
+    if args.request_timeout <= 0 or args.drain_timeout <= 0:
+        raise CliError("--request-timeout and --drain-timeout must be > 0")
+    if any(not k for k in args.api_key):
+        raise CliError("--api-key must not be empty")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.shared.telemetry import configure_logging, configure_tracing, shutdown_tracing
+
+    _check(args)
+    configure_logging(args.log_level)
+    configure_tracing("kvserve-gateway")
+    try:
+        asyncio.run(_serve(args))
+    finally:
+        shutdown_tracing()
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+    from kvserve.services.gateway.app import Gateway, GatewayConfig
+    from kvserve.services.gateway.schema import load_model_info
+    from kvserve.shared.bus import RedisBus
+    from kvserve.shared.telemetry import get_logger
+
+    log = get_logger("kvserve.gateway")
+    info = await asyncio.to_thread(load_model_info, args.model, args.served_model_name)
+    bus = RedisBus(args.bus)
+    gateway = Gateway(
+        GatewayConfig(
+            max_in_flight=args.max_queue,
+            max_body_bytes=args.max_body_bytes,
+            request_timeout_s=args.request_timeout,
+            api_keys=tuple(args.api_key),
+            allow_client_cache_salt=args.allow_client_cache_salt,
+        ),
+        bus,
+        info,
+    )
+    runner = web.AppRunner(gateway.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {e}") from e
+    port = args.port
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            port = int(addr[1])
+    log.info("ready", url=f"http://{args.host}:{port}", model=info.name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down", drain_timeout_s=args.drain_timeout)
+    gateway.start_draining()
+    drained = await gateway.admission.drained(args.drain_timeout)
+    await runner.cleanup()
+    await bus.close()
+    log.info("stopped", drained=drained)

@@ -1,0 +1,244 @@
+"""The disaggregated stack end to end: a throwaway redis-server (bus and prefix store), the real
+`kvserve gateway`, `kvserve prefill` and `kvserve decode` processes, the official `openai`
+client. One stack for the module (the model loads once per worker); the decode worker is killed
+last, and the traces of every process are checked for one trace per request."""
+
+from __future__ import annotations
+
+import json
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.model.tokenizer import KVTokenizer
+
+from tests.redis_servers import RedisServer, free_port, redis_binaries_present
+from tests.services.kvserve_process import Http, ServeProcess, poll_until
+
+pytestmark = pytest.mark.redis
+
+MODEL = "kvtest-smol"
+WORKER_FLAGS = ("--num-blocks", "256", "--claim-idle", "3", "--drain-timeout", "5")
+
+
+class Stack:
+    def __init__(self, model_path: Path, traces: Path) -> None:
+        self.redis = RedisServer()
+        self.redis.start()
+        self.model_path = model_path
+        self.traces = traces
+        self.procs: dict[str, ServeProcess] = {}
+
+    def start(self, name: str, command: tuple[str, ...], *args: str) -> ServeProcess:
+        env = {"KVSERVE_TRACE_FILE": str(self.traces / f"{name}.jsonl")}
+        p = ServeProcess(["--model", str(self.model_path), *args], env, command)
+        self.procs[name] = p
+        return p
+
+    def worker(self, role: str, name: str) -> ServeProcess:
+        url = self.redis.url
+        return self.start(
+            name, (role,), "--bus", url, "--store", url, "--name", name,
+            "--metrics-port", str(free_port()), *WORKER_FLAGS,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.stop()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    if not redis_binaries_present():
+        pytest.skip("redis-server not installed")
+    s = Stack(model_path, tmp_path_factory.mktemp("stack-traces"))
+    try:
+        gw = s.start(
+            "gateway", ("gateway", "--port", "0"), "--bus", s.redis.url,
+            "--served-model-name", MODEL,
+        )  # fmt: skip
+        workers = [s.worker("prefill", "prefill-0"), s.worker("decode", "decode-0")]
+        for p in [gw, *workers]:
+            p.wait_ready()
+        http = Http(gw.url)
+        poll_until(lambda: http.get("/ready").status_code == 200, timeout=30)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.procs["gateway"].url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(stack: Stack) -> Http:
+    return Http(stack.procs["gateway"].url)
+
+
+def spans(traces: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in traces.glob("*.jsonl"):
+        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return out
+
+
+def idle(http: Http) -> dict[str, Any] | None:
+    stats = http.get("/v1/cache/stats").json()
+    t = stats["totals"]
+    quiet = not (t["num_requests_running"] or t["num_requests_waiting"] or t["num_used_blocks"])
+    return t if quiet and stats["gateway"]["in_flight"] == 0 else None
+
+
+def test_greedy_completion_matches_engine(
+    client: openai.OpenAI, services_engine: Any, tokenizer: KVTokenizer
+) -> None:
+    prompt = "The history of paper making began in China, where"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    tokens = services_engine.generate([tokenizer.encode(prompt)], SamplingParams(max_tokens=12))
+    assert r.choices[0].text == tokenizer.decode(tokens[0][0])
+    assert r.usage is not None and r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == len(tokens[0][0])
+
+
+def test_greedy_chat_and_stream_with_usage(
+    client: openai.OpenAI, services_engine: Any, tokenizer: KVTokenizer
+) -> None:
+    messages: Any = [{"role": "user", "content": "Name two planets."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    ids = tokenizer.encode_chat(messages)
+    tokens = services_engine.generate([ids], SamplingParams(max_tokens=16))[0][0]
+    assert r.choices[0].message.content == tokenizer.decode(tokens)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    usage = chunks[-1].usage
+    assert usage is not None and r.usage is not None
+    assert usage.prompt_tokens == r.usage.prompt_tokens
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_n2_seed_and_stop(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
+    a = client.completions.create(**kw, n=2, temperature=0.9, seed=1234)
+    b = client.completions.create(**kw, n=2, temperature=0.9, seed=1234)
+    assert len(a.choices) == 2 and {c.index for c in a.choices} == {0, 1}
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage is not None and a.usage.completion_tokens == 16
+    full = client.completions.create(**kw, temperature=0).choices[0].text
+    stop = full.strip().split()[1] if len(full.split()) > 1 else full[1:3]
+    r = client.completions.create(**kw, temperature=0, stop=[stop])
+    assert stop not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+    assert full.startswith(r.choices[0].text)
+
+
+def test_shared_system_prompt_is_cached(client: openai.OpenAI) -> None:
+    system = f"[{uuid.uuid4().hex}] " + "You are a careful assistant who answers briefly. " * 8
+    cached = []
+    for q in ("What is the capital of Italy?", "What is the capital of Spain?"):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+            max_tokens=2,
+            temperature=0,
+        )
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] == 0
+    assert cached[1] is not None and cached[1] >= 64
+
+
+def test_cancelled_stream(client: openai.OpenAI, http: Http) -> None:
+    poll_until(lambda: idle(http), timeout=30)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Count from one to a thousand: one, two,",
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    it = iter(stream)
+    next(it)
+    next(it)
+    stream.close()
+    after = poll_until(lambda: idle(http), timeout=30)
+    assert after["num_used_blocks"] == 0
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_one_trace_across_gateway_prefill_decode(client: openai.OpenAI, stack: Stack) -> None:
+    text = "Tell me about the history of paper making in a few lines. " * 3
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=3, temperature=0
+    )
+
+    def chain() -> tuple[dict[str, Any], ...] | None:
+        all_spans = spans(stack.traces)
+        mine = [s for s in all_spans if s["attributes"].get("kvserve.request_id") == r.id]
+        gw = [s for s in mine if s["name"] == f"chat {MODEL}"]
+        pre = [s for s in mine if s["name"] == "kvserve.prefill.request"]
+        dec = [s for s in mine if s["name"] == "kvserve.worker.generate"]
+        return (gw[0], pre[0], dec[0]) if gw and pre and dec else None
+
+    gw, pre, dec = poll_until(chain, timeout=20)
+    assert gw["service"] == "kvserve-gateway"
+    assert pre["service"] == "kvserve-prefill" and dec["service"] == "kvserve-decode"
+    assert gw["trace_id"] == pre["trace_id"] == dec["trace_id"]
+    assert pre["parent_span_id"] == gw["span_id"] and dec["parent_span_id"] == pre["span_id"]
+    trace = [s for s in spans(stack.traces) if s["trace_id"] == gw["trace_id"]]
+    under_pre = {s["name"] for s in trace if s["parent_span_id"] == pre["span_id"]}
+    under_dec = {s["name"] for s in trace if s["parent_span_id"] == dec["span_id"]}
+    assert {"kvserve.queue", "kvserve.compute", "kvserve.store_publish"} <= under_pre
+    assert {"kvserve.queue", "kvserve.store_fetch", "kvserve.decode"} <= under_dec
+    fetch = next(s for s in trace if s["name"] == "kvserve.store_fetch")
+    assert fetch["attributes"]["kvserve.tail_found"] is True
+    assert r.usage is not None
+    for s in (gw, pre, dec):
+        a = s["attributes"]
+        assert a["gen_ai.usage.input_tokens"] == r.usage.prompt_tokens
+        assert a["gen_ai.request.model"]
+        assert "gen_ai.usage.cache_read.input_tokens" in a
+    assert gw["attributes"]["gen_ai.operation.name"] == "chat"
+    assert dec["attributes"]["gen_ai.usage.output_tokens"] == 3
+
+
+def test_killed_decode_worker_request_completes(
+    client: openai.OpenAI, stack: Stack, services_engine: Any, tokenizer: KVTokenizer
+) -> None:
+    prompt = "Count from one to a hundred: one, two,"
+    expected = services_engine.generate(
+        [tokenizer.encode(prompt)], SamplingParams(max_tokens=40, ignore_eos=True)
+    )[0][0]
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    it = iter(stream)
+    text = next(it).choices[0].text
+    stack.procs["decode-0"].proc.send_signal(signal.SIGKILL)
+    stack.procs["decode-0"].proc.wait(10)
+    stack.worker("decode", "decode-1").wait_ready()  # claims the pending request
+    text += "".join(c.choices[0].text for c in it)
+    assert text == tokenizer.decode(expected)
