@@ -63,7 +63,9 @@ def stack(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             "gateway", ("gateway", "--port", "0"), "--bus", s.redis.url,
             "--served-model-name", MODEL,
         )  # fmt: skip
-        workers = [s.worker("prefill", "prefill-0"), s.worker("decode", "decode-0")]
+        # Two decode workers from the start (they load in parallel): one is killed last.
+        workers = [s.worker("prefill", "prefill-0")]
+        workers += [s.worker("decode", f"decode-{i}") for i in range(2)]
         for p in [gw, *workers]:
             p.wait_ready()
         http = Http(gw.url)
@@ -221,24 +223,34 @@ def test_one_trace_across_gateway_prefill_decode(client: openai.OpenAI, stack: S
 
 
 def test_killed_decode_worker_request_completes(
-    client: openai.OpenAI, stack: Stack, services_engine: Any, tokenizer: KVTokenizer
+    client: openai.OpenAI,
+    http: Http,
+    stack: Stack,
+    services_engine: Any,
+    tokenizer: KVTokenizer,
 ) -> None:
     prompt = "Count from one to a hundred: one, two,"
     expected = services_engine.generate(
-        [tokenizer.encode(prompt)], SamplingParams(max_tokens=40, ignore_eos=True)
+        [tokenizer.encode(prompt)], SamplingParams(max_tokens=64, ignore_eos=True)
     )[0][0]
     stream = client.completions.create(
         model=MODEL,
         prompt=prompt,
-        max_tokens=40,
+        max_tokens=64,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
     )
     it = iter(stream)
     text = next(it).choices[0].text
-    stack.procs["decode-0"].proc.send_signal(signal.SIGKILL)
-    stack.procs["decode-0"].proc.wait(10)
-    stack.worker("decode", "decode-1").wait_ready()  # claims the pending request
+
+    def running_decoder() -> str | None:
+        workers = http.get("/v1/cache/stats").json()["workers"]
+        busy = [n for n, w in workers.items() if n.startswith("decode") and w["worker_requests"]]
+        return busy[0] if busy else None
+
+    name = poll_until(running_decoder, timeout=10)
+    stack.procs[name].proc.send_signal(signal.SIGKILL)  # the other one claims the request
+    stack.procs[name].proc.wait(10)
     text += "".join(c.choices[0].text for c in it)
     assert text == tokenizer.decode(expected)
