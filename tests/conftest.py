@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from pathlib import Path
 
@@ -50,6 +51,9 @@ def make_engine(model_path, weights, tokenizer):  # type: ignore[no-untyped-def]
         kv_dtype: str = "auto",
         **engine_kwargs: object,
     ) -> Engine:
+        # Engines hold reference cycles (the pool's eviction hook); collect the dead ones
+        # before allocating another KV cache, or a session's caches pile up in memory.
+        gc.collect()
         cfg = EngineConfig(
             model_path=str(model_path),
             cache=CacheConfig(
