@@ -65,7 +65,7 @@ def codec_round_trip(engine: Engine, fmt: str, stats: CodecStats) -> RoundTrip:
         i: int, tokens: list[int], parent: BlockHash, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
-        frame = encode_block(meta, tokens, k, v, fmt, parent)
+        frame = encode_block(meta, tokens, k, v, fmt, parent, root=root)
         t1 = time.perf_counter()
         out = decode_block(frame, meta, chain_hash(parent, tokens), root)
         t2 = time.perf_counter()

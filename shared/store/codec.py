@@ -8,12 +8,13 @@ map with exactly the fields of `FRAME_FIELDS`:
 
 - `parent`: the chain hash of the previous block (the root for block 0); a reader that knows
   only the key's hash checks `chain_hash(parent, token_ids) == key_hash`.
-- `fmt`: how the payload is stored (`native`, `bf16`, `fp16`, `int8`, `fp8`); `dtype`: the
-  dtype of the tensors handed to the encoder (`float32`, `bfloat16`, `float16`).
-- `scales`: float32 per-(layer, token, head) scales, K's then V's, for `int8` / `fp8`; empty
-  otherwise.
+- `fmt`: how the payload is stored (`native`, `bf16`, `fp16`, `int8`, `fp8`, `compact`);
+  `dtype`: the dtype of the tensors handed to the encoder (`float32`, `bfloat16`, `float16`).
+- `scales`: float32 per-(layer, token, head) scales, K's then V's, for `int8` / `fp8`; the
+  compact format's float32 steps (store/quant.py); empty otherwise.
 - `payload`: zstd(bytes of K then V), each [num_layers, block_size, num_kv_heads, head_dim] in
-  the element type of `fmt` (fp8 e4m3 as its raw bytes); the zstd frame records its size.
+  the element type of `fmt` (fp8 e4m3 as its raw bytes); for `compact`, zstd of the sections
+  that store/quant.py lays out. The zstd frame records its size.
 - `checksum`: sha256 over `msgpack([every other field, in FRAME_FIELDS order])`.
 
 Invariants of `decode_block`:
@@ -40,6 +41,7 @@ import msgpack
 import torch
 import zstandard
 from kvserve.kernels.reference import dequantize_kv, quantize_kv
+from kvserve.shared.store import quant
 from kvserve.shared.store.hashing import SCHEMA_VERSION, BlockHash, chain_hash
 
 MAX_FRAME_BYTES: Final = 8 * 1024 * 1024
@@ -48,8 +50,8 @@ MAX_STR_LEN: Final = 256
 HASH_LEN: Final = 32
 ZSTD_LEVEL: Final = 3
 
-FORMATS: Final = ("native", "bf16", "fp16", "int8", "fp8")
-Format = Literal["native", "bf16", "fp16", "int8", "fp8"]
+FORMATS: Final = ("native", "bf16", "fp16", "int8", "fp8", "compact")
+Format = Literal["native", "bf16", "fp16", "int8", "fp8", "compact"]
 
 # Native dtypes a frame may carry, by name.
 NATIVE_DTYPES: Final[dict[str, torch.dtype]] = {
@@ -163,6 +165,20 @@ def _element_size(fmt: str, native: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _compact_layout(shape: tuple[int, int, int, int]) -> quant.CompactLayout:
+    return quant.CompactLayout(*shape)
+
+
+def _sizes(fmt: str, native: torch.dtype, shape: tuple[int, int, int, int]) -> tuple[int, int]:
+    """(scales bytes, decompressed payload bytes) that a frame of `fmt` and `shape` must have."""
+    if fmt == "compact":
+        layout = _compact_layout(shape)
+        return layout.scales_bytes, layout.payload_bytes
+    numel = math.prod(shape)
+    scales_len = 2 * numel // shape[-1] * 4 if fmt in _QUANTIZED else 0
+    return scales_len, 2 * numel * _element_size(fmt, native)
+
+
 def encode_block(
     meta: BlockMeta,
     token_ids: list[int],
@@ -170,12 +186,17 @@ def encode_block(
     v: torch.Tensor,
     fmt: str,
     parent: BlockHash,
+    *,
+    root: BlockHash | None = None,
 ) -> bytes:
     """One frame for the block whose tokens are `token_ids` and whose chain parent is `parent`
     (the previous block's hash, or the root for block 0).
 
     k, v: [num_layers, block_size, num_kv_heads, head_dim], float32 / bfloat16 / float16, the
-    same dtype. Raises ValueError on inputs that do not match `meta` (a writer bug, not data).
+    same dtype. `root`, when given, tells the `compact` format that a block whose parent is the
+    root starts a sequence: its first token is the attention sink and is coded more finely (the
+    frame decodes the same either way). Raises ValueError on inputs that do not match `meta` or
+    are not finite for `compact` (a writer bug, not data).
     """
     if fmt not in FORMATS:
         raise ValueError(f"encode_block: unknown format {fmt!r}")
@@ -189,7 +210,11 @@ def encode_block(
         raise ValueError("encode_block: parent must be a 32-byte block hash")
 
     scales = b""
-    if fmt in _QUANTIZED:
+    payload: bytes | None = None
+    if fmt == "compact":
+        block = quant.encode(k, v, first=root is not None and bytes(parent) == bytes(root))
+        scales, payload = block.scales, block.payload
+    elif fmt in _QUANTIZED:
         qdtype = _FMT_DTYPES[fmt]
         kq, ks = quantize_kv(k, qdtype)
         vq, vs = quantize_kv(v, qdtype)
@@ -199,6 +224,9 @@ def encode_block(
         raw = _tensor_bytes(k) + _tensor_bytes(v)
     else:
         raw = _tensor_bytes(k.to(_FMT_DTYPES[fmt])) + _tensor_bytes(v.to(_FMT_DTYPES[fmt]))
+    if payload is None:
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+        payload = cctx.compress(raw)
 
     fields: dict[str, Any] = {
         "v": meta.version,
@@ -213,9 +241,7 @@ def encode_block(
         "fmt": fmt,
         "dtype": _DTYPE_NAMES[k.dtype],
         "scales": scales,
-        "payload": zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(
-            raw
-        ),
+        "payload": payload,
     }
     fields["checksum"] = frame_checksum(fields)
     frame = msgpack.packb({name: fields[name] for name in FRAME_FIELDS}, use_bin_type=True)
@@ -314,9 +340,7 @@ def _decode(
         return Miss("bad_schema")
 
     fmt, native = f["fmt"], NATIVE_DTYPES[f["dtype"]]
-    numel = math.prod(shape)
-    raw_len = 2 * numel * _element_size(fmt, native)
-    scales_len = 2 * numel // expected.head_dim * 4 if fmt in _QUANTIZED else 0
+    scales_len, raw_len = _sizes(fmt, native, shape)
     if len(f["scales"]) != scales_len:
         return Miss("bad_payload")
     try:
@@ -331,6 +355,11 @@ def _decode(
     if chain_hash(BlockHash(f["parent"]), f["token_ids"]) != key_hash:
         return Miss("hash_mismatch")
 
+    if fmt == "compact":
+        kv = quant.decode(f["scales"], raw, _compact_layout(shape))
+        if kv is None:
+            return Miss("bad_payload")
+        return _block(f, kv[0], kv[1], root)
     half = raw_len // 2
     stored = native if fmt == "native" else _FMT_DTYPES[fmt]
     k = _tensor_from(memoryview(raw)[:half], stored, shape)
@@ -343,11 +372,15 @@ def _decode(
         v = dequantize_kv(v, s[1], torch.float32)
     else:
         k, v = k.float(), v.float()
+    return _block(f, k, v, root)
+
+
+def _block(f: dict[str, Any], k: torch.Tensor, v: torch.Tensor, root: BlockHash) -> DecodedBlock:
     return DecodedBlock(
         token_ids=list(f["token_ids"]),
         k=k,
         v=v,
         parent=BlockHash(f["parent"]),
-        fmt=fmt,
+        fmt=f["fmt"],
         is_first=f["parent"] == root,
     )
