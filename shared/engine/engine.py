@@ -253,7 +253,8 @@ class Engine:
             self.host_tier.pin(h, data[i], "host")
             if not stored[i]:
                 toks = list(prefix[i * bs : (i + 1) * bs])
-                self.connector.publish(h, hashes[i - 1] if i else root, toks, data[i])
+                parent = hashes[i - 1] if i else root
+                self.connector.publish(h, parent, toks, data[i], first=i == 0)
                 out["published"] += 1
         self.connector.flush()
         self.connector.pin(hashes)
@@ -418,7 +419,7 @@ class Engine:
             for i, d in zip(fresh, data, strict=True):
                 parent_hash = hashes[i - 1] if i else seq.root_hash
                 toks = seq.token_ids[i * bs : (i + 1) * bs]
-                self.connector.publish(hashes[i], parent_hash, toks, d)
+                self.connector.publish(hashes[i], parent_hash, toks, d, first=i == 0)
 
     def _offload(self, evicted: list[tuple[BlockId, BlockHash]]) -> None:
         """BlockPool eviction hook: keep evicted blocks in the host tier."""

@@ -145,6 +145,7 @@ class _Publish:
     parent: BlockHash
     token_ids: list[int]
     data: BlockData
+    first: bool  # block 0 of its chain (parent is the root)
 
 
 class StoreConnector:
@@ -180,11 +181,17 @@ class StoreConnector:
     # ---- engine thread --------------------------------------------------------------------
 
     def publish(
-        self, h: BlockHash, parent: BlockHash, token_ids: list[int], data: BlockData
+        self,
+        h: BlockHash,
+        parent: BlockHash,
+        token_ids: list[int],
+        data: BlockData,
+        first: bool = False,
     ) -> bool:
-        """Queue one computed block for the store; False (counted) if the queue is full."""
+        """Queue one computed block for the store (`first`: block 0 of its chain, whose
+        parent is the root); False (counted) if the queue is full."""
         try:
-            self._queue.put_nowait(_Publish(h, parent, token_ids, data))
+            self._queue.put_nowait(_Publish(h, parent, token_ids, data, first))
         except queue.Full:
             self.counters["dropped_writes"] += 1
             return False
@@ -301,7 +308,8 @@ class StoreConnector:
         out = []
         for p in batch:
             k, v = p.data.to_float()
-            frame = encode_block(self.meta, p.token_ids, k, v, self.fmt, p.parent)
+            root = p.parent if p.first else None
+            frame = encode_block(self.meta, p.token_ids, k, v, self.fmt, p.parent, root=root)
             self.encoded_bytes += len(frame)
             self.encoded_tokens += len(p.token_ids)
             out.append((p.h, frame))

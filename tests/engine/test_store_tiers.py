@@ -217,3 +217,20 @@ def test_cost_rule_can_choose_recompute(make_engine, prompts, cold, tmp_path: Pa
         assert b.store_stats().get("fetched_blocks", 0) == 0
     finally:
         b.close()
+
+
+def test_compact_store_format_through_the_engine(make_engine, prompts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Lossy, so only reuse is asserted here; its quality is measured by `kvserve bench store`.
+    store = StoreConfig(f"file://{tmp_path}", format="compact")
+    a = make_engine(store=store)
+    run_one(a, "a", prompts[0])
+    a.close()
+    b = make_engine(store=store)
+    try:
+        tokens, cached = run_one(b, "b", prompts[0])
+        assert len(tokens) == GREEDY.max_tokens
+        assert cached == full_blocks(prompts[0])
+        assert b.prefix_cache_stats["hits_tokens_store"] == cached
+        assert b.store_stats()["miss_reasons"] == {}
+    finally:
+        b.close()
