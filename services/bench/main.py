@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "prefix": Benchmark("prefix", "prefix caching: TTFT cold vs warm, shared-prefix throughput"),
     "kvquant": Benchmark("kvquant", "int8/fp8 KV cache: perplexity, KLD, greedy agreement, bytes"),
     "store": Benchmark("store", "prefix store: bytes/token and quality per format, TTFT, MB/s"),
+    "serve": Benchmark("serve", "serving benchmark: an HTTP client (TTFT, TPOT, goodput, traces)"),
 }
 
 
