@@ -42,6 +42,9 @@ SUMMARY_KEYS = (
 )  # fmt: skip
 
 
+NOT_RATES = ("inf", "trace")
+
+
 # ---- arguments ---------------------------------------------------------------------------------
 
 
@@ -155,8 +158,10 @@ def validate(args: argparse.Namespace) -> None:
         raise CliError(f"--scale must divide {wl.MOONCAKE_BLOCK}, got {args.scale}")
 
 
-def build_workload(args: argparse.Namespace, vocab_size: int) -> list[wl.Session]:
-    name, seed = args.workload, args.seed
+def build_workload(args: argparse.Namespace, vocab_size: int, run: int = 0) -> list[wl.Session]:
+    """The workload of the run-th rate of a sweep: seed + run, so a later rate does not find
+    the earlier rates' prompts in the server's prefix cache (same shapes, other tokens)."""
+    name, seed = args.workload, args.seed + run
     if name == "random":
         n = args.num_requests or 100
         sessions = wl.random_workload(
@@ -442,7 +447,7 @@ def summarize(
     n_good = sum(good(r) for r in ok)
     d = max(duration, 1e-9)
     s: dict[str, Any] = {
-        "request_rate": None if rate is None else ("inf" if math.isinf(rate) else rate),
+        "request_rate": "trace" if rate is None else ("inf" if math.isinf(rate) else rate),
         "num_requests": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -516,7 +521,7 @@ def plot(out: Path, runs: list[tuple[dict[str, Any], list[RequestResult]]]) -> l
         plt.close(fig)
         written.append(path.name)
     if len(runs) > 1:
-        finite = [(s["request_rate"], s) for s, _ in runs if s["request_rate"] != "inf"]
+        finite = [(s["request_rate"], s) for s, _ in runs if s["request_rate"] not in NOT_RATES]
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = [float(r) for r, _ in finite]
         ax.plot(xs, [s["output_tok_s"] for _, s in finite], "o-", label="output tok/s")
@@ -578,8 +583,8 @@ async def _main(
         runs: list[tuple[dict[str, Any], list[RequestResult]]] = []
         with open(out / "requests.jsonl", "w") as f:
             for i, rate in enumerate(rates):
-                if i:  # the same prompts again: fresh copies of the sessions
-                    sessions = build_workload(args, vocab)
+                if i:
+                    sessions = build_workload(args, vocab, run=i)
                 results, duration = await run_once(args, client, sessions, rate, vocab)
                 summary = summarize(results, duration, slo, rate)
                 runs.append((summary, results))
