@@ -283,8 +283,8 @@ class Client:
                     if c.get("token_ids") is not None:
                         have_ids = True
                         token_ids += c["token_ids"]
-                    if not c.get("text") and not c.get("token_ids"):
-                        continue  # a bare finish_reason chunk
+                    if not c.get("text") and not c.get("token_ids") and c.get("finish_reason"):
+                        continue  # a bare finish_reason chunk (an empty text is a token too)
                     now = time.perf_counter()
                     if chunks == 0:
                         res.ttft_s = now - t0
