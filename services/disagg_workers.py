@@ -48,6 +48,7 @@ class PrefillWorker(EngineWorker):
 
     async def _serve(self, d: Delivery) -> None:
         req = d.request
+        assert isinstance(req, GenerateRequest)
         received = time.time()
         try:
             with tracer.start_as_current_span(

@@ -50,22 +50,33 @@ def read_jobs(path: Path) -> list[dict[str, Any]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise CliError(f"{path}:{n}: not JSON ({e.msg})") from e
-        kinds = [k for k in KINDS if isinstance(obj, dict) and k in obj]
-        if len(kinds) != 1:
-            raise CliError(f"{path}:{n}: needs exactly one of {', '.join(KINDS)}")
-        value = obj[kinds[0]]
-        if kinds[0] == "messages":
-            ok = isinstance(value, list) and all(
-                isinstance(m, dict) and {"role", "content"} <= set(m) for m in value
-            )
-        else:
-            ok = isinstance(value, str)
-        if not ok or not value:
-            raise CliError(f"{path}:{n}: {kinds[0]!r} must be a non-empty string or message list")
+        error = check_prefix(obj)
+        if error is not None:
+            raise CliError(f"{path}:{n}: {error}")
         jobs.append(obj)
     if not jobs:
         raise CliError(f"{path}: no prefixes")
     return jobs
+
+
+def check_prefix(obj: Any) -> str | None:
+    """Why `obj` (one parsed prefix) is malformed, or None when it is fine. Shared by the file
+    reader and the gateway's POST /v1/cache/warmup."""
+    kinds = [k for k in KINDS if isinstance(obj, dict) and k in obj]
+    if len(kinds) != 1:
+        return f"needs exactly one of {', '.join(KINDS)}"
+    value = obj[kinds[0]]
+    if kinds[0] == "messages":
+        ok = isinstance(value, list) and all(
+            isinstance(m, dict) and {"role", "content"} <= set(m) for m in value
+        )
+    else:
+        ok = isinstance(value, str)
+    if not ok or not value:
+        return f"{kinds[0]!r} must be a non-empty string or message list"
+    if not isinstance(obj.get("cache_salt"), str | None):
+        return "'cache_salt' must be a string"
+    return None
 
 
 def prefix_ids(tokenizer: Any, job: dict[str, Any]) -> list[int]:

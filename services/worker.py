@@ -25,7 +25,7 @@ from kvserve.shared.bus import Delivery, WorkerPort, error_event
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.engine import RequestOutput
 from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
-from kvserve.shared.protocol import ErrorInfo, GenerateRequest, TokenEvent
+from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest, TokenEvent
 from kvserve.shared.telemetry import (
     GEN_AI_CACHED_TOKENS,
     GEN_AI_INPUT_TOKENS,
@@ -158,7 +158,8 @@ class EngineWorker:
         if rid in self._running:
             log.warning("dropping a redelivery of a running request", request_id=rid)
             return
-        task = asyncio.create_task(self._serve(d), name=f"request-{rid}")
+        work = self._admin(d) if isinstance(d.request, AdminRequest) else self._serve(d)
+        task = asyncio.create_task(work, name=f"request-{rid}")
         self._running[rid] = _Running(d, task)
 
         def forget(_task: asyncio.Task[None]) -> None:
@@ -166,10 +167,71 @@ class EngineWorker:
 
         task.add_done_callback(forget)
 
+    # ---- admin jobs -----------------------------------------------------------------------
+
+    async def _admin(self, d: Delivery) -> None:
+        """A warm-up or flush job: one event per prefix (warm-up) with the running counters in
+        `info`, the last with finish_reason "stop"; an error event if the job fails."""
+        job = d.request
+        assert isinstance(job, AdminRequest)
+        seq = 0
+
+        async def emit(info: dict[str, Any], finish: str | None = None) -> None:
+            nonlocal seq
+            await self.port.emit(
+                TokenEvent(request_id=job.request_id, seq=seq, info=info, finish_reason=finish)
+            )
+            seq += 1
+
+        try:
+            with tracer.start_as_current_span(
+                f"kvserve.cache.{job.op}",
+                context=context_from_traceparent(job.traceparent),
+                attributes={KVSERVE_REQUEST_ID: job.request_id},
+            ):
+                eng = self.engine.engine
+                if job.op == "flush":
+                    got = await self.engine.call(eng.reset_prefix_cache)
+                    await emit({**got, "worker": self.port.name}, "stop")
+                    log.info("prefix cache flushed", **got)
+                else:
+                    total = len(job.prefixes)
+                    counts = {"done": 0, "total": total, "blocks": 0, "computed": 0,
+                              "skipped": 0, "published": 0}  # fmt: skip
+                    for i, p in enumerate(job.prefixes):
+
+                        def one(p: dict[str, Any] = p, i: int = i) -> dict[str, int]:
+                            rid = f"{job.request_id}-{i}"
+                            return eng.warmup(p["token_ids"], p.get("cache_salt"), rid)
+
+                        got = await self.engine.call(one)
+                        for k in ("blocks", "computed", "skipped", "published"):
+                            counts[k] += int(got[k])
+                        counts["done"] = i + 1
+                        await emit(dict(counts), "stop" if i + 1 == total else None)
+                    if not total:
+                        await emit(counts, "stop")
+        except InvalidRequestError as e:
+            await self._admin_error(job, seq, ErrorInfo(str(e), "invalid_request_error", e.param))
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self._admin_error(job, seq, ErrorInfo("job cancelled", "cancelled"))
+        except Exception as e:
+            log.exception("admin job failed", request_id=job.request_id, op=job.op)
+            await self._admin_error(job, seq, ErrorInfo(f"{job.op} failed: {e}", "server_error"))
+        finally:
+            with contextlib.suppress(Exception):
+                await self.port.ack(d)
+
+    async def _admin_error(self, job: AdminRequest, seq: int, info: ErrorInfo) -> None:
+        with contextlib.suppress(Exception):
+            await self.port.emit(error_event(job.request_id, seq, info))
+
     # ---- one request ----------------------------------------------------------------------
 
     async def _serve(self, d: Delivery) -> None:
         req = d.request
+        assert isinstance(req, GenerateRequest)
         ctx = context_from_traceparent(req.traceparent)
         received = time.time()
         try:
@@ -195,6 +257,7 @@ class EngineWorker:
 
     async def _run(self, d: Delivery) -> _Emitted:
         req = d.request
+        assert isinstance(req, GenerateRequest)
         out = _Emitted(self.port, req.request_id, len(req.prompt_token_ids))
         if await self.port.is_cancelled(req.request_id):
             return out

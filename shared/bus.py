@@ -37,11 +37,13 @@ from typing import Any
 
 import msgpack
 from kvserve.shared.protocol import (
+    AdminRequest,
     Cancel,
     ErrorInfo,
     GenerateRequest,
     ProtocolError,
     TokenEvent,
+    Work,
     decode,
     encode,
 )
@@ -54,10 +56,11 @@ StatsSource = Callable[[], dict[str, Any]]
 @dataclass(frozen=True)
 class Delivery:
     """A request handed to a worker. `message_id` identifies it on the bus (for ack);
-    `redelivered` is True when it was claimed from a worker that stopped answering."""
+    `redelivered` is True when it was claimed from a worker that stopped answering. `request`
+    is a generate request or an admin job (warm-up, flush)."""
 
     message_id: str
-    request: GenerateRequest
+    request: Work
     redelivered: bool = False
 
 
@@ -66,7 +69,7 @@ class EventStream(abc.ABC):
     events are released in seq order, iteration ends after the terminal event (an error, or
     every completion index finished). `close()` releases what the bus holds for it."""
 
-    def __init__(self, request: GenerateRequest) -> None:
+    def __init__(self, request: Work) -> None:
         self.request = request
         self._next_seq = 0
         self._held: dict[int, TokenEvent] = {}  # arrived ahead of a gap
@@ -152,8 +155,9 @@ class Bus(abc.ABC):
     """The gateway's end of the bus, and the factory of worker ports."""
 
     @abc.abstractmethod
-    async def submit(self, request: GenerateRequest) -> EventStream:
-        """Queue a request; its events are readable from the returned stream at once."""
+    async def submit(self, request: Work) -> EventStream:
+        """Queue a request (or an admin job); its events are readable from the returned
+        stream at once."""
 
     @abc.abstractmethod
     async def cancel(self, request_id: str, reason: str = "client") -> None: ...
@@ -198,7 +202,7 @@ class _BoundedSet:
 
 
 class _QueueEventStream(EventStream):
-    def __init__(self, bus: InProcessBus, request: GenerateRequest) -> None:
+    def __init__(self, bus: InProcessBus, request: Work) -> None:
         super().__init__(request)
         self._bus = bus
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -224,7 +228,7 @@ class InProcessBus(Bus):
         self._ports: dict[str, _InProcessPort] = {}
         self._cancelled = _BoundedSet()
 
-    async def submit(self, request: GenerateRequest) -> EventStream:
+    async def submit(self, request: Work) -> EventStream:
         stream = _QueueEventStream(self, request)
         self._streams[request.request_id] = stream
         self._requests.put_nowait(encode(request))
@@ -277,7 +281,7 @@ class _InProcessPort(WorkerPort):
         out = []
         for data in raw:
             msg = decode(data)
-            assert isinstance(msg, GenerateRequest)
+            assert isinstance(msg, GenerateRequest | AdminRequest)
             self._ids += 1
             out.append(Delivery(f"{self.name}-{self._ids}", msg))
         return out
@@ -328,7 +332,7 @@ class RedisBusConfig:
 
 
 class _RedisEventStream(EventStream):
-    def __init__(self, bus: RedisBus, request: GenerateRequest) -> None:
+    def __init__(self, bus: RedisBus, request: Work) -> None:
         super().__init__(request)
         self._bus = bus
         self._key = bus.out_key(request.request_id)
@@ -375,7 +379,7 @@ class RedisBus(Bus):
     def cancelled_key(self, request_id: str) -> str:
         return f"{self.config.prefix}:cancelled:{request_id}"
 
-    async def submit(self, request: GenerateRequest) -> EventStream:
+    async def submit(self, request: Work) -> EventStream:
         stream = _RedisEventStream(self, request)
         await self.redis.xadd(self.request_key, {b"m": encode(request)})
         return stream
@@ -544,7 +548,7 @@ class _RedisPort(WorkerPort):
         mid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         try:
             msg = decode(fields[b"m"])
-            if not isinstance(msg, GenerateRequest):
+            if not isinstance(msg, GenerateRequest | AdminRequest):
                 raise ProtocolError(f"expected a generate request, got {type(msg).__name__}")
         except (ProtocolError, KeyError) as e:
             log.warning("dropping malformed request %s: %s", mid, e)

@@ -1,4 +1,4 @@
-"""The messages on the bus: a generate request, a token event, a cancel.
+"""The messages on the bus: a generate request, an admin job, a token event, a cancel.
 
 Each message is a small frozen dataclass; `encode` turns it into a msgpack map (never pickle)
 tagged with its kind and the protocol version, `decode` turns bytes back into the dataclass and
@@ -64,6 +64,26 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class AdminRequest:
+    """A cache admin job for a worker, on the same request stream as generate requests (so a
+    prefill worker runs it in the disaggregated topology). `op` is "warmup" (`prefixes`: maps
+    {"token_ids": [...], "cache_salt": str | None}) or "flush". The worker answers with token
+    events whose `info` carries the job's counters; the last one has finish_reason "stop"."""
+
+    KIND: ClassVar[str] = "admin"
+    OPS: ClassVar[tuple[str, ...]] = ("warmup", "flush")
+    request_id: str
+    op: str
+    prefixes: list[dict[str, Any]] = field(default_factory=list)
+    traceparent: str | None = None
+    submitted_at: float = field(default_factory=time.time)
+
+    @property
+    def n(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """What one completion (`index`) of a request produced since its previous event."""
 
@@ -78,6 +98,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: ErrorInfo | None = None
+    info: dict[str, Any] | None = None  # an admin job's counters
 
 
 @dataclass(frozen=True)
@@ -89,9 +110,10 @@ class Cancel:
     reason: str = "client"
 
 
-Message = GenerateRequest | TokenEvent | Cancel
-_KINDS: dict[str, type[GenerateRequest] | type[TokenEvent] | type[Cancel]] = {
-    c.KIND: c for c in (GenerateRequest, TokenEvent, Cancel)
+Message = GenerateRequest | AdminRequest | TokenEvent | Cancel
+Work = GenerateRequest | AdminRequest  # what goes on a request stream
+_KINDS: dict[str, type[GenerateRequest] | type[AdminRequest] | type[TokenEvent] | type[Cancel]] = {
+    c.KIND: c for c in (GenerateRequest, AdminRequest, TokenEvent, Cancel)
 }
 
 # Expected Python types of each field (after msgpack decoding), checked on decode.
@@ -121,6 +143,14 @@ _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "num_prompt_tokens": _INT,
         "num_cached_tokens": _INT,
         "error": (dict, type(None)),
+        "info": (dict, type(None)),
+    },
+    "admin": {
+        "request_id": _STR,
+        "op": _STR,
+        "prefixes": (list,),
+        "traceparent": _OPT_STR,
+        "submitted_at": _NUM,
     },
     "cancel": {"request_id": _STR, "reason": _STR},
 }
@@ -169,6 +199,23 @@ def _check_fields(kind: str, body: dict[str, Any]) -> None:
             isinstance(t, int) and not isinstance(t, bool) for t in body[name]
         ):
             raise ProtocolError(f"{kind} message field {name!r} must hold ints")
+    if kind == "admin":
+        _check_admin(body)
+
+
+def _check_admin(body: dict[str, Any]) -> None:
+    if body.get("op") not in AdminRequest.OPS:
+        raise ProtocolError(f"admin message op must be one of {AdminRequest.OPS}")
+    for p in body.get("prefixes", []):
+        ok = (
+            isinstance(p, dict)
+            and set(p) <= {"token_ids", "cache_salt"}
+            and isinstance(p.get("token_ids"), list)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in p["token_ids"])
+            and isinstance(p.get("cache_salt"), str | None)
+        )
+        if not ok:
+            raise ProtocolError("admin message prefixes must be {token_ids, cache_salt} maps")
 
 
 def _error_info(raw: dict[str, Any]) -> ErrorInfo:

@@ -34,6 +34,7 @@ from kvserve.services.gateway.openapi import (
     RouteDoc,
     build_openapi,
 )
+from kvserve.services.gateway.ratelimit import RateLimiter
 from kvserve.services.gateway.responses import SSE_DONE, ResponseBuilder, sse
 from kvserve.services.gateway.schema import (
     GenerationPlan,
@@ -43,8 +44,10 @@ from kvserve.services.gateway.schema import (
     parse_chat,
     parse_completion,
 )
+from kvserve.services.warmup import check_prefix, prefix_ids
 from kvserve.shared.bus import Bus, EventStream
-from kvserve.shared.protocol import GenerateRequest, TokenEvent
+from kvserve.shared.model.tokenizer import ChatTemplateError
+from kvserve.shared.protocol import AdminRequest, GenerateRequest, TokenEvent
 from kvserve.shared.telemetry import (
     GEN_AI_CACHED_TOKENS,
     GEN_AI_CHOICE_COUNT,
@@ -88,6 +91,8 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = ()
     allow_client_cache_salt: bool = False
     retry_after_s: int = 1
+    rate_limit: float = 0.0  # requests per second per API key on POST /v1 (0: no limit)
+    max_warmup_jobs: int = 100  # finished warm-up jobs remembered for their status endpoint
 
 
 class Gateway:
@@ -100,6 +105,8 @@ class Gateway:
         self.metrics.in_flight.set_function(lambda: self.admission.in_flight)
         self.keys = ApiKeys(config.api_keys, config.allow_client_cache_salt)
         self.started_at = int(time.time())
+        self.limiter = RateLimiter(config.rate_limit) if config.rate_limit > 0 else None
+        self.warmups: dict[str, _WarmupJob] = {}
         self.app = web.Application(
             client_max_size=config.max_body_bytes, middlewares=[self._errors, self._auth]
         )
@@ -107,9 +114,10 @@ class Gateway:
         for r, handler in self.routes:
             self.app.router.add_route(r.method, r.path, handler)
         self.openapi = build_openapi([r for r, _ in self.routes], "kvserve", VERSION)
+        self.app.on_cleanup.append(self._cancel_warmups)
 
     def _routes(self) -> list[tuple[RouteDoc, Handler]]:
-        json_errors = (400, 401, 404, 413, 503)
+        json_errors = (400, 401, 404, 413, 429, 503)
         return [
             (RouteDoc("POST", "/v1/completions", "Text completion (OpenAI).", COMPLETION_REQUEST,
                       COMPLETION_RESPONSE, stream=True, auth=True, errors=(*json_errors, 504)),
@@ -123,6 +131,15 @@ class Gateway:
                       errors=(401, 404)), self.get_model),
             (RouteDoc("GET", "/v1/cache/stats", "KV-cache and prefix-cache statistics.",
                       auth=True, errors=(401,)), self.cache_stats),
+            (RouteDoc("POST", "/v1/cache/warmup", "Start a warm-up job: compute, store and "
+                      "pin the KV blocks of shared prefixes (202; poll its status).",
+                      WARMUP_REQUEST, auth=True, errors=(400, 401, 413, 429, 503)),
+             self.cache_warmup),
+            (RouteDoc("GET", "/v1/cache/warmup/{id}", "A warm-up job's status and counters.",
+                      auth=True, errors=(401, 404)), self.cache_warmup_status),
+            (RouteDoc("POST", "/v1/cache/flush", "Drop the engine's unreferenced device "
+                      "prefix-cache blocks and its host tier (the store keeps its blocks).",
+                      auth=True, errors=(401, 429, 503, 504)), self.cache_flush),
             (RouteDoc("POST", "/tokenize", "Tokenize a prompt or chat messages (vLLM).",
                       {"type": "object"}, errors=(400, 413)), self.tokenize),
             (RouteDoc("POST", "/detokenize", "Token ids to text (vLLM).", {"type": "object"},
@@ -169,7 +186,7 @@ class Gateway:
             log.exception("unhandled error", path=request.path)
             resp = APIError(500, "Internal server error.", "server_error").response()
         self.metrics.http_requests.labels(name, str(resp.status)).inc()
-        if resp.status in (401, 413, 503):
+        if resp.status in (401, 413, 429, 503):
             self.metrics.rejected.labels(_REJECT_REASON.get(resp.status, str(resp.status))).inc()
         return resp
 
@@ -179,7 +196,23 @@ class Gateway:
             salt = self.keys.authenticate(request.headers.get("Authorization"))
             if salt is not None:
                 request[TENANT_SALT] = salt
+            if self.limiter is not None and request.method == "POST":
+                self._rate_limit(salt if salt is not None else f"addr:{request.remote}")
         return await handler(request)
+
+    def _rate_limit(self, key: str) -> None:
+        assert self.limiter is not None
+        wait = self.limiter.acquire(key)
+        if wait > 0:
+            raise APIError(
+                429,
+                f"Rate limit of {self.config.rate_limit:g} requests per second exceeded; "
+                "retry later.",
+                "rate_limit_error",
+                None,
+                "rate_limit_exceeded",
+                headers={"Retry-After": str(self.limiter.retry_after(wait))},
+            )
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
         if (request.content_length or 0) > self.config.max_body_bytes:
@@ -207,6 +240,11 @@ class Gateway:
 
     async def _generate(self, request: web.Request, plan: GenerationPlan) -> web.StreamResponse:
         salt = self.keys.effective_salt(request.get(TENANT_SALT), plan.cache_salt)
+        await self._require_worker()
+        with self.admission.admit():
+            return await self._traced(request, plan, salt)
+
+    async def _require_worker(self) -> None:
         if not await self.bus.ready():
             raise APIError(
                 503,
@@ -216,8 +254,6 @@ class Gateway:
                 "not_ready",
                 headers={"Retry-After": str(self.config.retry_after_s)},
             )
-        with self.admission.admit():
-            return await self._traced(request, plan, salt)
 
     async def _traced(
         self, request: web.Request, plan: GenerationPlan, salt: str | None
@@ -399,6 +435,103 @@ class Gateway:
             }
         )
 
+    # ---- cache admin: warm-up jobs, flush --------------------------------------------------
+
+    async def cache_warmup(self, request: web.Request) -> web.Response:
+        """Validate and tokenize the prefixes here (as `kvserve warmup FILE` does), then hand
+        the job to a worker over the bus; its events update the job's status."""
+        body = await self._json(request)
+        prefixes = body.get("prefixes")
+        if not isinstance(prefixes, list) or not prefixes:
+            raise bad_request("'prefixes' must be a non-empty list", "prefixes")
+        tenant = request.get(TENANT_SALT)
+        items: list[dict[str, Any]] = []
+        for i, p in enumerate(prefixes):
+            error = check_prefix(p)
+            if error is not None:
+                raise bad_request(f"prefixes[{i}]: {error}", "prefixes")
+            salt = self.keys.effective_salt(tenant, p.get("cache_salt"))
+            try:
+                ids = prefix_ids(self.model.tokenizer, p)
+            except (ChatTemplateError, TypeError, ValueError) as e:
+                raise bad_request(f"prefixes[{i}]: {e}", "prefixes") from e
+            items.append({"token_ids": ids, "cache_salt": salt})
+        await self._require_worker()
+        job = _WarmupJob("warmup-" + uuid.uuid4().hex, len(items))
+        msg = AdminRequest(job.id, "warmup", items, traceparent=current_traceparent())
+        stream = await self.bus.submit(msg)
+        job.task = asyncio.create_task(self._follow_warmup(job, stream), name=job.id)
+        self._remember(job)
+        log.info("warm-up job started", job=job.id, prefixes=len(items))
+        return web.json_response(
+            {"id": job.id, "object": "cache.warmup", "status": job.status, "total": job.total},
+            status=202,
+        )
+
+    def _remember(self, job: _WarmupJob) -> None:
+        self.warmups[job.id] = job
+        done = [j for j in self.warmups.values() if j.status != "running"]
+        for old in done[: max(0, len(done) - self.config.max_warmup_jobs)]:
+            del self.warmups[old.id]
+
+    async def _follow_warmup(self, job: _WarmupJob, stream: EventStream) -> None:
+        try:
+            async with stream:
+                async for ev in stream:
+                    if ev.error is not None:
+                        job.fail(ev.error.message)
+                        return
+                    if ev.info:
+                        job.counts.update({k: int(ev.info[k]) for k in job.counts if k in ev.info})
+            if job.counts["done"] >= job.total:
+                job.status = "completed"
+            else:
+                job.fail("the job ended early")
+        except asyncio.CancelledError:
+            job.fail("the gateway stopped")
+            raise
+        except Exception as e:
+            log.exception("warm-up job failed", job=job.id)
+            job.fail(f"{type(e).__name__}: {e}")
+        finally:
+            log.info("warm-up job finished", job=job.id, status=job.status, **job.counts)
+
+    async def _cancel_warmups(self, app: web.Application) -> None:
+        tasks = [j.task for j in self.warmups.values() if j.task is not None and not j.task.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def cache_warmup_status(self, request: web.Request) -> web.Response:
+        job = self.warmups.get(request.match_info["id"])
+        if job is None:
+            raise APIError(404, "No such warm-up job.", "not_found_error", "id", "not_found")
+        return web.json_response(job.view())
+
+    async def cache_flush(self, request: web.Request) -> web.Response:
+        await self._require_worker()
+        msg = AdminRequest("flush-" + uuid.uuid4().hex, "flush", [], current_traceparent())
+        info: dict[str, Any] = {}
+        stream = await self.bus.submit(msg)
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s), stream:
+                async for ev in stream:
+                    if ev.error is not None:
+                        raise from_worker(ev.error)
+                    info.update(ev.info or {})
+        except TimeoutError:
+            raise APIError(504, "the flush timed out", "timeout", None, "timeout") from None
+        log.info("prefix cache flushed", **info)
+        return web.json_response(
+            {
+                "object": "cache.flush",
+                "flushed": True,
+                "workers": [info["worker"]] if "worker" in info else [],
+                "device_blocks": int(info.get("device_blocks", 0)),
+                "host_blocks": int(info.get("host_blocks", 0)),
+            }
+        )
+
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         check_model(body, self.model)
@@ -459,7 +592,61 @@ class Gateway:
         log.info("draining", in_flight=self.admission.in_flight)
 
 
-_REJECT_REASON = {401: "unauthorized", 413: "body_too_large", 503: "unavailable"}
+_REJECT_REASON = {
+    401: "unauthorized",
+    413: "body_too_large",
+    429: "rate_limited",
+    503: "unavailable",
+}
+WARMUP_REQUEST: dict[str, Any] = {
+    "type": "object",
+    "required": ["prefixes"],
+    "properties": {
+        "prefixes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "description": "exactly one of system, text, messages; optional cache_salt",
+                "properties": {
+                    "system": {"type": "string"},
+                    "text": {"type": "string"},
+                    "messages": {"type": "array", "items": {"type": "object"}},
+                    "cache_salt": {"type": "string"},
+                },
+            },
+        }
+    },
+}
+
+
+@dataclass
+class _WarmupJob:
+    id: str
+    total: int
+    status: str = "running"  # running | completed | failed
+    error: str | None = None
+    counts: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("done", "blocks", "computed", "skipped", "published"), 0
+        )
+    )
+    task: asyncio.Task[None] | None = None
+
+    def fail(self, message: str) -> None:
+        self.status = "failed"
+        self.error = message
+
+    def view(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "cache.warmup",
+            "status": self.status,
+            "total": self.total,
+            **self.counts,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
 
 @dataclass

@@ -22,6 +22,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", action="append", default=[], help="repeatable; see serve")
     p.add_argument("--allow-client-cache-salt", action="store_true")
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 503")
+    p.add_argument(
+        "--rate-limit",
+        default=None,
+        metavar="N/s",
+        help="per API key (or client address): POST /v1 requests per second (N/s or N/m); "
+        "over it: 429 with Retry-After",
+    )
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
@@ -40,6 +47,7 @@ def _check(args: argparse.Namespace) -> None:
         raise CliError("--request-timeout and --drain-timeout must be > 0")
     if any(not k for k in args.api_key):
         raise CliError("--api-key must not be empty")
+    _rate(args.rate_limit)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +80,7 @@ async def _serve(args: argparse.Namespace) -> None:
             request_timeout_s=args.request_timeout,
             api_keys=tuple(args.api_key),
             allow_client_cache_salt=args.allow_client_cache_salt,
+            rate_limit=_rate(args.rate_limit),
         ),
         bus,
         info,
@@ -100,3 +109,14 @@ async def _serve(args: argparse.Namespace) -> None:
     await runner.cleanup()
     await bus.close()
     log.info("stopped", drained=drained)
+
+
+def _rate(spec: str | None) -> float:
+    from kvserve.services.gateway.ratelimit import parse_rate
+
+    if spec is None:
+        return 0.0
+    try:
+        return parse_rate(spec)
+    except ValueError as e:
+        raise CliError(f"--rate-limit: {e}") from e

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +38,17 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -108,6 +115,18 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread between two steps and return its result (or raise
+        its exception). `fn` may step the engine itself (`Engine.warmup`): the outputs those
+        steps produce for other requests still reach their consumers."""
+        if self._error is not None:
+            raise RuntimeError("the engine thread has failed") from self._error
+        self.start()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(_Call(fn, future, loop))
+        return await future
 
     @property
     def healthy(self) -> bool:
@@ -185,6 +204,9 @@ class AsyncEngine:
                 self.engine.abort_request(cmd.request_id)
                 self._sinks.pop(cmd.request_id, None)
                 continue
+            if isinstance(cmd, _Call):
+                self._call(cmd)
+                continue
             try:
                 self.engine.add_request(
                     cmd.request_id,
@@ -198,6 +220,38 @@ class AsyncEngine:
                 cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, e)
                 continue
             self._sinks[cmd.request_id] = cmd
+
+    def _call(self, cmd: _Call) -> None:
+        engine_step = self.engine.step
+
+        def step() -> list[RequestOutput]:
+            outs = engine_step()
+            for out in outs:
+                self._deliver(out)
+            return outs
+
+        vars(self.engine)["step"] = step  # this instance only, while fn runs
+        try:
+            result = cmd.fn()
+        except Exception as e:
+            self._settle(cmd, None, e)
+        else:
+            self._settle(cmd, result, None)
+        finally:
+            vars(self.engine).pop("step", None)  # back to the class's method
+
+    @staticmethod
+    def _settle(cmd: _Call, result: Any, error: BaseException | None) -> None:
+        def settle() -> None:
+            if cmd.future.done():
+                return
+            if error is not None:
+                cmd.future.set_exception(error)
+            else:
+                cmd.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+            cmd.loop.call_soon_threadsafe(settle)
 
     def _deliver(self, out: RequestOutput) -> None:
         add = self._sinks.get(out.request_id)

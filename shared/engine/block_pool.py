@@ -99,6 +99,22 @@ class BlockPool:
             self.ref_counts[b] += 1
         return blocks
 
+    def drop_cached(self) -> int:
+        """Forget every evictable cached block (no eviction hook: nothing is offloaded); they
+        become plain free blocks. Cached blocks that requests hold stay. Returns the count."""
+        if self.index is None:
+            return 0
+        dropped = 0
+        while self.index.num_evictable:
+            try:
+                evicted = self.index.evict(1)
+            except (IndexError, ValueError):  # only blocks under a held child are left
+                break
+            for b, _ in evicted:
+                self._free[b] = None
+            dropped += len(evicted)
+        return dropped
+
     def share(self, blocks: Iterable[BlockId]) -> None:
         """Add one reference to each (used) block: a new holder shares it."""
         for b in blocks:

@@ -260,6 +260,13 @@ class Engine:
         self.connector.pin(hashes)
         return out
 
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Drop the device prefix cache's unreferenced blocks and the whole host tier (like
+        vLLM's reset_prefix_cache); blocks running requests hold, and the store, stay. Runs on
+        the engine's thread. Returns {"device_blocks", "host_blocks"} dropped."""
+        host = self.host_tier.clear() if self.host_tier is not None else 0
+        return {"device_blocks": self.pool.drop_cached(), "host_blocks": host}
+
     # ---- requests -------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:

@@ -90,6 +90,14 @@ class HostTier:
             self.bytes -= gone.data.nbytes
             self.evictions += 1
 
+    def clear(self) -> int:
+        """Drop every block, pinned ones too (a cache flush). Returns how many there were."""
+        n = len(self)
+        self._entries.clear()
+        self._pinned.clear()
+        self.bytes = 0
+        return n
+
     def get(self, h: BlockHash) -> tuple[BlockData, str] | None:
         """The block and its source, touched as most recently used; None if absent."""
         e = self._pinned.get(h)

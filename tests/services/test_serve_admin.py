@@ -1,0 +1,217 @@
+"""Cache admin and limits of `kvserve serve`, end to end on the real process: warm-up jobs
+(`POST /v1/cache/warmup`, its status endpoint, `kvserve warmup FILE --server URL`), the prefix
+cache flush, per-key rate limiting (429 + Retry-After) and top-k logprobs in OpenAI's shapes.
+
+Two servers: one with a memory:// store (warm-up needs a store), one without a store (so a
+flushed prefix cannot come back from the store) and with a rate limit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from kvserve.services.warmup import prefix_ids
+from kvserve.shared.model.tokenizer import KVTokenizer
+
+from tests.services.kvserve_process import Http, ServeProcess, poll_until
+
+MODEL = "kvtest-admin"
+BLOCK = 16
+ERROR_KEYS = {"message", "type", "param", "code"}
+STORE_KEYS = ("store-key-one", "store-key-two")
+LIMIT_KEYS = ("limit-key-one", "limit-key-two")
+RATE = 5  # requests per second per key on the store-less server
+
+
+@pytest.fixture(scope="module")
+def store_server(start_server) -> ServeProcess:
+    return start_server(
+        "--store", "memory://", "--served-model-name", MODEL, "--num-blocks", "256",
+        "--api-key", STORE_KEYS[0], "--api-key", STORE_KEYS[1],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bare_server(start_server) -> ServeProcess:
+    return start_server(
+        "--store", "none", "--served-model-name", MODEL, "--num-blocks", "256",
+        "--api-key", LIMIT_KEYS[0], "--api-key", LIMIT_KEYS[1],
+        "--rate-limit", f"{RATE}/s",
+    )  # fmt: skip
+
+
+def http_for(server: ServeProcess, key: str) -> Http:
+    return Http(server.url, {"Authorization": f"Bearer {key}"})
+
+
+def client_for(server: ServeProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def idle(http: Http) -> bool:
+    stats = http.get("/v1/cache/stats").json()
+    t = stats["totals"]
+    busy = t["num_requests_running"] or t["num_requests_waiting"] or t["num_used_blocks"]
+    return not busy and stats["gateway"]["in_flight"] == 0
+
+
+def finished_job(http: Http, job_id: str) -> dict[str, Any] | None:
+    r = http.get(f"/v1/cache/warmup/{job_id}")
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body if body["status"] != "running" else None
+
+
+def chat_cached(client: openai.OpenAI, system: str, question: str) -> int:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=1,
+        temperature=0,
+    )
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    return r.usage.prompt_tokens_details.cached_tokens or 0
+
+
+# ---- warm-up jobs ----------------------------------------------------------------------------
+
+
+def test_warmup_job_then_chat_reports_cached(
+    store_server: ServeProcess, tokenizer: KVTokenizer
+) -> None:
+    http = http_for(store_server, STORE_KEYS[0])
+    system = f"[{uuid.uuid4().hex}] " + "You are a terse assistant for warm-up tests. " * 8
+    r = http.post("/v1/cache/warmup", json={"prefixes": [{"system": system}]})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["status"] == "running" and job["total"] == 1 and job["id"]
+    done = poll_until(lambda: finished_job(http, job["id"]), timeout=120)
+    full_blocks = len(prefix_ids(tokenizer, {"system": system})) // BLOCK
+    assert done["status"] == "completed", done
+    assert done["done"] == 1 and done["computed"] == 1 and done["skipped"] == 0
+    # (the computing request publishes its blocks itself; `published` counts what the job
+    # then had to add)
+    assert done["blocks"] == full_blocks and 0 <= done["published"] <= full_blocks
+    assert "error" not in done
+    cached = chat_cached(client_for(store_server, STORE_KEYS[0]), system, "Hello?")
+    assert cached >= full_blocks * BLOCK
+    # The key's cache salt applied: another key's partition does not hold the prefix.
+    assert chat_cached(client_for(store_server, STORE_KEYS[1]), system, "Hello?") == 0
+
+
+def test_warmup_cli_against_the_server(store_server: ServeProcess, tmp_path: Path) -> None:
+    jobs = tmp_path / "prefixes.jsonl"
+    tag = uuid.uuid4().hex
+    jobs.write_text(
+        json.dumps({"text": f"[{tag}] Few-shot examples follow. " * 12})
+        + "\n"
+        + json.dumps({"messages": [{"role": "system", "content": f"[{tag}] Be kind. " * 20}]})
+        + "\n"
+    )
+
+    def run() -> dict[str, Any]:
+        r = subprocess.run(
+            [sys.executable, "-m", "kvserve.services.cli", "warmup", str(jobs),
+             "--server", store_server.url, "--api-key", STORE_KEYS[0]],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+        return out
+
+    first = run()
+    assert first["status"] == "completed" and first["done"] == first["total"] == 2
+    assert first["computed"] == 2 and first["blocks"] > 0
+    again = run()  # everything is stored already
+    assert again["status"] == "completed" and again["skipped"] == 2 and again["published"] == 0
+
+
+def test_warmup_bad_bodies(store_server: ServeProcess) -> None:
+    http = http_for(store_server, STORE_KEYS[0])
+    bad: list[Any] = [
+        {},
+        {"prefixes": []},
+        {"prefixes": "You are helpful."},
+        {"prefixes": [{"text": ""}]},
+        {"prefixes": [{"text": "a", "system": "b"}]},
+        {"prefixes": [{"messages": [{"role": "system"}]}]},
+        {"prefixes": [{"prompt": "x"}]},
+        {"prefixes": [{"system": "x", "cache_salt": 5}]},
+        {"prefixes": [{"system": "x", "cache_salt": "mine"}]},  # salt comes from the key
+    ]
+    for body in bad:
+        r = http.post("/v1/cache/warmup", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert set(r.json()["error"]) == ERROR_KEYS
+    r = http.post("/v1/cache/warmup", content=b"{nope", headers={"Content-Type": "x"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = http.get("/v1/cache/warmup/warmup-nope")
+    assert r.status_code == 404 and set(r.json()["error"]) == ERROR_KEYS
+    assert Http(store_server.url).post("/v1/cache/warmup", json={}).status_code == 401
+    # Shorter than one block: accepted, then the job fails with the worker's reason.
+    r = http.post("/v1/cache/warmup", json={"prefixes": [{"text": "hi"}]})
+    assert r.status_code == 202
+    failed = poll_until(lambda: finished_job(http, r.json()["id"]), timeout=60)
+    assert failed["status"] == "failed" and "at least 16 tokens" in failed["error"]
+
+
+# ---- flush -----------------------------------------------------------------------------------
+
+
+def test_flush_drops_the_prefix_cache(bare_server: ServeProcess) -> None:
+    http = http_for(bare_server, LIMIT_KEYS[0])
+    client = client_for(bare_server, LIMIT_KEYS[0])
+    prompt = f"[{uuid.uuid4().hex}] " + "A preamble that the flush must forget. " * 8
+
+    def cached() -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        return r.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached() == 0
+    assert cached() >= 3 * BLOCK
+    poll_until(lambda: idle(http), timeout=30)
+    r = http.post("/v1/cache/flush")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "cache.flush" and body["flushed"] is True
+    assert body["device_blocks"] >= 3 and body["host_blocks"] == 0 and body["workers"]
+    assert cached() == 0
+    assert http_for(bare_server, "wrong").post("/v1/cache/flush").status_code == 401
+
+
+# ---- rate limit ------------------------------------------------------------------------------
+
+
+def test_rate_limit_429_per_key(bare_server: ServeProcess) -> None:
+    http = http_for(bare_server, LIMIT_KEYS[1])
+    statuses = []
+    limited = None
+    for _ in range(3 * RATE):
+        r = http.post("/v1/completions", json={})  # invalid: answered at once
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            limited = r
+            break
+    assert limited is not None, statuses
+    assert set(statuses[:-1]) == {400} and len(statuses) > RATE - 1
+    err = limited.json()["error"]
+    assert set(err) == ERROR_KEYS and err["code"] == "rate_limit_exceeded"
+    assert err["type"] == "rate_limit_error"
+    assert int(limited.headers["Retry-After"]) >= 1
+    with pytest.raises(openai.RateLimitError):
+        client_for(bare_server, LIMIT_KEYS[1]).completions.create(
+            model=MODEL, prompt="hi", max_tokens=1
+        )
+    # Another key has its own bucket; GETs are not limited.
+    assert http_for(bare_server, LIMIT_KEYS[0]).post("/v1/completions", json={}).status_code == 400
+    assert http.get("/v1/models").status_code == 200
+    # The bucket refills.
+    poll_until(lambda: http.post("/v1/completions", json={}).status_code == 400, timeout=5,
+               interval=0.25)  # fmt: skip
