@@ -1,0 +1,306 @@
+"""The servers `kvserve bench compare` puts side by side with kvserve.
+
+- llama.cpp's `llama-server`, built on demand into `cache_dir() / "llama.cpp"` from the llama.cpp
+  sources vendored in PyPI's `llama-cpp-python` sdist (`ensure_llama_server`).
+- Hugging Face transformers behind the minimal OpenAI-compatible shim in `hf_shim`.
+- kvserve itself (`kvserve serve`) and the disaggregated stack (`kvserve stack`).
+
+Each arm is a command line plus a readiness URL; `ServerProcess` starts one, waits for it and stops
+it (the whole process group, so the stack's children go too).
+
+Differences the client has to know about llama-server: see `LLAMA_SERVER_NOTES`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvserve.shared import config
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.16"
+# Bump to rebuild when the cmake flags change.
+_BUILD_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+)
+SLOTS = 8
+CONTEXT_PER_SLOT = 2048
+
+
+class ArmSetupError(RuntimeError):
+    """An arm's server could not be built or started; the message says why."""
+
+
+def llama_cpp_dir() -> Path:
+    return config.cache_dir() / "llama.cpp"
+
+
+def _marker_text(version: str) -> str:
+    return f"llama-cpp-python=={version}\n" + " ".join(_BUILD_FLAGS) + "\n"
+
+
+def llama_server_path() -> Path | None:
+    """The cached llama-server binary if a finished build of the pinned version is there."""
+    root = llama_cpp_dir()
+    binary = root / "build" / "bin" / "llama-server"
+    marker = root / "BUILT"
+    if (
+        binary.is_file()
+        and marker.is_file()
+        and marker.read_text() == _marker_text(LLAMA_CPP_PYTHON_VERSION)
+    ):
+        return binary
+    return None
+
+
+def _run(cmd: list[str], cwd: Path | None, log: Path) -> None:
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        tail = log.read_text().splitlines()[-25:]
+        raise ArmSetupError(
+            f"llama-server build step failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+            f"log: {log}\n" + "\n".join(tail)
+        )
+
+
+def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> Path:
+    """Path of a llama-server binary, building it into `llama_cpp_dir()` if not there yet.
+
+    Downloads the llama-cpp-python sdist with pip, extracts its vendored llama.cpp and builds the
+    `llama-server` target with cmake; a marker file naming the version and flags makes a second
+    call a no-op. Raises ArmSetupError with the failing step and the log's tail.
+    """
+    if version == LLAMA_CPP_PYTHON_VERSION and (found := llama_server_path()) is not None:
+        return found
+    root = llama_cpp_dir()
+    binary = root / "build" / "bin" / "llama-server"
+    marker = root / "BUILT"
+    if binary.is_file() and marker.is_file() and marker.read_text() == _marker_text(version):
+        return binary
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise ArmSetupError(f"cannot build llama-server: {tool!r} is not on PATH")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir()
+    log = root / "build.log"
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as tmp:
+        tmpdir = Path(tmp)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(tmpdir),
+                f"llama-cpp-python=={version}",
+            ],
+            None,
+            log,
+        )
+        sdists = list(tmpdir.glob("llama_cpp_python-*.tar.gz")) + list(
+            tmpdir.glob("llama-cpp-python-*.tar.gz")
+        )
+        if not sdists:
+            raise ArmSetupError(f"pip download left no llama-cpp-python sdist in {tmpdir}")
+        with tarfile.open(sdists[0]) as tar:
+            prefix = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            if not members:
+                raise ArmSetupError(f"{sdists[0].name} has no vendor/llama.cpp")
+            for m in members:
+                m.name = m.name[len(prefix) :]
+            tar.extractall(root, members=[m for m in members if m.name], filter="data")
+    _run(["cmake", "-B", "build", *_BUILD_FLAGS], root, log)
+    _run(["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)], root, log)
+    if not binary.is_file():
+        raise ArmSetupError(f"the build finished without {binary}; log: {log}")
+    elapsed = time.monotonic() - started
+    with log.open("a") as out:
+        out.write(f"built in {elapsed:.0f} s\n")
+    marker.write_text(_marker_text(version))
+    return binary
+
+
+# ---- running an arm's server --------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class ServerProcess:
+    """One arm's server: started in its own process group, stopped with the whole group."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    ready_path: str
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            out.write(f"$ {' '.join(self.cmd)}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+            )
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        url = self.base_url + self.ready_path
+        while True:
+            if self.proc.poll() is not None:
+                raise ArmSetupError(
+                    f"{self.name}: the server exited with {self.proc.returncode} before it was "
+                    f"ready; log {self.log}:\n{_tail(self.log)}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or 503 while loading
+            if time.monotonic() > deadline:
+                raise ArmSetupError(
+                    f"{self.name}: not ready at {url} after {timeout:.0f} s; log {self.log}:\n"
+                    + _tail(self.log)
+                )
+            time.sleep(0.5)
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+LLAMA_SERVER_NOTES = """\
+llama-server (llama.cpp vendored in llama-cpp-python {version}) against the OpenAI client:
+see the note in docs and the module's test; filled in from observation.
+"""
+
+
+def llama_server_cmd(
+    binary: Path, model: Path, port: int, threads: int = 2, slots: int = SLOTS
+) -> list[str]:
+    """Continuous batching over `slots` slots of CONTEXT_PER_SLOT tokens each (`-c` is the total,
+    split evenly across slots); the prompt cache (`cache_prompt`, on by default per request)
+    reuses each slot's previous prompt."""
+    return [
+        str(binary),
+        "-m", str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--parallel", str(slots),
+        "--cont-batching",
+        "-c", str(slots * CONTEXT_PER_SLOT),
+        "--threads", str(threads),
+        "--threads-batch", str(threads),
+        "--no-webui",
+    ]  # fmt: skip
+
+
+def _kvserve_exe() -> str:
+    beside = Path(sys.executable).parent / "kvserve"
+    return str(beside) if beside.exists() else (shutil.which("kvserve") or "kvserve")
+
+
+ARMS = ("kvserve", "kvserve-disagg", "llama-server", "hf")
+DISAGG_REDIS = "redis://127.0.0.1:6379/14"
+
+
+def make_server(
+    arm: str,
+    model: Path,
+    port: int,
+    log_dir: Path,
+    threads: int = 2,
+    redis_url: str = DISAGG_REDIS,
+) -> ServerProcess:
+    """The arm's server, not started yet. Raises ArmSetupError when it cannot be set up (for
+    llama-server: when the build fails)."""
+    threads_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    log = log_dir / f"{arm}.log"
+    if arm == "kvserve":
+        cmd = [_kvserve_exe(), "serve", "--model", str(model), "--port", str(port)]
+        return ServerProcess(arm, [*cmd, "--store", "memory://"], port, "/ready", log, threads_env)
+    if arm == "kvserve-disagg":
+        cmd = [_kvserve_exe(), "stack", "--redis", redis_url, "--model", str(model)]
+        return ServerProcess(arm, [*cmd, "--port", str(port)], port, "/ready", log, threads_env)
+    if arm == "llama-server":
+        cmd = llama_server_cmd(ensure_llama_server(), model, port, threads)
+        return ServerProcess(arm, cmd, port, "/health", log)
+    if arm == "hf":
+        cmd = [sys.executable, "-m", "kvserve.services.bench.hf_shim", "--model", str(model)]
+        cmd += ["--port", str(port), "--threads", str(threads)]
+        return ServerProcess(arm, cmd, port, "/health", log, threads_env)
+    raise ArmSetupError(f"unknown arm {arm!r}; arms: {', '.join(ARMS)}")

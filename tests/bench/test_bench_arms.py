@@ -1,0 +1,115 @@
+"""The comparison arms beside kvserve, over real HTTP with the real model: the Hugging Face shim's
+greedy stream equals the engine's tokens; llama-server (when already built into the cache dir)
+streams a token-id completion of exactly max_tokens tokens with usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from kvserve.services.bench.arms import (
+    ensure_llama_server,
+    free_port,
+    llama_cpp_dir,
+    llama_server_path,
+    make_server,
+)
+from kvserve.shared.engine.sampling_params import SamplingParams
+
+MAX_TOKENS = 8
+
+
+async def stream_completion(base_url: str, prompt: list[int]) -> list[dict[str, Any]]:
+    """The parsed `data:` chunks of one streaming token-id completion, up to `[DONE]`."""
+    body = {
+        "model": "any",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks: list[dict[str, Any]] = []
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(base_url + "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                return chunks
+            chunks.append(json.loads(data))
+    raise AssertionError("the stream ended without data: [DONE]")
+
+
+def final_usage(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    usages = [c["usage"] for c in chunks if c.get("usage")]
+    assert usages, "no usage in the stream"
+    usage: dict[str, Any] = usages[-1]
+    return usage
+
+
+@pytest.mark.slow  # loading the GGUF into transformers takes about a minute on 2 busy cores
+def test_hf_shim_streams_the_engines_greedy_tokens(
+    model_path: Path, make_engine: Any, chat_prompt_ids: list[list[int]], tmp_path: Path
+) -> None:
+    prompt = chat_prompt_ids[0]
+    server = make_server("hf", model_path, free_port(), tmp_path, threads=2)
+    with server:
+        chunks = asyncio.run(stream_completion(server.base_url, prompt))
+    engine = make_engine(num_blocks=64)
+    expected = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    got = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
+    assert got == expected[0][0]
+    token_chunks = [c for c in chunks if c["choices"]]
+    assert len(token_chunks) == MAX_TOKENS  # one chunk per token, as it is made
+    assert token_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    usage = final_usage(chunks)
+    assert usage["prompt_tokens"] == len(prompt)
+    assert usage["completion_tokens"] == MAX_TOKENS
+
+
+def built_llama_server() -> Path:
+    found = llama_server_path()
+    if found is None:
+        pytest.skip(
+            f"llama-server is not built in {llama_cpp_dir()}; build it with `python -c 'from "
+            "kvserve.services.bench.arms import ensure_llama_server; ensure_llama_server()'` "
+            "(minutes)"
+        )
+    return found
+
+
+def test_ensure_llama_server_reuses_the_cached_build() -> None:
+    binary = built_llama_server()
+    before = binary.stat().st_mtime_ns
+    t0 = time.monotonic()
+    assert ensure_llama_server() == binary
+    assert time.monotonic() - t0 < 1.0
+    assert binary.stat().st_mtime_ns == before
+
+
+def test_llama_server_streams_a_token_id_completion(
+    model_path: Path, chat_prompt_ids: list[list[int]], tmp_path: Path
+) -> None:
+    built_llama_server()
+    prompt = chat_prompt_ids[0]
+    server = make_server("llama-server", model_path, free_port(), tmp_path, threads=2)
+    with server:
+        chunks = asyncio.run(stream_completion(server.base_url, prompt))
+    usage = final_usage(chunks)
+    assert usage["prompt_tokens"] == len(prompt)
+    assert usage["completion_tokens"] == MAX_TOKENS
+    text_chunks = [c for c in chunks if c["choices"] and c["choices"][0].get("text")]
+    assert 0 < len(text_chunks) <= MAX_TOKENS
