@@ -335,6 +335,9 @@ class _Emitted:
                     token_ids=list(c.token_ids),
                     text=c.text,
                     logprobs=[float(x) for x in c.logprobs],
+                    top_logprobs=[
+                        [[int(t), float(v)] for t, v in top.items()] for top in c.top_logprobs
+                    ],
                     finish_reason=c.finish_reason,
                     num_prompt_tokens=self.num_prompt_tokens,
                     num_cached_tokens=output.num_cached_tokens,

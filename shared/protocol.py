@@ -99,6 +99,9 @@ class TokenEvent:
     num_cached_tokens: int = 0
     error: ErrorInfo | None = None
     info: dict[str, Any] | None = None  # an admin job's counters
+    # per token (with logprobs), the most likely alternatives: [[token id, logprob], ...]
+    # (pairs, not a map: msgpack maps here have string keys)
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "num_cached_tokens": _INT,
         "error": (dict, type(None)),
         "info": (dict, type(None)),
+        "top_logprobs": (list,),
     },
     "admin": {
         "request_id": _STR,

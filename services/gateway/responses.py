@@ -24,6 +24,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -59,6 +60,7 @@ class ResponseBuilder:
         c.text.append(event.text)
         c.token_ids += event.token_ids
         c.logprobs += event.logprobs
+        c.top_logprobs += event.top_logprobs
         if event.finish_reason is not None:
             c.finish_reason = event.finish_reason
         return c
@@ -95,7 +97,7 @@ class ResponseBuilder:
 
     def _final_choice(self, c: _Choice) -> dict[str, Any]:
         text = "".join(c.text)
-        lp = self._logprobs(c.token_ids, c.logprobs) if self.plan.logprobs else None
+        lp = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs) if self.plan.logprobs else None
         if self.chat:
             return {
                 "index": c.index,
@@ -105,8 +107,15 @@ class ResponseBuilder:
             }
         return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
-        tokens = [self.tok.decode([t], skip_special_tokens=False) for t in token_ids]
+    def _token(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[float], tops: list[list[list[float]]]
+    ) -> dict[str, Any]:
+        tokens = [self._token(t) for t in token_ids]
+        k = self.plan.params.top_logprobs
+        alts = [[(self._token(int(t)), v) for t, v in top] for top in tops] if k else []
         if self.chat:
             return {
                 "content": [
@@ -114,9 +123,12 @@ class ResponseBuilder:
                         "token": t,
                         "logprob": lp,
                         "bytes": list(t.encode("utf-8")),
-                        "top_logprobs": [],
+                        "top_logprobs": [
+                            {"token": a, "logprob": v, "bytes": list(a.encode("utf-8"))}
+                            for a, v in (alts[i] if i < len(alts) else [])
+                        ],
                     }
-                    for t, lp in zip(tokens, logprobs, strict=False)
+                    for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=False))
                 ]
             }
         offsets, pos = [], 0
@@ -126,7 +138,9 @@ class ResponseBuilder:
         return {
             "tokens": tokens,
             "token_logprobs": logprobs,
-            "top_logprobs": None,
+            # OpenAI's shape: one {token text: logprob} per token (texts that decode alike
+            # merge, keeping the likelier)
+            "top_logprobs": [_top_dict(a) for a in alts] if k else None,
             "text_offset": offsets,
         }
 
@@ -164,7 +178,11 @@ class ResponseBuilder:
 
     def event_chunk(self, prompt_index: int, event: TokenEvent) -> dict[str, Any]:
         c = self.add(prompt_index, event)
-        lp = self._logprobs(event.token_ids, event.logprobs) if self.plan.logprobs else None
+        lp = (
+            self._logprobs(event.token_ids, event.logprobs, event.top_logprobs)
+            if self.plan.logprobs
+            else None
+        )
         if self.chat:
             delta = {"content": event.text} if event.text or c.finish_reason is None else {}
             choice = {
@@ -198,3 +216,11 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _top_dict(alternatives: list[tuple[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for text, lp in alternatives:
+        if text not in out or lp > out[text]:
+            out[text] = lp
+    return out

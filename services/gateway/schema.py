@@ -195,6 +195,7 @@ def _sampling(
     info: ModelInfo,
     max_tokens: int | None,
     logprobs: bool,
+    top_logprobs: int = 0,
 ) -> SamplingParams:
     longest = max(len(p) for p in prompts)
     room = info.max_model_len - longest
@@ -229,6 +230,7 @@ def _sampling(
             stop_token_ids=tuple(_token_list(stop_ids or [], "stop_token_ids", info.vocab_size)),
             ignore_eos=_bool(body, "ignore_eos", False),
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
             skip_special_tokens=_bool(body, "skip_special_tokens", True),
         )
     except InvalidRequestError as e:
@@ -243,15 +245,10 @@ def parse_completion(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
     if _get(body, "suffix") is not None:
         raise unsupported("suffix", "'suffix' (insertion) is not supported")
     prompts, texts = _completion_prompts(body.get("prompt"), info)
-    lp = _int(body, "logprobs", None, 0, 5)
-    if lp is not None and lp > 0:
-        raise unsupported(
-            "logprobs",
-            "only logprobs=0 (the sampled tokens' logprobs) is supported; top alternatives "
-            "are not reported yet",
-        )
+    lp = _int(body, "logprobs", None, 0, 5)  # N: the N most likely alternatives per token
     stream, include_usage = _stream_flags(body)
-    params = _sampling(body, prompts, info, _int(body, "max_tokens", 16, 1), lp is not None)
+    max_tokens = _int(body, "max_tokens", 16, 1)
+    params = _sampling(body, prompts, info, max_tokens, lp is not None, lp or 0)
     return GenerationPlan(
         "completion",
         model,
@@ -307,15 +304,11 @@ def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
     top = _int(body, "top_logprobs", None, 0, 20)
     if top is not None and not logprobs:
         raise bad_request("'top_logprobs' requires logprobs=true", "top_logprobs")
-    if top:
-        raise unsupported(
-            "top_logprobs", "only top_logprobs=0 is supported; top alternatives are not reported"
-        )
     max_tokens = _int(body, "max_completion_tokens", None, 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, 1)
     stream, include_usage = _stream_flags(body)
-    params = _sampling(body, [ids], info, max_tokens, logprobs)
+    params = _sampling(body, [ids], info, max_tokens, logprobs, top or 0)
     return GenerationPlan(
         "chat", model, [ids], params, stream, include_usage, logprobs, _client_salt(body), [text]
     )

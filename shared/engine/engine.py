@@ -65,6 +65,8 @@ class CompletionDelta:
     text: str
     logprobs: list[float]
     finish_reason: str | None = None
+    # with SamplingParams.top_logprobs: per token, {token id: logprob} of the most likely ones
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -578,13 +580,13 @@ class Engine:
         rows = [self._sample_row(seq, j) for seq, j in targets]
         if len(row_idx) != len(seqs):
             logits = logits[torch.tensor(row_idx)]
-        tokens, logprobs = self.sampler(logits, rows)
+        tokens, logprobs, tops = self.sampler.sample(logits, rows)
         touched: dict[str, None] = {}
         # Fork every sibling before any token is appended: a parent that stops on its first
         # token frees its blocks, which the siblings must already share.
         owners = [seq if j < 0 else self._fork(seq, j) for seq, j in targets]
-        for owner, tok, lp in zip(owners, tokens, logprobs, strict=True):
-            self._append(owner, tok, lp)
+        for owner, tok, lp, top in zip(owners, tokens, logprobs, tops, strict=True):
+            self._append(owner, tok, lp, top)
             touched[owner.request_id] = None
         for seq in seqs:
             seq.pending_forks = 0
@@ -698,10 +700,14 @@ class Engine:
         self.scheduler.add_running(child)
         return child
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _append(
+        self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None = None
+    ) -> None:
         seq.token_ids.append(token)
         if seq.params.logprobs:
             seq.logprobs.append(logprob)
+            if seq.params.top_logprobs:
+                seq.top_logprobs.append(top or {})
         seq.cumulative_logprob += logprob
         comp = self._requests[seq.request_id].completions[seq.index]
         comp.text += comp.detok.add(token)
@@ -752,6 +758,7 @@ class Engine:
                 token_ids=toks[c.sent_tokens :],
                 text=c.text[c.sent_text : visible],
                 logprobs=seq.logprobs[c.sent_tokens :] if seq.params.logprobs else [],
+                top_logprobs=seq.top_logprobs[c.sent_tokens :] if seq.params.logprobs else [],
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             )
             c.sent_tokens, c.sent_text = len(toks), visible

@@ -1,4 +1,5 @@
-"""Sampler: logits -> one token per row, with the logprob of that token.
+"""Sampler: logits -> one token per row, with the logprob of that token (and, for rows whose
+params ask for `top_logprobs`, the k most likely tokens' logprobs from the same log-softmax).
 
 Greedy rows take the argmax. Sampled rows apply temperature, then top-k, then top-p, and draw
 with the row's own `torch.Generator` when it has one (a seeded request gives the same output
@@ -35,11 +36,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+TopLogprobs = dict[int, float]  # token id -> logprob, most likely first
+
+
 class Sampler:
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow]
     ) -> tuple[list[int], list[float]]:
         """logits [N, V] float32 -> (token ids [N], logprobs [N])."""
+        tokens, chosen, _ = self.sample(logits, rows)
+        return tokens, chosen
+
+    def sample(
+        self, logits: torch.Tensor, rows: list[SampleRow]
+    ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+        """As `__call__`, plus per row the `params.top_logprobs` most likely tokens and their
+        logprobs (None for rows that ask for none)."""
         logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
         tokens = torch.argmax(logits, dim=-1)  # greedy default, [N]
         for i, row in enumerate(rows):
@@ -50,4 +62,10 @@ class Sampler:
             probs = torch.softmax(scaled, dim=-1)
             tokens[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        return tokens.tolist(), chosen.tolist()
+        tops: list[TopLogprobs | None] = [None] * len(rows)
+        for i, row in enumerate(rows):
+            k = min(row.params.top_logprobs, logprobs.shape[-1])
+            if k > 0:
+                values, ids = torch.topk(logprobs[i], k)
+                tops[i] = dict(zip(ids.tolist(), values.tolist(), strict=True))
+        return tokens.tolist(), chosen.tolist(), tops

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_TOP = 20  # top_logprobs bound (OpenAI's)
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; `param` names the offending field (OpenAI's `param`)."""
@@ -29,6 +31,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: this many most likely alternatives per token
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
@@ -49,6 +52,10 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"top_k must be >= 0, got {self.top_k}")
         if not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequestError("n", f"n must be >= 1, got {self.n}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP:
+            raise InvalidRequestError(
+                "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP}], got {self.top_logprobs}"
+            )
         if self.beam_width < 1:
             raise InvalidRequestError(
                 "beam_width", f"beam_width must be >= 1, got {self.beam_width}"

@@ -48,6 +48,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[BlockId] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token
     cumulative_logprob: float = 0.0
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

@@ -215,3 +215,61 @@ def test_rate_limit_429_per_key(bare_server: ServeProcess) -> None:
     # The bucket refills.
     poll_until(lambda: http.post("/v1/completions", json={}).status_code == 400, timeout=5,
                interval=0.25)  # fmt: skip
+
+
+# ---- top-k logprobs --------------------------------------------------------------------------
+
+
+def test_top_logprobs_openai_shapes(bare_server: ServeProcess) -> None:
+    client = client_for(bare_server, LIMIT_KEYS[0])
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content is not None
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        alts = [a.logprob for a in t.top_logprobs]
+        assert alts == sorted(alts, reverse=True)
+        # Greedy: the sampled token is the most likely one.
+        assert t.logprob == pytest.approx(max(alts), abs=1e-6)
+        assert t.top_logprobs[0].token == t.token
+    c = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None and lp.token_logprobs is not None
+    assert len(lp.top_logprobs) == len(lp.token_logprobs) == 3
+    for top, chosen, tok in zip(lp.top_logprobs, lp.token_logprobs, lp.tokens or [], strict=True):
+        assert 1 <= len(top) <= 2
+        assert chosen == pytest.approx(max(top.values()), abs=1e-6)
+        assert top[tok] == pytest.approx(chosen, abs=1e-6)
+    # Streaming carries them too; out of range is a 400.
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    streamed = [
+        t for ch in stream if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.content or []
+    ]  # fmt: skip
+    assert [t.top_logprobs[0].token for t in streamed] == [t.token for t in content]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=1,
+            logprobs=True,
+            top_logprobs=21,
+        )

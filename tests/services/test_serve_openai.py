@@ -326,7 +326,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": -5}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
