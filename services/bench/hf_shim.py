@@ -200,7 +200,13 @@ def make_app(gen: Generator, model_name: str) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def models(_: web.Request) -> web.Response:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "hf-shim"}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "hf-shim",
+            "vocab_size": gen.vocab_size,
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def completions(request: web.Request) -> web.StreamResponse:

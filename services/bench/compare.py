@@ -1,0 +1,194 @@
+"""`kvserve bench compare --workload NAME [workload options] [--arms A,B,...] [--repeats 3]`:
+the same `kvserve bench serve` workload against kvserve and the servers a user would pick instead,
+one arm after another, on the same GGUF file.
+
+Arms (see kvserve.services.bench.arms): `kvserve` (`kvserve serve --store memory://`),
+`kvserve-disagg` (`kvserve stack` on the local Redis), `llama-server` (llama.cpp, built on demand
+into the cache dir; 8 slots x 2,048 tokens, continuous batching, prompt cache on) and `hf`
+(transformers behind a minimal OpenAI shim). Every repeat starts the arm's server fresh (so no
+repeat finds the previous one's prompts cached), sends `--warmup-requests` short requests that are
+not measured, runs `kvserve bench serve` as a subprocess and stops the server. Same tokens (the
+vocabulary comes from the GGUF, not from each server), greedy, EOS ignored, same thread count.
+
+Reports per arm the median over repeats of output tok/s, mean and p99 TTFT, mean TPOT, with their
+range; an arm that cannot be set up is reported with the reason and the others run. The last
+stdout line is one JSON object keyed by arm. Workload options are `kvserve bench serve`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvserve.services.bench import arms
+
+KEYS = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s")
+# `kvserve bench serve` options the harness sets itself rather than passing through.
+OWN_OPTIONS = {"help", "base_url", "out", "model", "api_key", "vocab_size", "warmup_requests"}
+
+
+def _serve_actions() -> list[argparse.Action]:
+    from kvserve.services.bench import serve
+
+    tmp = argparse.ArgumentParser(add_help=False)
+    serve.add_arguments(tmp)
+    return [a for a in tmp._actions if a.dest not in OWN_OPTIONS]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--arms", default=",".join(arms.ARMS), help="comma-separated: " + ", ".join(arms.ARMS)
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="bench-compare", help="output directory")
+    p.add_argument("--gguf", type=Path, default=None, help="model file (default: the default GGUF)")
+    p.add_argument("--threads", type=int, default=2, help="threads every server may use")
+    p.add_argument("--warmup-requests", type=int, default=4, help="per repeat, not measured")
+    p.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds for a server to start"
+    )
+    p.add_argument("--run-timeout", type=float, default=7200.0, help="seconds for one bench run")
+    p.add_argument("--redis", default=arms.DISAGG_REDIS, help="Redis URL for kvserve-disagg")
+    g = p.add_argument_group("workload (passed to `kvserve bench serve`)")
+    for action in _serve_actions():
+        g._add_action(action)
+
+
+def serve_argv(args: argparse.Namespace) -> list[str]:
+    """The pass-through options back as a command line (those left at their default omitted)."""
+    argv: list[str] = []
+    for action in _serve_actions():
+        value = getattr(args, action.dest, action.default)
+        if value == action.default or value is None:
+            continue
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _model_vocab(model: Path) -> int:
+    from kvserve.shared.model.gguf_file import gguf_model_config, open_gguf
+
+    return int(gguf_model_config(open_gguf(str(model))).vocab_size)
+
+
+def run_arm(
+    arm: str, args: argparse.Namespace, model: Path, vocab: int, out: Path
+) -> dict[str, Any]:
+    """One arm's repeats; {"runs": [summary, ...]} or {"error": why} (with any runs made)."""
+    runs: list[dict[str, Any]] = []
+    kvserve = arms._kvserve_exe()
+    for r in range(args.repeats):
+        run_dir = out / arm / f"repeat-{r}"
+        try:
+            server = arms.make_server(
+                arm, model, arms.free_port(), out / arm, args.threads, args.redis
+            )
+            t0 = time.monotonic()
+            server.start(args.ready_timeout)
+        except arms.ArmSetupError as e:
+            return {"error": str(e), "runs": runs}
+        print(
+            f"[{arm}] repeat {r + 1}/{args.repeats}: ready in {time.monotonic() - t0:.0f} s",
+            flush=True,
+        )
+        try:
+            cmd = [kvserve, "bench", "serve", "--base-url", server.base_url, *serve_argv(args)]
+            cmd += ["--vocab-size", str(vocab), "--out", str(run_dir)]
+            cmd += ["--warmup-requests", str(args.warmup_requests)]
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=args.run_timeout, check=False
+            )
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode != 0 or not lines:
+                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+                return {
+                    "error": f"bench serve exited with {proc.returncode}:\n{tail}",
+                    "runs": runs,
+                }
+            summary = json.loads(lines[-1])
+            runs.append(summary)
+            print(
+                f"[{arm}] repeat {r + 1}: " + ", ".join(f"{k}={summary.get(k)}" for k in KEYS),
+                flush=True,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"bench serve ran past {args.run_timeout:.0f} s", "runs": runs}
+        finally:
+            server.stop()
+    return {"runs": runs}
+
+
+def aggregate(result: dict[str, Any]) -> dict[str, Any]:
+    """Medians over the repeats with [min, max] ranges; an error stays an error."""
+    if "error" in result:
+        return {"error": result["error"], "repeats_done": len(result.get("runs", []))}
+    runs = result["runs"]
+    row: dict[str, Any] = {}
+    ranges: dict[str, list[float]] = {}
+    for key in KEYS:
+        values = [float(s[key]) for s in runs if s.get(key) is not None]
+        row[key] = statistics.median(values) if values else None
+        ranges[key] = [min(values), max(values)] if values else []
+    row["range"] = ranges
+    row["repeats"] = len(runs)
+    return row
+
+
+def _cell(row: dict[str, Any], key: str, width: int) -> str:
+    v, rng = row[key], row["range"][key]
+    text = "-" if v is None else f"{v:.3g} [{rng[0]:.3g}-{rng[1]:.3g}]"
+    return f"{text:>{width}}"
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    widths = (12, 14, 13, 14)
+    titles = ("out tok/s", "TTFT mean s", "TTFT p99 s", "TPOT mean s")
+    head = f"{'arm':<16}" + "".join(f"{t:>{w}}" for t, w in zip(titles, widths, strict=True))
+    lines = [head, "-" * len(head)]
+    for arm, row in rows.items():
+        if "error" in row:
+            lines.append(f"{arm:<16}  not run: {row['error'].splitlines()[0]}")
+        else:
+            cells = (_cell(row, k, w) for k, w in zip(KEYS, widths, strict=True))
+            lines.append(f"{arm:<16}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in chosen if a not in arms.ARMS]
+    if unknown:
+        print(
+            f"unknown arms: {', '.join(unknown)}; choose from {', '.join(arms.ARMS)}",
+            file=sys.stderr,
+        )
+        return 2
+    from kvserve.shared.config import default_model_path
+
+    model = args.gguf or default_model_path()
+    vocab = _model_vocab(model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    for arm in chosen:
+        result = run_arm(arm, args, model, vocab, out)
+        if "error" in result:
+            print(f"[{arm}] could not run: {result['error']}", flush=True)
+        results[arm] = result
+    rows = {arm: aggregate(r) for arm, r in results.items()}
+    (out / "compare.json").write_text(json.dumps({"arms": rows, "raw": results}, indent=2) + "\n")
+    print(table(rows), flush=True)
+    print(json.dumps(rows), flush=True)
+    return 0 if any("error" not in r for r in rows.values()) else 1
