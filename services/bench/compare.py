@@ -149,13 +149,13 @@ def aggregate(result: dict[str, Any]) -> dict[str, Any]:
 def _cell(row: dict[str, Any], key: str, width: int) -> str:
     v, rng = row[key], row["range"][key]
     text = "-" if v is None else f"{v:.3g} [{rng[0]:.3g}-{rng[1]:.3g}]"
-    return f"{text:>{width}}"
+    return f" {text:>{width}}"
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
-    widths = (12, 14, 13, 14)
+    widths = (22, 24, 22, 24)
     titles = ("out tok/s", "TTFT mean s", "TTFT p99 s", "TPOT mean s")
-    head = f"{'arm':<16}" + "".join(f"{t:>{w}}" for t, w in zip(titles, widths, strict=True))
+    head = f"{'arm':<16}" + "".join(f" {t:>{w}}" for t, w in zip(titles, widths, strict=True))
     lines = [head, "-" * len(head)]
     for arm, row in rows.items():
         if "error" in row:
