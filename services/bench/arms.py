@@ -244,8 +244,20 @@ class ServerProcess:
 
 
 LLAMA_SERVER_NOTES = """\
-llama-server (llama.cpp vendored in llama-cpp-python {version}) against the OpenAI client:
-see the note in docs and the module's test; filled in from observation.
+llama-server (llama.cpp vendored in llama-cpp-python 0.3.16), observed on /v1/completions:
+- `prompt` as a list of token ids is taken as is (no BOS added: BOS is only inserted for string
+  prompts); a list of lists is a batch of prompts (choices with index 0, 1, ...).
+- `ignore_eos`, `temperature: 0` and `max_tokens` work; greedy tokens match transformers' (the
+  HF shim's) on the default GGUF.
+- Streaming: one chunk per token with `text`, no token ids; then a final chunk with empty `text`,
+  `finish_reason` and `usage` (and llama.cpp's `timings`) in the same chunk - no separate
+  `choices: []` usage chunk; `stream_options` is accepted and not needed.
+- `usage` has no `prompt_tokens_details.cached_tokens`; the prompt-cache hit is
+  `usage.prompt_tokens - timings.prompt_n` (prompt tokens actually evaluated).
+- Chunks say `model: "gpt-3.5-turbo"` and `id: "chatcmpl-..."` whatever was asked; /v1/models
+  lists the GGUF path as the id and gives the vocabulary as `meta.n_vocab`, not `vocab_size`.
+- `cache_prompt` is on by default per request (each slot reuses its previous prompt's prefix);
+  `--cont-batching` is the default; `-c` is the total context, split evenly across slots.
 """
 
 
