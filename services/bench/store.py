@@ -25,6 +25,7 @@ import json
 import statistics
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from kvserve.services.cli import CliError
@@ -59,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--blocks", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--plot", type=Path, default=None, help="PNG: formats and TTFT panels")
 
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -100,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         result.update(_ttft(engine, args))
     if "throughput" in parts:
         result.update(_throughput(engine(), args))
+    if args.plot is not None:
+        save_plot(args.plot, result)
     print(json.dumps(result))
     return 0
 
@@ -293,3 +297,43 @@ def _throughput(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
         f"MB/s, get {out['get_blocks_per_s']:.0f} blocks/s {out['get_mb_per_s']:.0f} MB/s"
     )
     return out
+
+
+def save_plot(path: Path, result: dict[str, Any]) -> None:
+    """Bytes per token against KLD for each format, and TTFT store vs recompute, from a
+    summary (either panel is left out when its part did not run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in ("formats", "ttft_store_s") if p in result]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "formats":
+            fp16 = result["raw_fp16_bytes_per_token"]
+            for fmt, row in result["formats"].items():
+                x, y = row["bytes_per_token"] / fp16, max(row["kld"], 1e-7)
+                ax.scatter(x, y)
+                ax.annotate(
+                    f"{fmt} ({row['agree']:.1%})", (x, y), textcoords="offset points", xytext=(5, 5)
+                )
+            ax.set_yscale("log")
+            ax.set_xlabel("stored bytes per token / raw fp16")
+            ax.set_ylabel("mean KLD vs exact cache (log)")
+            ax.set_title("Store formats (label: greedy agreement)")
+        else:
+            vals = [result["ttft_store_s"], result["ttft_recompute_s"]]
+            ax.bar(["load from Redis", "recompute"], vals, color=["tab:green", "tab:gray"])
+            for i, v in enumerate(vals):
+                ax.text(i, v, f"{v:.2f} s", ha="center", va="bottom")
+            ax.set_ylabel("TTFT (s), median")
+            ax.set_title(
+                f"{result['prefix_tokens']}-token prefix, fresh engine: {result['speedup']:.1f}x"
+            )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
