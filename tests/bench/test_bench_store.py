@@ -10,8 +10,9 @@ from kvserve.services import cli
 
 
 @pytest.mark.redis
-def test_bench_store_tiny(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_bench_store_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
     args = ["bench", "store", "--formats", "fp16,int8", "--text-tokens", "48"]
+    args += ["--plot", str(tmp_path / "store.png")]
     args += ["--gen-tokens", "8", "--num-prompts", "1", "--prefix-tokens", "64"]
     args += ["--repeats", "1", "--blocks", "8", "--batch", "4"]
     assert cli.main(args) == 0
@@ -21,6 +22,7 @@ def test_bench_store_tiny(capsys) -> None:  # type: ignore[no-untyped-def]
     assert summary["ttft_breakdown"][0]["cached_tokens"] == 64
     for key in ("ttft_store_s", "ttft_recompute_s", "speedup", "get_mb_per_s", "put_mb_per_s"):
         assert summary[key] > 0
+    assert (tmp_path / "store.png").stat().st_size > 0
 
 
 def test_bench_store_bad_arguments(capsys) -> None:  # type: ignore[no-untyped-def]
