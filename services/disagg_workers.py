@@ -18,6 +18,7 @@ from kvserve.shared.engine.sampling_params import (
     SamplingParams,
 )
 from kvserve.shared.protocol import ErrorInfo, GenerateRequest
+from kvserve.shared.store.hashing import block_hashes
 from kvserve.shared.telemetry import (
     GEN_AI_CACHED_TOKENS,
     GEN_AI_INPUT_TOKENS,
@@ -100,6 +101,7 @@ class PrefillWorker(EngineWorker):
             return False
         if len(prompt) < 2:
             return True
+        local = await self._prefix_match(req, prompt[:-1])
         last: RequestOutput | None = None
         try:
             with tracer.start_as_current_span("kvserve.compute") as compute:
@@ -117,6 +119,7 @@ class PrefillWorker(EngineWorker):
                 compute.set_attribute(GEN_AI_CACHED_TOKENS, cached)
                 compute.set_attribute(KVSERVE_CACHED_TOKENS, cached)
                 compute.set_attribute("kvserve.computed_tokens", len(prompt) - 1 - cached)
+                compute.set_attribute("kvserve.cached_tokens.store", max(0, cached - local))
         except asyncio.CancelledError:
             wlog.info("prefill cancelled", request_id=req.request_id)
             return False
@@ -129,6 +132,34 @@ class PrefillWorker(EngineWorker):
             flushed = await asyncio.to_thread(self._publish, req.request_id, tail)
             pub.set_attribute("kvserve.flushed", flushed)
         return True
+
+    async def _prefix_match(self, req: GenerateRequest, prompt: list[int]) -> int:
+        """The `kvserve.prefix_match` span: how many of the prompt's full blocks the local
+        tiers hold (device cache, then host tier), looked up on the engine thread before the
+        compute (which then also asks the store for the rest). Returns the local tokens."""
+        eng = self.engine.engine
+        bs = eng.block_size
+
+        def lookup() -> tuple[int, int, int]:
+            n = (len(prompt) - 1) // bs  # the last token is always computed
+            hashes = block_hashes(eng.root_hash(req.cache_salt), prompt[: n * bs], bs)
+            device = len(eng.pool.index.match(hashes)) if eng.pool.index is not None else 0
+            host = 0
+            if eng.host_tier is not None:
+                while device + host < n and hashes[device + host] in eng.host_tier:
+                    host += 1
+            return n, device, host
+
+        with tracer.start_as_current_span(
+            "kvserve.prefix_match", attributes={KVSERVE_REQUEST_ID: req.request_id}
+        ) as span:
+            n, device, host = await self.engine.call(lookup)
+            span.set_attribute("kvserve.prefix.full_blocks", n)
+            span.set_attribute("kvserve.cached_tokens.device", device * bs)
+            span.set_attribute("kvserve.cached_tokens.host", host * bs)
+            span.set_attribute(KVSERVE_CACHED_TOKENS, (device + host) * bs)
+            span.set_attribute(GEN_AI_CACHED_TOKENS, (device + host) * bs)
+        return (device + host) * bs
 
     def _publish(self, request_id: str, tail: Any) -> bool:
         conn = self.engine.engine.connector

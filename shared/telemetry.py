@@ -36,7 +36,12 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 PREFIX = "kvserve:"
@@ -278,7 +283,9 @@ class EngineStatsCollector(Collector):
     sets `snapshot` (worker name -> stats dict) before each scrape. Optional nested dicts
     `cached_tokens_by_source` ({source: tokens}) and `store` ({name: number}) are exposed as
     `kvserve:cached_tokens_total{source}` and `kvserve:store_<name>` (nested dicts flattened,
-    the backend's counters as `kvserve:store_backend_<name>`)."""
+    the backend's counters as `kvserve:store_backend_<name>`); `store_latency` (the store
+    connector's LatencyStats snapshot) as the histograms `kvserve:store_get_seconds` /
+    `kvserve:store_put_seconds` and the counter `kvserve:store_errors_total{op}`."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -318,6 +325,37 @@ class EngineStatsCollector(Collector):
                 fam = store[key]
                 fam.add_metric([self.model_name, worker], value)
         yield from store.values()
+        yield from self._store_latency(labels)
+
+    def _store_latency(self, labels: list[str]) -> Iterator[Metric]:
+        hists = {
+            op: HistogramMetricFamily(
+                f"{PREFIX}store_{op}_seconds",
+                f"Prefix store {op} call latency (seconds), as the store connector sees it.",
+                labels=labels,
+            )
+            for op in ("get", "put")
+        }
+        errors = CounterMetricFamily(
+            PREFIX + "store_errors",
+            "Prefix store calls that failed or timed out, by operation.",
+            labels=[*labels, "op"],
+        )
+        for worker, stats in self.snapshot.items():
+            lat = stats.get("store_latency") or {}
+            bounds = lat.get("bounds") or []
+            for op, fam in hists.items():
+                e = lat.get(op)
+                if not isinstance(e, Mapping) or len(e.get("counts", [])) != len(bounds) + 1:
+                    continue
+                cum, buckets = 0.0, []
+                for le, c in zip([*map(str, bounds), "+Inf"], e["counts"], strict=True):
+                    cum += c
+                    buckets.append((le, cum))
+                fam.add_metric([self.model_name, worker], buckets, float(e.get("sum", 0.0)))
+                errors.add_metric([self.model_name, worker, op], float(e.get("errors", 0)))
+        yield from hists.values()
+        yield errors
 
 
 def _numbers(d: Mapping[str, Any]) -> Iterable[tuple[str, float]]:

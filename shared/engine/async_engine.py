@@ -162,6 +162,9 @@ class AsyncEngine:
             "num_steps": eng.num_steps,
             "healthy": self.healthy,
             "store": self._store_stats(),
+            "store_latency": (
+                eng.connector.latency.snapshot() if eng.connector is not None else {}
+            ),
         }
 
     def _store_stats(self) -> dict[str, Any]:

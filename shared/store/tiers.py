@@ -37,6 +37,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from kvserve.shared.engine.kv_cache import BlockData
@@ -47,6 +48,72 @@ from kvserve.shared.store.hashing import BlockHash, chain_hash
 log = logging.getLogger("kvserve.store")
 
 WRITE_BATCH = 32
+# Upper bounds (seconds) of the store-call latency histograms (Prometheus `le` buckets).
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class _OpLatency:
+    counts: list[int]  # per bucket, the last one +Inf
+    sum: float = 0.0
+    count: int = 0
+    errors: int = 0
+
+
+class LatencyStats:
+    """Per-operation call latencies ("get", "put") as fixed-bucket histograms, plus error
+    counts; written from the store thread, read (`snapshot`) from any thread under a lock."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.bounds = tuple(buckets)
+        self._lock = threading.Lock()
+        self._ops: dict[str, _OpLatency] = {}
+
+    def _op(self, op: str) -> _OpLatency:
+        entry = self._ops.get(op)
+        if entry is None:
+            entry = self._ops[op] = _OpLatency([0] * (len(self.bounds) + 1))
+        return entry
+
+    def observe(self, op: str, seconds: float) -> None:
+        i = next((k for k, b in enumerate(self.bounds) if seconds <= b), len(self.bounds))
+        with self._lock:
+            e = self._op(op)
+            e.counts[i] += 1
+            e.sum += seconds
+            e.count += 1
+
+    def error(self, op: str) -> None:
+        with self._lock:
+            self._op(op).errors += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """{"bounds": [...], op: {"counts" (per bucket, the last one +Inf), "sum", "count",
+        "errors"}} (plain lists and numbers: it travels in the workers' msgpack stats)."""
+        with self._lock:
+            out: dict[str, Any] = {"bounds": list(self.bounds)}
+            for op, e in self._ops.items():
+                out[op] = {"counts": list(e.counts), "sum": e.sum, "count": e.count,
+                           "errors": e.errors}  # fmt: skip
+            return out
+
+    class _Timer:
+        def __init__(self, stats: LatencyStats, op: str) -> None:
+            self.stats, self.op = stats, op
+
+        def __enter__(self) -> None:
+            self.t0 = time.perf_counter()
+
+        def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+            if exc_type is None:
+                self.stats.observe(self.op, time.perf_counter() - self.t0)
+            elif exc_type is not asyncio.CancelledError:
+                self.stats.error(self.op)
+
+    def time(self, op: str) -> LatencyStats._Timer:
+        """`with stats.time("get"): ...`: one observation, or one error if it raises
+        (a timeout included; a cancellation counts as neither)."""
+        return LatencyStats._Timer(self, op)
 
 
 @dataclass
@@ -174,6 +241,7 @@ class StoreConnector:
         self._queue: queue.Queue[_Publish] = queue.Queue(maxsize=queue_blocks)
         self.counters: Counter[str] = Counter()
         self.miss_reasons: Counter[str] = Counter()
+        self.latency = LatencyStats()  # store get/put call durations and errors
         # Running estimates for the cost rule (seconds), seeded with conservative guesses.
         self.rtt_s = 0.002
         self.fetch_s_per_block = 0.005
@@ -229,8 +297,12 @@ class StoreConnector:
         toks = _pad(tail.token_ids, bs)
         frame = encode_block(self.meta, toks, k, v, "native", _tail_parent(request_id))
         h = tail_hash(request_id, tail.token_ids, bs)
-        coro = self.store.put_many([(h, frame)])
+        coro = self._timed("put", self.store.put_many([(h, frame)]))
         return bool(asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout))
+
+    async def _timed(self, op: str, coro: Any) -> Any:
+        with self.latency.time(op):
+            return await coro
 
     def get_tail(
         self, request_id: str, token_ids: list[int]
@@ -242,7 +314,8 @@ class StoreConnector:
         bs = self.meta.block_size
         h = tail_hash(request_id, token_ids, bs)
         try:
-            (frame,) = await asyncio.wait_for(self.store.get_many([h]), self.fetch_timeout_s)
+            with self.latency.time("get"):
+                (frame,) = await asyncio.wait_for(self.store.get_many([h]), self.fetch_timeout_s)
         except TimeoutError:
             return None
         if frame is None:
@@ -304,7 +377,8 @@ class StoreConnector:
     async def _write(self, batch: list[_Publish]) -> None:
         try:
             items = await asyncio.to_thread(self._encode, batch)
-            written = await self.store.put_many(items)
+            with self.latency.time("put"):
+                written = await self.store.put_many(items)
         except Exception:  # a codec or store bug must not kill the writer
             log.exception("store write failed")
             self.counters["write_errors"] += len(batch)
@@ -332,6 +406,7 @@ class StoreConnector:
             )
         except TimeoutError:
             self.counters["fetch_timeouts"] += 1
+            self.latency.error("get")
             return FetchResult(decision="timeout")
 
     async def _fetch_run(
@@ -358,7 +433,8 @@ class StoreConnector:
         )
         if res.decision == "recompute":
             return res
-        frames = await self.store.get_many(hashes[:run])
+        with self.latency.time("get"):
+            frames = await self.store.get_many(hashes[:run])
         t2 = time.perf_counter()
         blocks, bad = await asyncio.to_thread(self._decode, hashes[:run], frames, root, res)
         t3 = time.perf_counter()

@@ -18,6 +18,7 @@ import openai
 import pytest
 from kvserve.services.warmup import prefix_ids
 from kvserve.shared.model.tokenizer import KVTokenizer
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.services.kvserve_process import Http, ServeProcess, poll_until
 
@@ -103,6 +104,12 @@ def test_warmup_job_then_chat_reports_cached(
     assert cached >= full_blocks * BLOCK
     # The key's cache salt applied: another key's partition does not hold the prefix.
     assert chat_cached(client_for(store_server, STORE_KEYS[1]), system, "Hello?") == 0
+    # The store's put latencies are on /metrics (histogram + error counter).
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    put = {s.name: s.value for s in families["kvserve:store_put_seconds"].samples}
+    assert put["kvserve:store_put_seconds_count"] >= 1
+    assert put["kvserve:store_put_seconds_sum"] > 0
+    assert "kvserve:store_errors" in families
 
 
 def test_warmup_cli_against_the_server(store_server: ServeProcess, tmp_path: Path) -> None:

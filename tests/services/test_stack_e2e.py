@@ -208,7 +208,16 @@ def test_one_trace_across_gateway_prefill_decode(client: openai.OpenAI, stack: S
     trace = [s for s in spans(stack.traces) if s["trace_id"] == gw["trace_id"]]
     under_pre = {s["name"] for s in trace if s["parent_span_id"] == pre["span_id"]}
     under_dec = {s["name"] for s in trace if s["parent_span_id"] == dec["span_id"]}
-    assert {"kvserve.queue", "kvserve.compute", "kvserve.store_publish"} <= under_pre
+    assert {"kvserve.queue", "kvserve.prefix_match", "kvserve.compute",
+            "kvserve.store_publish"} <= under_pre  # fmt: skip
+    match = next(s for s in trace if s["name"] == "kvserve.prefix_match")["attributes"]
+    assert match["kvserve.prefix.full_blocks"] >= 1
+    local = match["kvserve.cached_tokens.device"] + match["kvserve.cached_tokens.host"]
+    assert (
+        match["kvserve.usage.cached_tokens"]
+        == local
+        == match["gen_ai.usage.cache_read.input_tokens"]
+    )
     assert {"kvserve.queue", "kvserve.store_fetch", "kvserve.decode"} <= under_dec
     fetch = next(s for s in trace if s["name"] == "kvserve.store_fetch")
     assert fetch["attributes"]["kvserve.tail_found"] is True
@@ -220,6 +229,35 @@ def test_one_trace_across_gateway_prefill_decode(client: openai.OpenAI, stack: S
         assert "gen_ai.usage.cache_read.input_tokens" in a
     assert gw["attributes"]["gen_ai.operation.name"] == "chat"
     assert dec["attributes"]["gen_ai.usage.output_tokens"] == 3
+
+
+def test_warmup_and_flush_run_on_a_prefill_worker(
+    client: openai.OpenAI, stack: Stack, http: Http
+) -> None:
+    system = f"[{uuid.uuid4().hex}] " + "You answer in one short sentence, always. " * 8
+    r = http.post("/v1/cache/warmup", json={"prefixes": [{"system": system}]})
+    assert r.status_code == 202, r.text
+
+    def finished() -> dict[str, Any] | None:
+        body: dict[str, Any] = http.get(f"/v1/cache/warmup/{r.json()['id']}").json()
+        return body if body["status"] != "running" else None
+
+    job = poll_until(finished, timeout=120)
+    assert job["status"] == "completed" and job["blocks"] >= 4, job
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+        max_tokens=1,
+        temperature=0,
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    assert (chat.usage.prompt_tokens_details.cached_tokens or 0) >= job["blocks"] * 16
+    flush = http.post("/v1/cache/flush")
+    assert flush.status_code == 200 and flush.json()["workers"] == ["prefill-0"]
+    # The prefill worker's store-call latencies reach the gateway's /metrics.
+    text = http.get("/metrics").text
+    assert "kvserve:store_put_seconds_count{model_name=" in text
+    assert "kvserve:store_errors_total{" in text
 
 
 def test_killed_decode_worker_request_completes(
