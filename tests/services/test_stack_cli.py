@@ -16,7 +16,8 @@ import pytest
 from tests.redis_servers import RedisServer, free_port, redis_binaries_present
 from tests.services.kvserve_process import Http, poll_until
 
-pytestmark = pytest.mark.redis
+# slow: ~25-40 s for a path test_stack_e2e.py already covers process by process.
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 
 def test_stack_serves_and_stops_on_sigint(model_path: Path) -> None:
