@@ -186,6 +186,29 @@ def test_cancelled_stream(client: openai.OpenAI, http: Http) -> None:
     assert r.choices[0].finish_reason == "length"
 
 
+def test_bad_requests_get_4xx_and_the_stack_keeps_serving(
+    client: openai.OpenAI, http: Http
+) -> None:
+    keys = {"message", "type", "param", "code"}
+    r = http.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and set(r.json()["error"]) == keys
+    for body, param in (
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
+        ({"model": MODEL, "prompt": [10**9]}, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
+        # Beyond a worker's KV cache (--num-blocks 256 x 16 tokens).
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 256 * 16 + 100}, "max_tokens"),
+    ):
+        r = http.post("/v1/completions", json=body)
+        assert 400 <= r.status_code < 500, r.text
+        err = r.json()["error"]
+        assert set(err) == keys and err["param"] == param
+    ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
 def test_one_trace_across_gateway_prefill_decode(client: openai.OpenAI, stack: Stack) -> None:
     text = "Tell me about the history of paper making in a few lines. " * 3
     r = client.chat.completions.create(
