@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from kvserve.services import cli
 
 
@@ -13,6 +14,7 @@ def last_json(capsys) -> dict:  # type: ignore[no-untyped-def, type-arg]
     return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow  # ~20 s; the prefix-cache behaviour itself is in tests/engine
 def test_bench_prefix_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
     args = [
         "bench",

@@ -29,6 +29,7 @@ def hf_beam(model, prompt: list[int], length_penalty: float) -> list[int]:  # ty
     return list(gen)
 
 
+@pytest.mark.slow  # ~45 s (HF generate with 4 beams); run by `bash ops/test.sh -m slow`
 @pytest.mark.parametrize("length_penalty", [1.0, 0.5])
 def test_beam_search_matches_hf(  # type: ignore[no-untyped-def]
     make_engine, hf_gguf_model, chat_prompt_ids, length_penalty: float
