@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvserve.services.cli import CliError
-from kvserve.shared.config import KV_DTYPES, STORE_FORMATS, default_model_path
+from kvserve.services.serve import add_engine_arguments
+from kvserve.shared.config import STORE_FORMATS, default_model_path
 
 ROLES = ("prefill", "decode")
 
@@ -52,18 +53,7 @@ def register_worker(sub: argparse._SubParsersAction, role: str) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
     p.add_argument("--model", default=str(default_model_path()), help="GGUF file or HF dir")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--attention-backend", choices=("auto", "torch", "cpu", "triton"), default="auto"
-    )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--log-level", default=None)
+    add_engine_arguments(p)
     p.set_defaults(handler=lambda args: run(args, role))
 
 

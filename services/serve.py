@@ -16,6 +16,7 @@ import signal
 from typing import Any
 
 from kvserve.services.cli import CliError
+from kvserve.services.gateway.main import rate_limit, start_gateway
 from kvserve.shared.config import DEFAULT_STORE, KV_DTYPES, STORE_FORMATS, default_model_path
 
 
@@ -58,6 +59,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
+    add_engine_arguments(p)
+    p.set_defaults(handler=run)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine options `serve`, `prefill` and `decode` share."""
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
@@ -70,7 +77,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--log-level", default=None)
-    p.set_defaults(handler=run)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -86,7 +92,7 @@ def _check(args: argparse.Namespace) -> None:
             raise CliError(f"--{name.replace('_', '-')} must be > 0")
     if any(not k for k in args.api_key):
         raise CliError("--api-key must not be empty")
-    _rate(args.rate_limit)
+    rate_limit(args.rate_limit)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,8 +142,6 @@ def _load_engine(config: Any, tokenizer: Any) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from aiohttp import web
-    from kvserve.services.gateway.app import Gateway, GatewayConfig
     from kvserve.services.gateway.schema import load_model_info
     from kvserve.services.worker import EngineWorker
     from kvserve.shared.bus import InProcessBus
@@ -147,27 +151,7 @@ async def _serve(args: argparse.Namespace) -> None:
     config = engine_config(args)
     info = await asyncio.to_thread(load_model_info, args.model, args.served_model_name)
     bus = InProcessBus()
-    gateway = Gateway(
-        GatewayConfig(
-            max_in_flight=args.max_queue,
-            max_body_bytes=args.max_body_bytes,
-            request_timeout_s=args.request_timeout,
-            api_keys=tuple(args.api_key),
-            allow_client_cache_salt=args.allow_client_cache_salt,
-            rate_limit=_rate(args.rate_limit),
-        ),
-        bus,
-        info,
-    )
-    runner = web.AppRunner(gateway.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    try:
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        raise CliError(f"cannot listen on {args.host}:{args.port}: {e}") from e
-    port = _bound_port(runner, args.port)
+    gateway, runner, port = await start_gateway(args, bus, info)
     log.info("listening", url=f"http://{args.host}:{port}", model=info.name)
 
     stop = asyncio.Event()
@@ -205,21 +189,3 @@ async def _serve(args: argparse.Namespace) -> None:
         if close is not None:
             close()
     log.info("stopped", drained=drained)
-
-
-def _bound_port(runner: Any, default: int) -> int:
-    for addr in runner.addresses:
-        if isinstance(addr, tuple) and len(addr) >= 2:
-            return int(addr[1])
-    return default
-
-
-def _rate(spec: str | None) -> float:
-    from kvserve.services.gateway.ratelimit import parse_rate
-
-    if spec is None:
-        return 0.0
-    try:
-        return parse_rate(spec)
-    except ValueError as e:
-        raise CliError(f"--rate-limit: {e}") from e

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+from typing import Any
 
 from kvserve.services.cli import CliError
 from kvserve.shared.config import default_model_path
@@ -47,7 +48,7 @@ def _check(args: argparse.Namespace) -> None:
         raise CliError("--request-timeout and --drain-timeout must be > 0")
     if any(not k for k in args.api_key):
         raise CliError("--api-key must not be empty")
-    _rate(args.rate_limit)
+    rate_limit(args.rate_limit)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,8 +65,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from aiohttp import web
-    from kvserve.services.gateway.app import Gateway, GatewayConfig
     from kvserve.services.gateway.schema import load_model_info
     from kvserve.shared.bus import RedisBus
     from kvserve.shared.telemetry import get_logger
@@ -73,30 +72,7 @@ async def _serve(args: argparse.Namespace) -> None:
     log = get_logger("kvserve.gateway")
     info = await asyncio.to_thread(load_model_info, args.model, args.served_model_name)
     bus = RedisBus(args.bus)
-    gateway = Gateway(
-        GatewayConfig(
-            max_in_flight=args.max_queue,
-            max_body_bytes=args.max_body_bytes,
-            request_timeout_s=args.request_timeout,
-            api_keys=tuple(args.api_key),
-            allow_client_cache_salt=args.allow_client_cache_salt,
-            rate_limit=_rate(args.rate_limit),
-        ),
-        bus,
-        info,
-    )
-    runner = web.AppRunner(gateway.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    try:
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        raise CliError(f"cannot listen on {args.host}:{args.port}: {e}") from e
-    port = args.port
-    for addr in runner.addresses:
-        if isinstance(addr, tuple) and len(addr) >= 2:
-            port = int(addr[1])
+    gateway, runner, port = await start_gateway(args, bus, info)
     log.info("ready", url=f"http://{args.host}:{port}", model=info.name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -111,7 +87,42 @@ async def _serve(args: argparse.Namespace) -> None:
     log.info("stopped", drained=drained)
 
 
-def _rate(spec: str | None) -> float:
+async def start_gateway(args: argparse.Namespace, bus: Any, info: Any) -> tuple[Any, Any, int]:
+    """The gateway built from the options `serve` and `gateway` share, listening on
+    --host/--port: (gateway, its aiohttp runner, the bound port). CliError if it cannot
+    listen."""
+    from aiohttp import web
+    from kvserve.services.gateway.app import Gateway, GatewayConfig
+
+    gateway = Gateway(
+        GatewayConfig(
+            max_in_flight=args.max_queue,
+            max_body_bytes=args.max_body_bytes,
+            request_timeout_s=args.request_timeout,
+            api_keys=tuple(args.api_key),
+            allow_client_cache_salt=args.allow_client_cache_salt,
+            rate_limit=rate_limit(args.rate_limit),
+        ),
+        bus,
+        info,
+    )
+    runner = web.AppRunner(gateway.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {e}") from e
+    port = next(
+        (int(a[1]) for a in runner.addresses if isinstance(a, tuple) and len(a) >= 2),
+        args.port,
+    )
+    return gateway, runner, port
+
+
+def rate_limit(spec: str | None) -> float:
+    """--rate-limit N/s or N/m -> requests per second (0: no limit)."""
     from kvserve.services.gateway.ratelimit import parse_rate
 
     if spec is None:
