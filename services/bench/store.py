@@ -233,7 +233,6 @@ def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def _throughput(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.services.bench.kvquant import reference_text
-    from kvserve.services.bench.store_quality import block_meta
     from kvserve.shared.engine.sampling_params import SamplingParams
     from kvserve.shared.store.base import open_store
     from kvserve.shared.store.codec import encode_block
@@ -243,7 +242,7 @@ def _throughput(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     n_tokens = 16 * min(args.blocks, 256)
     ids = reference_text(engine.tokenizer, n_tokens + 1)
     engine.generate([ids], SamplingParams(max_tokens=1))
-    meta, root = block_meta(engine), engine.root_hash()
+    meta, root = engine.block_meta, engine.root_hash()
     hashes = block_hashes(root, ids[:n_tokens], 16)
     assert engine.pool.index is not None
     blocks = [engine.pool.index.block_of(h) for h in hashes]

@@ -29,7 +29,7 @@ from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
 from kvserve.shared.engine.sequence import BlockId, SeqId, Sequence
-from kvserve.shared.store.codec import BlockMeta, DecodedBlock, decode_block, encode_block
+from kvserve.shared.store.codec import DecodedBlock, decode_block, encode_block
 from kvserve.shared.store.hashing import BlockHash, chain_hash
 
 # (block index, token ids, parent hash, k, v) -> (k', v') written back; k/v [L, bs, H, D]
@@ -45,21 +45,9 @@ class CodecStats:
     decode_s: list[float] = field(default_factory=list)
 
 
-def block_meta(engine: Engine) -> BlockMeta:
-    cfg = engine.model_config
-    return BlockMeta(
-        model_fp=engine.model_fingerprint,
-        kv_format=engine.kv_format,
-        block_size=engine.block_size,
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-    )
-
-
 def codec_round_trip(engine: Engine, fmt: str, stats: CodecStats) -> RoundTrip:
     """A RoundTrip through encode_block / decode_block in `fmt`, recording sizes and times."""
-    meta, root = block_meta(engine), engine.root_hash()
+    meta, root = engine.block_meta, engine.root_hash()
 
     def rt(
         i: int, tokens: list[int], parent: BlockHash, k: torch.Tensor, v: torch.Tensor

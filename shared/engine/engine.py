@@ -191,22 +191,26 @@ class Engine:
         assert sc.url is not None
         self.host_tier = HostTier(sc.host_tier_bytes)
         self.pool.on_evict = self._offload
+        self.connector = StoreConnector(
+            open_store(store_url(sc.url)),
+            self.block_meta,
+            sc.format,
+            self.kv_dtype,
+            sc.write_queue_blocks,
+            sc.fetch_timeout_s,
+        )
+
+    @property
+    def block_meta(self) -> BlockMeta:
+        """What this engine stamps on, and expects of, every stored block frame."""
         mc = self.model_config
-        meta = BlockMeta(
+        return BlockMeta(
             self.model_fingerprint,
             self.kv_format,
             self.block_size,
             mc.num_layers,
             mc.num_kv_heads,
             mc.head_dim,
-        )
-        self.connector = StoreConnector(
-            open_store(store_url(sc.url)),
-            meta,
-            sc.format,
-            self.kv_dtype,
-            sc.write_queue_blocks,
-            sc.fetch_timeout_s,
         )
 
     def close(self) -> None:
