@@ -210,15 +210,19 @@ def prefill_attention(
         n = (ctx + bs - 1) // bs
         k = gather_kv(k_cache, k_scale, block_tables[b, :n], query.dtype)[:ctx]  # [ctx, kvh, d]
         v = gather_kv(v_cache, v_scale, block_tables[b, :n], query.dtype)[:ctx]
+        if kvh != h:  # GQA/MQA: query head i reads KV head i // (h // kvh)
+            k = k.repeat_interleave(h // kvh, dim=1)
+            v = v.repeat_interleave(h // kvh, dim=1)
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
         allowed = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]  # [q, ctx]
+        # 4-D inputs with as many K/V heads as query heads: torch's CPU dispatch then takes its
+        # flash kernel (3-4x faster here than the math path that 3-D or enable_gqa inputs get).
         o = torch.nn.functional.scaled_dot_product_attention(
-            query[q0:q1].transpose(0, 1),  # [h, q, d]
-            k.transpose(0, 1),  # [kvh, ctx, d]
-            v.transpose(0, 1),
-            attn_mask=allowed,
+            query[None, q0:q1].transpose(1, 2),  # [1, h, q, d]
+            k[None].transpose(1, 2),  # [1, h, ctx, d]
+            v[None].transpose(1, 2),
+            attn_mask=allowed[None, None],
             scale=scale,
-            enable_gqa=kvh != h,
         )
-        out[q0:q1] = o.transpose(0, 1)
+        out[q0:q1] = o[0].transpose(0, 1)
     return out
