@@ -329,6 +329,9 @@ class RedisBusConfig:
     cancel_ttl_s: int = 600
     max_deliveries: int = 3  # a request delivered this often is failed, not retried again
     cancel_stream_maxlen: int = 10_000
+    # redis-py 8 gives up on a reply after 5 s; a host whose cores are saturated by the engines
+    # (or a Redis busy with large store writes) stalls longer than that without being down.
+    socket_timeout_s: float = 30.0
 
 
 class _RedisEventStream(EventStream):
@@ -366,7 +369,9 @@ class RedisBus(Bus):
         import redis.asyncio as aioredis
 
         self.config = config or RedisBusConfig()
-        self.redis: Any = redis or aioredis.Redis.from_url(url)
+        self.redis: Any = redis or aioredis.Redis.from_url(
+            url, socket_timeout=self.config.socket_timeout_s
+        )
         p = self.config.prefix
         self.request_key = f"{p}:{self.config.request_stream}"
         self.cancel_key = f"{p}:cancel"

@@ -10,9 +10,11 @@ repeat finds the previous one's prompts cached), sends `--warmup-requests` short
 not measured, runs `kvserve bench serve` as a subprocess and stops the server. Same tokens (the
 vocabulary comes from the GGUF, not from each server), greedy, EOS ignored, same thread count.
 
-Reports per arm the median over repeats of output tok/s, mean and p99 TTFT, mean TPOT, with their
-range; an arm that cannot be set up is reported with the reason and the others run. The last
-stdout line is one JSON object keyed by arm. Workload options are `kvserve bench serve`'s.
+Reports per arm the median over repeats of output tok/s, mean, median and p99 TTFT, mean TPOT,
+with their range; an arm that cannot be set up is reported with the reason and the others run.
+The last stdout line is one JSON object keyed by arm; `--plot PATH` draws the arms side by side;
+`--report` prints and plots the results a run left in --out without running anything. Workload
+options are `kvserve bench serve`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 from kvserve.services.bench import arms
 
-KEYS = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s")
+KEYS = ("output_tok_s", "ttft_mean_s", "ttft_median_s", "ttft_p99_s", "tpot_mean_s")
 # `kvserve bench serve` options the harness sets itself rather than passing through.
 OWN_OPTIONS = {"help", "base_url", "out", "model", "api_key", "vocab_size", "warmup_requests"}
 
@@ -55,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--run-timeout", type=float, default=7200.0, help="seconds for one bench run")
     p.add_argument("--redis", default=arms.DISAGG_REDIS, help="Redis URL for kvserve-disagg")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the arms here")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: print (and plot) the results already in --out DIR/compare.json",
+    )
     g = p.add_argument_group("workload (passed to `kvserve bench serve`)")
     for action in _serve_actions():
         g._add_action(action)
@@ -118,6 +126,8 @@ def run_arm(
                     "runs": runs,
                 }
             summary = json.loads(lines[-1])
+            if (why := failed_run(summary)) is not None:
+                return {"error": why, "runs": runs}
             runs.append(summary)
             print(
                 f"[{arm}] repeat {r + 1}: " + ", ".join(f"{k}={summary.get(k)}" for k in KEYS),
@@ -128,6 +138,15 @@ def run_arm(
         finally:
             server.stop()
     return {"runs": runs}
+
+
+def failed_run(summary: dict[str, Any]) -> str | None:
+    """Why a run does not count (some request failed: its throughput would mislead), or None."""
+    failed = int(summary.get("failed") or 0)
+    if not failed:
+        return None
+    errors = summary.get("errors") or ["no reason given"]
+    return f"{failed} of {summary.get('num_requests')} requests failed, e.g. {errors[0]}"
 
 
 def aggregate(result: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +172,8 @@ def _cell(row: dict[str, Any], key: str, width: int) -> str:
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
-    widths = (22, 24, 22, 24)
-    titles = ("out tok/s", "TTFT mean s", "TTFT p99 s", "TPOT mean s")
+    widths = (22, 24, 24, 22, 24)
+    titles = ("out tok/s", "TTFT mean s", "TTFT median s", "TTFT p99 s", "TPOT mean s")
     head = f"{'arm':<16}" + "".join(f" {t:>{w}}" for t, w in zip(titles, widths, strict=True))
     lines = [head, "-" * len(head)]
     for arm, row in rows.items():
@@ -166,7 +185,56 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def save_plot(path: Path, rows: dict[str, dict[str, Any]], title: str) -> None:
+    """Two panels: output tok/s per arm, and TTFT median (bar) and p99 (marker), each median
+    over the repeats with its range as an error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {arm: r for arm, r in rows.items() if "error" not in r}
+    names = list(ok)
+    xs = range(len(names))
+
+    def bars(ax: Any, key: str, **kw: Any) -> None:
+        mid = [ok[a][key] or 0.0 for a in names]
+        lo = [m - (ok[a]["range"][key] or [m])[0] for m, a in zip(mid, names, strict=True)]
+        hi = [(ok[a]["range"][key] or [m, m])[-1] - m for m, a in zip(mid, names, strict=True)]
+        ax.bar(xs, mid, yerr=[lo, hi], capsize=4, **kw)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    bars(left, "output_tok_s", color="C0")
+    left.set_ylabel("output tokens/s (median of repeats)")
+    bars(right, "ttft_median_s", color="C1", label="median TTFT")
+    right.scatter(xs, [ok[a]["ttft_p99_s"] or 0.0 for a in names], color="C3", label="p99 TTFT")
+    right.set_ylabel("TTFT (s)")
+    right.legend()
+    for ax in (left, right):
+        ax.set_xticks(list(xs), names, rotation=15)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _finish(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> int:
+    print(table(rows), flush=True)
+    if args.plot:
+        save_plot(Path(args.plot), rows, f"kvserve bench compare --workload {args.workload}")
+    print(json.dumps(rows), flush=True)
+    return 0 if any("error" not in r for r in rows.values()) else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        saved = Path(args.out) / "compare.json"
+        if not saved.is_file():
+            print(f"--report: no {saved}", file=sys.stderr)
+            return 2
+        raw = json.loads(saved.read_text())["raw"]
+        return _finish(args, {arm: aggregate(r) for arm, r in raw.items()})
     chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in chosen if a not in arms.ARMS]
     if unknown:
@@ -189,6 +257,4 @@ def run(args: argparse.Namespace) -> int:
         results[arm] = result
     rows = {arm: aggregate(r) for arm, r in results.items()}
     (out / "compare.json").write_text(json.dumps({"arms": rows, "raw": results}, indent=2) + "\n")
-    print(table(rows), flush=True)
-    print(json.dumps(rows), flush=True)
-    return 0 if any("error" not in r for r in rows.values()) else 1
+    return _finish(args, rows)

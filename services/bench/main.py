@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "kvquant": Benchmark("kvquant", "int8/fp8 KV cache: perplexity, KLD, greedy agreement, bytes"),
     "store": Benchmark("store", "prefix store: bytes/token and quality per format, TTFT, MB/s"),
     "serve": Benchmark("serve", "serving benchmark: an HTTP client (TTFT, TPOT, goodput, traces)"),
+    "profile": Benchmark("profile", "where an engine step's time goes under a serve workload"),
     "compare": Benchmark(
         "compare", "bench serve against kvserve, llama-server and HF, side by side"
     ),

@@ -240,3 +240,27 @@ async def test_cancel_before_pickup_is_remembered(rbus: RedisBus) -> None:
     assert await port.cancels(timeout=0.01) == []
     assert await port.is_cancelled("r1")
     await port.close()
+
+
+@pytest.mark.redis
+async def test_event_stream_outlasts_a_redis_stall_longer_than_redis_pys_timeout(
+    redis_server: Any,
+) -> None:
+    """A Redis that answers nothing for 6.5 s (CLIENT PAUSE, as on a saturated host) is not down:
+    the gateway's read resumes and the request completes (redis-py 8 alone gives up at 5 s)."""
+    bus = RedisBus(redis_server.url, RedisBusConfig(prefix="stall"))
+    port = bus.worker("w1")
+    await port.start()
+    stream = await bus.submit(request())
+    (d,) = await port.receive(timeout=5)
+    reader = asyncio.create_task(anext(aiter(stream)))
+    admin = aioredis.Redis.from_url(redis_server.url)
+    await admin.execute_command("CLIENT", "PAUSE", 6500, "ALL")
+    await port.emit(event(0, 0, "stop"))  # held by the pause like every other command
+    got = await reader
+    assert (got.seq, got.finish_reason) == (0, "stop")
+    await port.ack(d)
+    await stream.close()
+    await port.close()
+    await admin.aclose()
+    await bus.close()

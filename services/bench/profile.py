@@ -1,0 +1,266 @@
+"""`kvserve bench profile --workload NAME [workload options] [engine options]`: where an engine
+step's time goes under a serving workload.
+
+The requests `kvserve bench serve` would send (same workload options, same token ids) go straight
+into an in-process Engine configured as `kvserve serve` configures it (the store defaults to
+`memory://`, as the `kvserve` arm of `bench compare` runs); a trace's arrival times are kept,
+other workloads arrive at once; no HTTP, no tokenizer. Every step is timed, and so is each part
+of it, by wrapping the bound methods of this one engine (nothing is changed for other engines):
+
+  linear        every projection (QKV, O, gate/up, down, LM head)
+  attention     prefill attention, paged decode attention, writing K/V into the cache
+  norm          the RMSNorms
+  other model   the rest of the forward pass (embedding, RoPE, residuals, SiLU x up, copies)
+  engine        the rest of the step (scheduling, metadata, sampling, prefix index, store)
+
+Steps are split into `prefill` (some sequence computes a prompt chunk; decodes may ride along)
+and `decode` (one token per sequence). The wrappers add ~1 us per call, ~0.5 ms per step. The
+last line printed is one JSON object; `--out DIR` also gets profile.json with every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvserve.services.cli import CliError
+
+COMPONENTS = ("linear", "attention", "norm", "other model", "engine")
+# `kvserve bench serve` options that only an HTTP client has.
+CLIENT_OPTIONS = {
+    "help", "base_url", "request_rate", "max_concurrency", "out", "slo", "model", "api_key",
+    "vocab_size", "timeout", "warmup_requests", "no_plots",
+}  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvserve.services import serve as serve_cli
+    from kvserve.services.bench import serve
+
+    tmp = argparse.ArgumentParser(add_help=False)
+    serve.add_arguments(tmp)
+    g = p.add_argument_group("workload (as `kvserve bench serve`)")
+    for action in tmp._actions:
+        if action.dest not in CLIENT_OPTIONS:
+            g._add_action(action)
+    p.add_argument("--model", default=None, metavar="PATH", help="default: the default model")
+    p.add_argument("--store", default="memory://", help="prefix store URL, or none")
+    p.add_argument("--store-format", default="native")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write DIR/profile.json")
+    serve_cli.add_engine_arguments(p)
+
+
+@dataclass
+class StepTiming:
+    kind: str  # "prefill" | "decode"
+    seconds: float
+    num_seqs: int
+    num_tokens: int
+    parts: dict[str, float]  # component -> seconds, COMPONENTS order
+
+
+class StepTimer:
+    """Accumulates time per part within the current step; `take()` ends the step."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = defaultdict(float)
+
+    def wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        acc = self.acc
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[key] += time.perf_counter() - t0
+
+        return timed
+
+    def take(self, step_s: float) -> dict[str, float]:
+        a = self.acc
+        attention = a["prefill_attention"] + a["decode_attention"] + a["store_kv"]
+        model = a["forward"] + a["logits"]
+        parts = {
+            "linear": a["linear"],
+            "attention": attention,
+            "norm": a["norm"],
+            "other model": max(0.0, model - a["linear"] - attention - a["norm"]),
+            "engine": max(0.0, step_s - model),
+        }
+        self.acc.clear()
+        return parts
+
+
+def instrument(engine: Any, timer: StepTimer) -> None:
+    """Wrap this engine's model parts, attention functions and step in `timer`'s clocks."""
+    from kvserve.shared.model.llama import Linear, RMSNorm
+
+    model = engine.runner.model
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.forward = timer.wrap("linear", module.forward)  # type: ignore[method-assign]
+        elif isinstance(module, RMSNorm):
+            module.forward = timer.wrap("norm", module.forward)  # type: ignore[method-assign]
+    model.forward = timer.wrap("forward", model.forward)
+    model.compute_logits = timer.wrap("logits", model.compute_logits)
+    b = engine.runner.backend
+    engine.runner.backend = replace(
+        b,
+        store_kv=timer.wrap("store_kv", b.store_kv),
+        prefill_attention=timer.wrap("prefill_attention", b.prefill_attention),
+        paged_decode_attention=timer.wrap("decode_attention", b.paged_decode_attention),
+    )
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    from kvserve.services import serve as serve_cli
+    from kvserve.shared.config import default_model_path
+    from kvserve.shared.engine.engine import Engine
+
+    args.model = args.model or str(default_model_path())
+    if not Path(args.model).is_file():
+        raise CliError(f"--model: no such file {args.model}")
+    return Engine(serve_cli.engine_config(args))
+
+
+def run_workload(engine: Any, sessions: list[Any], timer: StepTimer) -> list[StepTiming]:
+    """Submit each request at its arrival time (at once when it has none) and step until every
+    request has finished; returns every step's timing."""
+    from kvserve.shared.engine.sampling_params import SamplingParams
+
+    pending = sorted(
+        ((s.arrival_s or 0.0, i, s.turns[0]) for i, s in enumerate(sessions)),
+        key=lambda p: (p[0], p[1]),
+    )
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+    last: list[Any] = []
+
+    def capture() -> Any:
+        batch = schedule()
+        last.append(batch)
+        return batch
+
+    scheduler.schedule = capture
+    steps: list[StepTiming] = []
+    t0 = time.perf_counter()
+    try:
+        while pending or engine.has_unfinished_requests():
+            now = time.perf_counter() - t0
+            while pending and pending[0][0] <= now:
+                _, i, turn = pending.pop(0)
+                params = SamplingParams(max_tokens=turn.output_len, ignore_eos=True)
+                engine.add_request(f"profile-{i}", turn.tokens, params)
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))  # next arrival
+                continue
+            last.clear()
+            s0 = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - s0
+            parts = timer.take(seconds)
+            if last and last[-1]:
+                batch = last[-1]
+                prefill = any(s.num_new_tokens > 1 for s in batch.scheduled)
+                steps.append(
+                    StepTiming(
+                        "prefill" if prefill else "decode",
+                        seconds,
+                        len(batch.scheduled),
+                        batch.num_tokens,
+                        parts,
+                    )
+                )
+    finally:
+        scheduler.schedule = schedule
+    return steps
+
+
+def summarize(steps: list[StepTiming], wall_s: float) -> dict[str, Any]:
+    """Totals per step kind and overall: steps, tokens, seconds, and each component's seconds
+    and share of the step time."""
+    out: dict[str, Any] = {"wall_s": wall_s}
+    for kind in ("prefill", "decode", "all"):
+        chosen = [s for s in steps if kind in ("all", s.kind)]
+        total = sum(s.seconds for s in chosen)
+        parts = {c: sum(s.parts[c] for s in chosen) for c in COMPONENTS}
+        out[kind] = {
+            "steps": len(chosen),
+            "tokens": sum(s.num_tokens for s in chosen),
+            "seconds": total,
+            "mean_step_ms": 1e3 * total / len(chosen) if chosen else None,
+            "mean_seqs": sum(s.num_seqs for s in chosen) / len(chosen) if chosen else None,
+            "parts_s": parts,
+            "shares": {c: (v / total if total else 0.0) for c, v in parts.items()},
+        }
+    out["idle_s"] = max(0.0, wall_s - out["all"]["seconds"])
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    head = f"{'':<12}" + "".join(f"{c:>14}" for c in (*COMPONENTS, "step total"))
+    lines = [head, "-" * len(head)]
+    for kind in ("prefill", "decode", "all"):
+        row = summary[kind]
+        if not row["steps"]:
+            continue
+        cells = [f"{row['parts_s'][c]:8.1f} s {row['shares'][c]:3.0%}" for c in COMPONENTS]
+        lines.append(
+            f"{kind:<12}" + "".join(f"{c:>14}" for c in cells) + f"{row['seconds']:12.1f} s"
+        )
+    for kind in ("prefill", "decode"):
+        row = summary[kind]
+        if row["steps"]:
+            lines.append(
+                f"{kind}: {row['steps']} steps, {row['tokens']} tokens, mean step "
+                f"{row['mean_step_ms']:.1f} ms over {row['mean_seqs']:.1f} sequences"
+            )
+    lines.append(
+        f"wall {summary['wall_s']:.1f} s, idle (waiting for arrivals) {summary['idle_s']:.1f} s"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from kvserve.services.bench import serve
+    from kvserve.shared.engine.sampling_params import SamplingParams
+
+    client_defaults = {"base_url": "http://in-process", "vocab_size": None, "timeout": 1.0,
+                       "warmup_requests": 0, "max_concurrency": None}  # fmt: skip
+    serve.validate(argparse.Namespace(**{**vars(args), **client_defaults}))
+    if args.workload == "multi-round":
+        raise CliError(
+            "--workload multi-round needs the server's answers; profile random, shared-prefix "
+            "or mooncake"
+        )
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CliError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    engine = _engine(args)
+    sessions = serve.build_workload(args, engine.model_config.vocab_size)
+    warmup = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.generate([sessions[0].turns[0].tokens[:8]], warmup)
+    timer = StepTimer()
+    instrument(engine, timer)
+    t0 = time.perf_counter()
+    steps = run_workload(engine, sessions, timer)
+    summary = summarize(steps, time.perf_counter() - t0)
+    engine.close()
+    print(table(summary), flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"summary": summary, "steps": [asdict(s) for s in steps]}
+        (out / "profile.json").write_text(json.dumps(record) + "\n")
+    print(json.dumps(summary), flush=True)
+    return 0
