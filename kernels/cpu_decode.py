@@ -1,12 +1,15 @@
 """Paged decode attention for the CPU: a small C++ kernel (built once with torch's
-cpp_extension) that reads K/V in place from the paged cache, so a decode step moves each
-cached byte once. Same signature and semantics as `reference.paged_decode_attention`, for
-float32 caches; anything else (and a machine where the build fails) uses the reference.
+cpp_extension) that reads K/V in place from the paged cache. Same signature and semantics as
+`reference.paged_decode_attention`, for float32 caches; anything else (and a machine where the
+build fails) uses the reference.
 
-Per sequence: all heads walk the sequence's blocks together (each block's K and V read once,
-contiguously), with a block-wise online softmax (one rescale per block of `block_size`
-tokens). Parallel over sequences with at::parallel_for. Each sequence is computed alone,
-so its result does not depend on what it is batched with.
+Shared prefixes are read once (cascade attention, as FlashInfer and vLLM do it on GPUs):
+sequences whose block tables start with the same physical blocks (prefix-cache hits, n > 1
+samples, beams) form a group of up to 8, and the leading blocks full in every member are streamed
+once for all the group's query rows; each member then walks its own remaining blocks. One work
+item per group, parallel with at::parallel_for; each query row keeps its own block-wise online
+softmax and sees its blocks in table order, so its result is bit-identical to running the
+sequence alone.
 """
 
 from __future__ import annotations
@@ -25,9 +28,68 @@ log = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
+
+// Online-softmax state of the query rows of M sequences x H heads (row j * H + h).
+struct Rows {
+  int64_t H, D, BS, G;
+  std::vector<const float*> q;  // each row's query [D]
+  std::vector<float> acc, s, m, l;
+  Rows(int64_t rows, int64_t h, int64_t d, int64_t bs, int64_t g)
+      : H(h), D(d), BS(bs), G(g), q(rows), acc(rows * d, 0.f), s(rows * bs),
+        m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f) {}
+};
+
+// The rows of sequences [j0, j1) attend to the n tokens of one block (K and V of token t at
+// kb + t * stride, all KV heads). Each K and V row is read once for every head of every one of
+// these sequences. Each row's arithmetic is the same whatever other rows share the call, so a
+// sequence's result does not depend on what it is batched with.
+static void attend_block(Rows& st, int64_t j0, int64_t j1, const float* kb, const float* vb,
+                         int64_t n, int64_t stride, float sc) {
+  const int64_t H = st.H, D = st.D, BS = st.BS, G = st.G;
+  for (int64_t t = 0; t < n; ++t) {  // scores s[r][t]
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t r = j * H + h;
+        const float* kt = kb + t * stride + (h / G) * D;
+        const float* qr = st.q[r];
+        float dot = 0.f;
+        for (int64_t i = 0; i < D; ++i) dot += qr[i] * kt[i];
+        st.s[r * BS + t] = dot * sc;
+      }
+    }
+  }
+  for (int64_t r = j0 * H; r < j1 * H; ++r) {  // block-wise online softmax
+    float* sr = st.s.data() + r * BS;
+    float mx = st.m[r];
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sr[t]);
+    const float alpha = std::exp(st.m[r] - mx);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      sr[t] = std::exp(sr[t] - mx);
+      sum += sr[t];
+    }
+    float* ar = st.acc.data() + r * D;
+    for (int64_t i = 0; i < D; ++i) ar[i] *= alpha;
+    st.l[r] = st.l[r] * alpha + sum;
+    st.m[r] = mx;
+  }
+  for (int64_t t = 0; t < n; ++t) {  // acc[r] += p[r][t] * v[t]
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t r = j * H + h;
+        const float* vt = vb + t * stride + (h / G) * D;
+        const float p = st.s[r * BS + t];
+        float* ar = st.acc.data() + r * D;
+        for (int64_t i = 0; i < D; ++i) ar[i] += p * vt[i];
+      }
+    }
+  }
+}
 
 // query [B, H, D] f32; k/v cache [NB, BS, KVH, D] f32; tables [B, MAXB] i32; lens [B] i32.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -44,56 +106,57 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   float* o = out.data_ptr<float>();
   const int64_t tok_stride = KVH * D, blk_stride = BS * KVH * D;
   const float sc = static_cast<float>(scale);
-  // One work item per sequence: each block's K and V (contiguous) are read once for all heads.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(H * D), s(H * BS), m(H), l(H);
-    for (int64_t b = begin; b < end; ++b) {
-      const float* qb = q + b * H * D;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      const int64_t L = ln[b];
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const int64_t n = std::min(BS, L - t0);
-        const int64_t blk = tb[b * MAXB + t0 / BS];
-        const float* kb = kc + blk * blk_stride;
-        const float* vb = vc + blk * blk_stride;
-        for (int64_t t = 0; t < n; ++t) {  // scores s[h][t]
-          for (int64_t h = 0; h < H; ++h) {
-            const float* kt = kb + t * tok_stride + (h / G) * D;
-            const float* qh = qb + h * D;
-            float dot = 0.f;
-            for (int64_t i = 0; i < D; ++i) dot += qh[i] * kt[i];
-            s[h * BS + t] = dot * sc;
-          }
+
+  // Groups: sequences whose tables start with the same physical block (a shared prefix), at
+  // most kMaxGroup each so that a large group still spreads over threads. A group's `shared`
+  // leading blocks, full in every member, are read once for all members.
+  constexpr int64_t kMaxGroup = 8;
+  std::vector<int64_t> order(B);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return tb[a * MAXB] < tb[b * MAXB]; });
+  std::vector<int64_t> starts{0}, shared;
+  for (int64_t i = 1; i <= B; ++i)
+    if (i == B || tb[order[i] * MAXB] != tb[order[i - 1] * MAXB] ||
+        i - starts.back() == kMaxGroup)
+      starts.push_back(i);
+  const int64_t NG = static_cast<int64_t>(starts.size()) - 1;
+  for (int64_t g = 0; g < NG; ++g) {
+    const int64_t first = order[starts[g]];
+    int64_t full = ln[first] / BS;
+    for (int64_t i = starts[g] + 1; i < starts[g + 1]; ++i) {
+      const int64_t b = order[i];
+      int64_t j = 0;
+      const int64_t lim = std::min<int64_t>(full, ln[b] / BS);
+      while (j < lim && tb[b * MAXB + j] == tb[first * MAXB + j]) ++j;
+      full = j;
+    }
+    shared.push_back(starts[g + 1] - starts[g] > 1 ? full : 0);
+  }
+
+  at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t M = starts[g + 1] - starts[g];
+      Rows st(M * H, H, D, BS, G);
+      for (int64_t j = 0; j < M; ++j)
+        for (int64_t h = 0; h < H; ++h) st.q[j * H + h] = q + (order[starts[g] + j] * H + h) * D;
+      const int64_t b0 = order[starts[g]];
+      for (int64_t blk = 0; blk < shared[g]; ++blk) {
+        const int64_t id = tb[b0 * MAXB + blk];
+        attend_block(st, 0, M, kc + id * blk_stride, vc + id * blk_stride, BS, tok_stride, sc);
+      }
+      for (int64_t j = 0; j < M; ++j) {
+        const int64_t b = order[starts[g] + j], L = ln[b];
+        for (int64_t t0 = shared[g] * BS; t0 < L; t0 += BS) {
+          const int64_t id = tb[b * MAXB + t0 / BS];
+          attend_block(st, j, j + 1, kc + id * blk_stride, vc + id * blk_stride,
+                       std::min(BS, L - t0), tok_stride, sc);
         }
-        for (int64_t h = 0; h < H; ++h) {  // block-wise online softmax
-          float* sh = s.data() + h * BS;
-          float mx = m[h];
-          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
-          const float alpha = std::exp(m[h] - mx);
-          float sum = 0.f;
-          for (int64_t t = 0; t < n; ++t) {
-            sh[t] = std::exp(sh[t] - mx);
-            sum += sh[t];
-          }
-          float* ah = acc.data() + h * D;
-          for (int64_t i = 0; i < D; ++i) ah[i] *= alpha;
-          l[h] = l[h] * alpha + sum;
-          m[h] = mx;
-        }
-        for (int64_t t = 0; t < n; ++t) {  // acc[h] += p[h][t] * v[t]
-          for (int64_t h = 0; h < H; ++h) {
-            const float* vt = vb + t * tok_stride + (h / G) * D;
-            const float p = s[h * BS + t];
-            float* ah = acc.data() + h * D;
-            for (int64_t i = 0; i < D; ++i) ah[i] += p * vt[i];
-          }
+        for (int64_t r = j * H; r < (j + 1) * H; ++r) {
+          float* orow = o + (b * H + r % H) * D;
+          for (int64_t i = 0; i < D; ++i) orow[i] = st.acc[r * D + i] / st.l[r];
         }
       }
-      float* ob = o + b * H * D;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < D; ++i) ob[h * D + i] = acc[h * D + i] / l[h];
     }
   });
   return out;

@@ -41,3 +41,42 @@ def test_quantized_cache_falls_back_to_reference() -> None:
     want = reference.paged_decode_attention(q, kq, vq, tables, ctx, 0.125, ks, vs)
     got = cpu_decode.paged_decode_attention(q, kq, vq, tables, ctx, 0.125, ks, vs)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=["gqa", "mqa"])
+def test_shared_prefix_blocks_read_once_give_each_sequence_its_solo_result(
+    heads: tuple[int, int],
+) -> None:
+    """Tables that start with the same physical blocks (prefix-cache hits, n > 1, beams) take
+    the kernel's grouped path: the result matches the reference, and every sequence's output is
+    bit-identical to running it alone (batch independence)."""
+    torch.manual_seed(2)
+    h, kvh, d, bs = *heads, 64, 16
+    nb = 64
+    kc = torch.randn(nb, bs, kvh, d)
+    vc = torch.randn(nb, bs, kvh, d)
+    prefix_a, prefix_b = [5, 9, 2], [7, 11]
+    own = iter(range(20, nb))
+    # (table, context length): groups sharing 3 and 2 blocks, a member whose context ends
+    # inside the shared blocks, and a sequence sharing nothing.
+    rows = [
+        ([*prefix_a, next(own)], 3 * bs + 5),
+        ([*prefix_a, next(own), next(own)], 4 * bs + 1),
+        (prefix_a, 2 * bs + 3),
+        ([*prefix_b, next(own)], 2 * bs + 16),
+        ([next(own), next(own)], 20),
+        ([*prefix_b, next(own), next(own)], 3 * bs + 9),
+        ([*prefix_a, next(own)], 3 * bs),
+    ]
+    width = max(len(t) for t, _ in rows)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t, _ in rows], dtype=torch.int32)
+    ctx = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    q = torch.randn(len(rows), h, d)
+    got = cpu_decode.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
+    want = reference.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for b in range(len(rows)):
+        alone = cpu_decode.paged_decode_attention(
+            q[b : b + 1], kc, vc, tables[b : b + 1], ctx[b : b + 1], d**-0.5
+        )
+        assert torch.equal(alone[0], got[b]), f"sequence {b} differs from its solo result"
