@@ -134,25 +134,16 @@ def _engine(args: argparse.Namespace) -> Any:
 def run_workload(engine: Any, sessions: list[Any], timer: StepTimer) -> list[StepTiming]:
     """Submit each request at its arrival time (at once when it has none) and step until every
     request has finished; returns every step's timing."""
+    from kvserve.services.bench.engine import timed_steps
     from kvserve.shared.engine.sampling_params import SamplingParams
 
     pending = sorted(
         ((s.arrival_s or 0.0, i, s.turns[0]) for i, s in enumerate(sessions)),
         key=lambda p: (p[0], p[1]),
     )
-    scheduler = engine.scheduler
-    schedule = scheduler.schedule
-    last: list[Any] = []
-
-    def capture() -> Any:
-        batch = schedule()
-        last.append(batch)
-        return batch
-
-    scheduler.schedule = capture
     steps: list[StepTiming] = []
     t0 = time.perf_counter()
-    try:
+    with timed_steps(engine) as records:
         while pending or engine.has_unfinished_requests():
             now = time.perf_counter() - t0
             while pending and pending[0][0] <= now:
@@ -162,25 +153,16 @@ def run_workload(engine: Any, sessions: list[Any], timer: StepTimer) -> list[Ste
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))  # next arrival
                 continue
-            last.clear()
-            s0 = time.perf_counter()
+            done = len(records)
             engine.step()
-            seconds = time.perf_counter() - s0
-            parts = timer.take(seconds)
-            if last and last[-1]:
-                batch = last[-1]
-                prefill = any(s.num_new_tokens > 1 for s in batch.scheduled)
-                steps.append(
-                    StepTiming(
-                        "prefill" if prefill else "decode",
-                        seconds,
-                        len(batch.scheduled),
-                        batch.num_tokens,
-                        parts,
-                    )
-                )
-    finally:
-        scheduler.schedule = schedule
+            if len(records) == done:  # nothing was scheduled
+                timer.take(0.0)
+                continue
+            r = records[-1]
+            kind = "decode" if r.decode_only else "prefill"
+            steps.append(
+                StepTiming(kind, r.seconds, r.num_seqs, r.num_tokens, timer.take(r.seconds))
+            )
     return steps
 
 

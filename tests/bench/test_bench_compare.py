@@ -55,6 +55,7 @@ def test_unknown_arm_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "unknown arms: vllm" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~25 s: starts `kvserve serve` twice
 def test_kvserve_arm_runs_its_repeats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "bench", "compare", "--workload", "random", "--num-requests", "3", "--input-len", "24",

@@ -53,6 +53,7 @@ def namespace_url(base: str, **params: object) -> str:
     return f"{base}?{query}"
 
 
+@pytest.mark.slow  # ~45 s: two model loads in two processes
 def test_two_processes_share_a_prefix(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
     url = namespace_url(LOCAL)
     prompt = LONG + "What animal jumps?"
