@@ -17,7 +17,14 @@ from typing import Any
 
 from kvserve.services.cli import CliError
 from kvserve.services.gateway.main import rate_limit, start_gateway
-from kvserve.shared.config import DEFAULT_STORE, KV_DTYPES, STORE_FORMATS, default_model_path
+from kvserve.shared.config import (
+    DEFAULT_STORE,
+    KV_DTYPES,
+    MATMUL_DTYPES,
+    MODEL_DTYPES,
+    STORE_FORMATS,
+    default_model_path,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -75,7 +82,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-backend", choices=("auto", "torch", "cpu", "triton"), default="auto"
     )
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32")
+    p.add_argument(
+        "--matmul-dtype",
+        choices=MATMUL_DTYPES,
+        default="auto",
+        help="dtype of the linear layers' matmuls alone (auto: --dtype); bfloat16 with "
+        "--dtype float32 uses the CPU's bf16 instructions, the KV cache stays float32",
+    )
     p.add_argument("--log-level", default=None)
 
 
@@ -116,6 +130,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         return EngineConfig(
             model_path=args.model,
             dtype=args.dtype,
+            matmul_dtype=args.matmul_dtype,
             device=args.device,
             attention_backend=args.attention_backend,
             cache=CacheConfig(

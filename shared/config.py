@@ -145,13 +145,32 @@ class StoreConfig:
             raise ValueError(f"store format must be one of {STORE_FORMATS}, got {self.format!r}")
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+MATMUL_DTYPES = ("auto", *MODEL_DTYPES)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str = field(default_factory=lambda: str(default_model_path()))
-    dtype: str = "float32"
+    dtype: str = "float32"  # weights, activations, KV cache
+    # The linear layers' matmuls alone ("auto": `dtype`); "bfloat16" in a float32 model runs
+    # them on the CPU's bf16 instructions and keeps everything else float32.
+    matmul_dtype: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     device: str = "cpu"
     num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(
+                f"matmul_dtype must be one of {MATMUL_DTYPES}, got {self.matmul_dtype!r}"
+            )
+
+    @property
+    def resolved_matmul_dtype(self) -> str:
+        return self.dtype if self.matmul_dtype == "auto" else self.matmul_dtype

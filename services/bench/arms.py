@@ -286,7 +286,7 @@ def _kvserve_exe() -> str:
     return str(beside) if beside.exists() else (shutil.which("kvserve") or "kvserve")
 
 
-ARMS = ("kvserve", "kvserve-disagg", "llama-server", "hf")
+ARMS = ("kvserve", "kvserve-bf16", "kvserve-disagg", "llama-server", "hf")
 DISAGG_REDIS = "redis://127.0.0.1:6379/14"
 
 
@@ -302,9 +302,12 @@ def make_server(
     llama-server: when the build fails)."""
     threads_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     log = log_dir / f"{arm}.log"
-    if arm == "kvserve":
+    if arm in ("kvserve", "kvserve-bf16"):
         cmd = [_kvserve_exe(), "serve", "--model", str(model), "--port", str(port)]
-        return ServerProcess(arm, [*cmd, "--store", "memory://"], port, "/ready", log, threads_env)
+        cmd += ["--store", "memory://"]
+        if arm == "kvserve-bf16":  # bf16 matmuls, everything else (KV cache included) fp32
+            cmd += ["--matmul-dtype", "bfloat16"]
+        return ServerProcess(arm, cmd, port, "/ready", log, threads_env)
     if arm == "kvserve-disagg":
         cmd = [_kvserve_exe(), "stack", "--redis", redis_url, "--model", str(model)]
         return ServerProcess(arm, [*cmd, "--port", str(port)], port, "/ready", log, threads_env)

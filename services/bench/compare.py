@@ -3,12 +3,13 @@ the same `kvserve bench serve` workload against kvserve and the servers a user w
 one arm after another, on the same GGUF file.
 
 Arms (see kvserve.services.bench.arms): `kvserve` (`kvserve serve --store memory://`),
-`kvserve-disagg` (`kvserve stack` on the local Redis), `llama-server` (llama.cpp, built on demand
-into the cache dir; 8 slots x 2,048 tokens, continuous batching, prompt cache on) and `hf`
-(transformers behind a minimal OpenAI shim). Every repeat starts the arm's server fresh (so no
-repeat finds the previous one's prompts cached), sends `--warmup-requests` short requests that are
-not measured, runs `kvserve bench serve` as a subprocess and stops the server. Same tokens (the
-vocabulary comes from the GGUF, not from each server), greedy, EOS ignored, same thread count.
+`kvserve-bf16` (the same with `--matmul-dtype bfloat16`), `kvserve-disagg` (`kvserve stack` on
+the local Redis), `llama-server` (llama.cpp, built on demand into the cache dir; 8 slots x 2,048
+tokens, continuous batching, prompt cache on) and `hf` (transformers behind a minimal OpenAI
+shim). Every repeat starts the arm's server fresh (so no repeat finds the previous one's prompts
+cached), sends `--warmup-requests` short requests that are not measured, runs `kvserve bench
+serve` as a subprocess and stops the server. Same tokens (the vocabulary comes from the GGUF, not
+from each server), greedy, EOS ignored, same thread count.
 
 Reports per arm the median over repeats of output tok/s, mean, median and p99 TTFT, mean TPOT,
 with their range; an arm that cannot be set up is reported with the reason and the others run.

@@ -7,6 +7,7 @@ stops -> emit deltas. Not thread-safe: one thread drives it (see AsyncEngine for
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import itertools
 import logging
 import os
@@ -140,11 +141,17 @@ class Engine:
         dtype = DTYPES[config.dtype]
         loaded = weights or load_weights(config.model_path, dtype)
         self.model_config: ModelConfig = loaded.config
-        self.model_fingerprint = loaded.fingerprint
+        matmul = config.resolved_matmul_dtype
+        # Other matmul numerics give other K/V: such blocks must not meet in a shared store.
+        self.model_fingerprint = (
+            loaded.fingerprint
+            if matmul == config.dtype
+            else hashlib.sha256(f"{loaded.fingerprint}/matmul={matmul}".encode()).hexdigest()
+        )
         self.tokenizer = tokenizer or KVTokenizer.from_path(config.model_path)
         # Weights go to the device first: the model prepacks them for that device.
         on_device = {k: v.to(config.device) for k, v in loaded.weights.items()}
-        model = LlamaModel(loaded.config, on_device).eval()
+        model = LlamaModel(loaded.config, on_device, DTYPES[matmul]).eval()
         cc = config.cache
         self.kv_dtype = resolve_kv_dtype(cc.kv_dtype, dtype)
         self.block_size = cc.block_size

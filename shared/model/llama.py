@@ -30,11 +30,17 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 class Linear(nn.Module):
     """y = x @ W.T. On the CPU the weight is prepacked once for oneDNN (what torch.compile's
     CPU backend does with frozen weights): 1.3x (batch 1) to 1.7x (batch 8) faster than
-    F.linear's BLAS path here. Elsewhere plain F.linear."""
+    F.linear's BLAS path here. Elsewhere plain F.linear.
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    `compute_dtype` (default: the weight's) is the dtype of the matmul itself: the weight is
+    stored in it, the input is cast to it and the output back to the input's dtype (bfloat16
+    matmuls in a float32 model use the CPU's bf16 dot-product instructions)."""
+
+    def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.compute_dtype = compute_dtype or weight.dtype
+        weight = weight.to(self.compute_dtype)
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
         if _can_prepack(weight):
@@ -46,12 +52,16 @@ class Linear(nn.Module):
             self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(self.compute_dtype)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
+            y = torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, None, "none", [], ""
             )
-        assert self.weight is not None
-        return F.linear(x, self.weight)
+        else:
+            assert self.weight is not None
+            y = F.linear(x, self.weight)
+        return y.to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -129,7 +139,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, w: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        w: dict[str, torch.Tensor],
+        matmul_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         p = f"model.layers.{layer}.self_attn."
         self.layer = layer
@@ -138,9 +154,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv = Linear(
-            torch.cat([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]])
+            torch.cat([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]]),
+            matmul_dtype,
         )
-        self.o = Linear(w[p + "o_proj.weight"])
+        self.o = Linear(w[p + "o_proj.weight"], matmul_dtype)
 
     def forward(
         self,
@@ -193,11 +210,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, layer: int, w: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, layer: int, w: dict[str, torch.Tensor], matmul_dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         p = f"model.layers.{layer}.mlp."
-        self.gate_up = Linear(torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]))
-        self.down = Linear(w[p + "down_proj.weight"])
+        self.gate_up = Linear(
+            torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), matmul_dtype
+        )
+        self.down = Linear(w[p + "down_proj.weight"], matmul_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -205,31 +226,44 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, w: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        w: dict[str, torch.Tensor],
+        matmul_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         p = f"model.layers.{layer}."
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(w[p + "input_layernorm.weight"], eps)
-        self.attn = Attention(config, layer, w)
+        self.attn = Attention(config, layer, w, matmul_dtype)
         self.post_attn_norm = RMSNorm(w[p + "post_attention_layernorm.weight"], eps)
-        self.mlp = MLP(layer, w)
+        self.mlp = MLP(layer, w, matmul_dtype)
 
 
 class LlamaModel(nn.Module):
-    """Weights are taken (not copied) from `weights` under Hugging Face names."""
+    """Weights are taken (not copied) from `weights` under Hugging Face names. `matmul_dtype`
+    (default: the weights' dtype) is the dtype of every linear layer's matmul; norms, RoPE,
+    attention, the residual stream and the KV cache keep the weights' dtype."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        matmul_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, weights) for i in range(config.num_layers)
+            DecoderLayer(config, i, weights, matmul_dtype) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
         lm_head = weights.get("lm_head.weight")
         if config.tie_word_embeddings or lm_head is None:
             lm_head = self.embed
-        self.lm_head = Linear(lm_head)
+        self.lm_head = Linear(lm_head, matmul_dtype)
         self.rope = RotaryEmbedding(config)
 
     @property
