@@ -4,7 +4,9 @@ a module's `run(args) -> int` does the work. User errors print one line and exit
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
+import signal
 import sys
 from collections.abc import Callable
 
@@ -25,6 +27,16 @@ SUBCOMMANDS = {
 
 class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGTERM or SIGINT sets (a service's cue to drain and exit); call it from
+    inside the running event loop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

@@ -21,12 +21,11 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import signal
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvserve.services.cli import CliError
+from kvserve.services.cli import CliError, stop_on_signals
 from kvserve.services.serve import add_engine_arguments
 from kvserve.shared.config import STORE_FORMATS, default_model_path
 
@@ -119,10 +118,7 @@ async def _work(args: argparse.Namespace, role: str) -> None:
 
     log = get_logger(f"kvserve.{role}")
     name = args.name or f"{role}-{socket.gethostname()}-{os.getpid()}"
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     engine = await asyncio.to_thread(_load_engine, args)
     if engine.engine.connector is None:
         raise CliError("--store: the engine has no prefix store")

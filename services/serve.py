@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 from typing import Any
 
-from kvserve.services.cli import CliError
+from kvserve.services.cli import CliError, stop_on_signals
 from kvserve.services.gateway.main import rate_limit, start_gateway
 from kvserve.shared.config import (
     DEFAULT_STORE,
@@ -169,10 +168,7 @@ async def _serve(args: argparse.Namespace) -> None:
     gateway, runner, port = await start_gateway(args, bus, info)
     log.info("listening", url=f"http://{args.host}:{port}", model=info.name)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
 
     load = asyncio.create_task(asyncio.to_thread(_load_engine, config, info.tokenizer))
     stopper = asyncio.create_task(stop.wait())

@@ -332,6 +332,11 @@ class RedisBusConfig:
     # redis-py 8 gives up on a reply after 5 s; a host whose cores are saturated by the engines
     # (or a Redis busy with large store writes) stalls longer than that without being down.
     socket_timeout_s: float = 30.0
+    # Connections the client may open. Each request in flight at a gateway holds one while its
+    # event stream waits in XREAD, so a gateway needs more than it admits at once (redis-py's
+    # default, 100, raised "Too many connections" past the 100th request in flight, which the
+    # readiness check took for "no worker": 503s).
+    max_connections: int = 1024
 
 
 class _RedisEventStream(EventStream):
@@ -370,7 +375,9 @@ class RedisBus(Bus):
 
         self.config = config or RedisBusConfig()
         self.redis: Any = redis or aioredis.Redis.from_url(
-            url, socket_timeout=self.config.socket_timeout_s
+            url,
+            socket_timeout=self.config.socket_timeout_s,
+            max_connections=self.config.max_connections,
         )
         p = self.config.prefix
         self.request_key = f"{p}:{self.config.request_stream}"

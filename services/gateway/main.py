@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 from typing import Any
 
-from kvserve.services.cli import CliError
+from kvserve.services.cli import CliError, stop_on_signals
 from kvserve.shared.config import default_model_path
 
 
@@ -66,18 +65,16 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> None:
     from kvserve.services.gateway.schema import load_model_info
-    from kvserve.shared.bus import RedisBus
+    from kvserve.shared.bus import RedisBus, RedisBusConfig
     from kvserve.shared.telemetry import get_logger
 
     log = get_logger("kvserve.gateway")
     info = await asyncio.to_thread(load_model_info, args.model, args.served_model_name)
-    bus = RedisBus(args.bus)
+    # One connection per request in flight (its event stream), plus the gateway's own calls.
+    bus = RedisBus(args.bus, RedisBusConfig(max_connections=max(1024, 2 * args.max_queue)))
     gateway, runner, port = await start_gateway(args, bus, info)
     log.info("ready", url=f"http://{args.host}:{port}", model=info.name)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await stop.wait()
     log.info("shutting down", drain_timeout_s=args.drain_timeout)
     gateway.start_draining()

@@ -264,3 +264,39 @@ async def test_event_stream_outlasts_a_redis_stall_longer_than_redis_pys_timeout
     await port.close()
     await admin.aclose()
     await bus.close()
+
+
+@pytest.mark.redis
+async def test_more_streams_in_flight_than_redis_pys_default_pool_all_complete(
+    redis_server: Any,
+) -> None:
+    """Each request in flight holds one of the gateway's connections while its event stream
+    waits in XREAD. redis-py's default pool (100 connections) raised "Too many connections"
+    past the 100th, and the gateway answered the rest with 503 "no worker ready"."""
+    bus = RedisBus(redis_server.url, RedisBusConfig(prefix="pool"))
+    workers = RedisBus(redis_server.url, RedisBusConfig(prefix="pool"))  # another process's
+    port = workers.worker("w1")
+    await port.start()
+    rids = [f"r{i}" for i in range(150)]
+    streams = [await bus.submit(request(rid)) for rid in rids]
+    readers = [asyncio.create_task(anext(aiter(s))) for s in streams]
+    admin = aioredis.Redis.from_url(redis_server.url)
+    deadline = time.monotonic() + 30
+    while (await admin.info("clients"))["blocked_clients"] < len(rids):  # all wait at once
+        assert time.monotonic() < deadline, "the streams never all waited in XREAD"
+        await asyncio.sleep(0.01)
+    assert await bus.ready()
+    got: list[Any] = []
+    while len(got) < len(rids):
+        got += await port.receive(max_count=64, timeout=1)
+    for d in got:
+        await port.emit(event(0, 0, "stop", rid=d.request.request_id))
+        await port.ack(d)
+    finished = await asyncio.wait_for(asyncio.gather(*readers), 60)
+    assert [(e.request_id, e.finish_reason) for e in finished] == [(r, "stop") for r in rids]
+    for s in streams:
+        await s.close()
+    await port.close()
+    await admin.aclose()
+    await workers.close()
+    await bus.close()
