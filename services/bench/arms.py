@@ -3,7 +3,9 @@
 - llama.cpp's `llama-server`, built on demand into `cache_dir() / "llama.cpp"` from the llama.cpp
   sources vendored in PyPI's `llama-cpp-python` sdist (`ensure_llama_server`).
 - Hugging Face transformers behind the minimal OpenAI-compatible shim in `hf_shim`.
-- kvserve itself (`kvserve serve`) and the disaggregated stack (`kvserve stack`).
+- kvserve itself (`kvserve serve`) and the disaggregated stack (`kvserve stack`), the stack on a
+  redis-server the harness starts like compose.yaml's (`OwnRedis`: maxmemory, allkeys-lru, no
+  persistence) unless a Redis URL is given.
 
 Each arm is a command line plus a readiness URL; `ServerProcess` starts one, waits for it and stops
 it (the whole process group, so the stack's children go too).
@@ -166,8 +168,75 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 @dataclass
+class OwnRedis:
+    """A throwaway redis-server for the disaggregated arm, configured as compose.yaml's: at
+    `maxmemory` it evicts the least recently used keys (the prefix store is a cache), it keeps
+    nothing on disk. The stack's blocks then cannot fill the machine, nor touch a shared Redis."""
+
+    port: int
+    maxmemory: str
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    workdir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> None:
+        import redis
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ArmSetupError("kvserve-disagg: redis-server is not on PATH (or pass --redis URL)")
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvserve-bench-redis-"))
+        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        cmd += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        cmd += ["--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    self.stop()
+                    raise ArmSetupError(
+                        f"redis-server exited with {self.proc.returncode}; log {self.log}:\n"
+                        + _tail(self.log)
+                    )
+                try:
+                    if client.ping():
+                        return
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ArmSetupError(f"redis-server not answering on port {self.port}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+
+@dataclass
 class ServerProcess:
-    """One arm's server: started in its own process group, stopped with the whole group."""
+    """One arm's server: started in its own process group, stopped with the whole group (and
+    after it, the arm's own Redis if it has one)."""
 
     name: str
     cmd: list[str]
@@ -176,12 +245,15 @@ class ServerProcess:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    redis: OwnRedis | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 300.0) -> None:
+        if self.redis is not None:
+            self.redis.start()
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
             out.write(f"$ {' '.join(self.cmd)}\n".encode())
@@ -224,6 +296,13 @@ class ServerProcess:
             time.sleep(0.5)
 
     def stop(self, grace: float = 20.0) -> None:
+        try:
+            self._stop_group(grace)
+        finally:
+            if self.redis is not None:
+                self.redis.stop()
+
+    def _stop_group(self, grace: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
@@ -287,7 +366,7 @@ def _kvserve_exe() -> str:
 
 
 ARMS = ("kvserve", "kvserve-bf16", "kvserve-disagg", "llama-server", "hf")
-DISAGG_REDIS = "redis://127.0.0.1:6379/14"
+DISAGG_REDIS_MAXMEMORY = "2gb"  # compose.yaml's default
 
 
 def make_server(
@@ -296,10 +375,12 @@ def make_server(
     port: int,
     log_dir: Path,
     threads: int = 2,
-    redis_url: str = DISAGG_REDIS,
+    redis_url: str | None = None,
+    redis_maxmemory: str = DISAGG_REDIS_MAXMEMORY,
 ) -> ServerProcess:
     """The arm's server, not started yet. Raises ArmSetupError when it cannot be set up (for
-    llama-server: when the build fails)."""
+    llama-server: when the build fails). kvserve-disagg runs on `redis_url`, or when that is None
+    on an `OwnRedis` of `redis_maxmemory` started with it."""
     threads_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     log = log_dir / f"{arm}.log"
     if arm in ("kvserve", "kvserve-bf16"):
@@ -309,8 +390,10 @@ def make_server(
             cmd += ["--matmul-dtype", "bfloat16"]
         return ServerProcess(arm, cmd, port, "/ready", log, threads_env)
     if arm == "kvserve-disagg":
-        cmd = [_kvserve_exe(), "stack", "--redis", redis_url, "--model", str(model)]
-        return ServerProcess(arm, [*cmd, "--port", str(port)], port, "/ready", log, threads_env)
+        own = None if redis_url else OwnRedis(free_port(), redis_maxmemory, log_dir / "redis.log")
+        url = own.url if own is not None else str(redis_url)
+        cmd = [_kvserve_exe(), "stack", "--redis", url, "--model", str(model), "--port", str(port)]
+        return ServerProcess(arm, cmd, port, "/ready", log, threads_env, redis=own)
     if arm == "llama-server":
         cmd = llama_server_cmd(ensure_llama_server(), model, port, threads)
         return ServerProcess(arm, cmd, port, "/health", log)

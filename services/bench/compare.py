@@ -4,11 +4,12 @@ one arm after another, on the same GGUF file.
 
 Arms (see kvserve.services.bench.arms): `kvserve` (`kvserve serve --store memory://`),
 `kvserve-bf16` (the same with `--matmul-dtype bfloat16`), `kvserve-disagg` (`kvserve stack` on
-the local Redis), `llama-server` (llama.cpp, built on demand into the cache dir; 8 slots x 2,048
-tokens, continuous batching, prompt cache on) and `hf` (transformers behind a minimal OpenAI
-shim). Every repeat starts the arm's server fresh (so no repeat finds the previous one's prompts
-cached), sends `--warmup-requests` short requests that are not measured, runs `kvserve bench
-serve` as a subprocess and stops the server. Same tokens (the vocabulary comes from the GGUF, not
+a local redis-server the harness starts as compose.yaml does, or on `--redis URL`),
+`llama-server` (llama.cpp, built on demand into the cache dir; 8 slots x 2,048 tokens, continuous
+batching, prompt cache on) and `hf` (transformers behind a minimal OpenAI shim). Every repeat
+starts the arm's server fresh (so no repeat finds the previous one's prompts cached), sends
+`--warmup-requests` short requests that are not measured, runs `kvserve bench serve` as a
+subprocess and stops the server. Same tokens (the vocabulary comes from the GGUF, not
 from each server), greedy, EOS ignored, same thread count.
 
 Reports per arm the median over repeats of output tok/s, mean, median and p99 TTFT, mean TPOT,
@@ -57,7 +58,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ready-timeout", type=float, default=600.0, help="seconds for a server to start"
     )
     p.add_argument("--run-timeout", type=float, default=7200.0, help="seconds for one bench run")
-    p.add_argument("--redis", default=arms.DISAGG_REDIS, help="Redis URL for kvserve-disagg")
+    p.add_argument(
+        "--redis",
+        default=None,
+        help="Redis URL for kvserve-disagg (default: a redis-server started for it on a free port)",
+    )
+    p.add_argument(
+        "--redis-maxmemory",
+        default=arms.DISAGG_REDIS_MAXMEMORY,
+        help="maxmemory of that redis-server (allkeys-lru, as compose.yaml)",
+    )
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the arms here")
     p.add_argument(
         "--report",
@@ -100,7 +110,13 @@ def run_arm(
         run_dir = out / arm / f"repeat-{r}"
         try:
             server = arms.make_server(
-                arm, model, arms.free_port(), out / arm, args.threads, args.redis
+                arm,
+                model,
+                arms.free_port(),
+                out / arm,
+                args.threads,
+                args.redis,
+                args.redis_maxmemory,
             )
             t0 = time.monotonic()
             server.start(args.ready_timeout)

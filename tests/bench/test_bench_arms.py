@@ -113,3 +113,38 @@ def test_llama_server_streams_a_token_id_completion(
     assert usage["completion_tokens"] == MAX_TOKENS
     text_chunks = [c for c in chunks if c["choices"] and c["choices"][0].get("text")]
     assert 0 < len(text_chunks) <= MAX_TOKENS
+
+
+@pytest.mark.redis
+def test_disagg_arm_brings_a_bounded_redis_and_takes_it_down(
+    model_path: Path, tmp_path: Path
+) -> None:
+    import redis
+
+    server = make_server(
+        "kvserve-disagg", model_path, free_port(), tmp_path, redis_maxmemory="64mb"
+    )
+    own = server.redis
+    assert own is not None
+    assert server.cmd[server.cmd.index("--redis") + 1] == own.url
+    own.start()
+    client = redis.Redis(port=own.port)
+    try:
+        assert client.config_get("maxmemory")["maxmemory"] == str(64 << 20)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        assert client.config_get("save")["save"] == ""
+        workdir = own.workdir
+        assert workdir is not None and workdir.is_dir()
+    finally:
+        server.stop()  # the stack never started: stopping it still takes its Redis down
+    assert own.proc is not None and own.proc.returncode is not None
+    assert not workdir.exists()
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
+
+
+def test_disagg_arm_on_a_given_redis_starts_none(model_path: Path, tmp_path: Path) -> None:
+    url = "redis://127.0.0.1:6379/14"
+    server = make_server("kvserve-disagg", model_path, free_port(), tmp_path, redis_url=url)
+    assert server.redis is None
+    assert server.cmd[server.cmd.index("--redis") + 1] == url
