@@ -267,11 +267,14 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for arm in chosen:
         result = run_arm(arm, args, model, vocab, out)
         if "error" in result:
             print(f"[{arm}] could not run: {result['error']}", flush=True)
         results[arm] = result
-    rows = {arm: aggregate(r) for arm, r in results.items()}
-    (out / "compare.json").write_text(json.dumps({"arms": rows, "raw": results}, indent=2) + "\n")
+        rows = {arm: aggregate(r) for arm, r in results.items()}
+        # After every arm, so that a run stopped part-way keeps (and --report shows) the others.
+        saved = json.dumps({"arms": rows, "raw": results}, indent=2) + "\n"
+        (out / "compare.json").write_text(saved)
     return _finish(args, rows)

@@ -70,3 +70,31 @@ def test_kvserve_arm_runs_its_repeats(tmp_path: Path, capsys: pytest.CaptureFixt
         records = (tmp_path / "kvserve" / f"repeat-{r}" / "requests.jsonl").read_text().splitlines()
         assert len(records) == 3
         assert all(json.loads(line)["output_tokens"] == 3 for line in records)
+
+
+@pytest.mark.redis
+def test_each_arm_is_saved_as_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first arm fails for real (its own redis-server refuses a bad maxmemory); the run is
+    then stopped during the second, as a user would stop a long run: the first arm's result is
+    already in compare.json."""
+    from kvserve.services.bench import compare
+
+    real_run_arm = compare.run_arm
+    calls: list[str] = []
+
+    def run_arm_then_stop(arm: str, *args: object) -> dict[str, object]:
+        calls.append(arm)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_run_arm(arm, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compare, "run_arm", run_arm_then_stop)
+    argv = ["bench", "compare", "--workload", "random", "--arms", "kvserve-disagg,kvserve"]
+    argv += ["--redis-maxmemory", "lots", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(argv) == 130  # the command line's answer to Ctrl-C
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert list(saved["arms"]) == ["kvserve-disagg"]
+    assert "redis-server exited" in saved["arms"]["kvserve-disagg"]["error"]
+    assert "could not run" in capsys.readouterr().out
