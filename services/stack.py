@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=str(default_model_path()))
     p.add_argument("--metrics-port", type=int, default=9100, help="first worker's; 0: off")
     p.add_argument("--grace", type=float, default=40.0, help="seconds before SIGKILL on stop")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="the gateway's, seconds")
     p.set_defaults(handler=run)
 
 
@@ -31,7 +32,7 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
     base = [sys.executable, "-m", "kvserve.services.cli"]
     out = [
         [*base, "gateway", "--bus", args.redis, "--host", args.host, "--port", str(args.port),
-         "--model", args.model],
+         "--model", args.model, "--request-timeout", str(args.request_timeout)],
     ]  # fmt: skip
     i = 0
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):

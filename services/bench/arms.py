@@ -377,15 +377,19 @@ def make_server(
     threads: int = 2,
     redis_url: str | None = None,
     redis_maxmemory: str = DISAGG_REDIS_MAXMEMORY,
+    request_timeout: float = 3600.0,
 ) -> ServerProcess:
     """The arm's server, not started yet. Raises ArmSetupError when it cannot be set up (for
     llama-server: when the build fails). kvserve-disagg runs on `redis_url`, or when that is None
-    on an `OwnRedis` of `redis_maxmemory` started with it."""
+    on an `OwnRedis` of `redis_maxmemory` started with it. kvserve's arms answer 504 to a request
+    still unfinished after `request_timeout` seconds (the other servers have no such limit: give
+    the client's timeout)."""
+    timeout = ["--request-timeout", str(request_timeout)]
     threads_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     log = log_dir / f"{arm}.log"
     if arm in ("kvserve", "kvserve-bf16"):
         cmd = [_kvserve_exe(), "serve", "--model", str(model), "--port", str(port)]
-        cmd += ["--store", "memory://"]
+        cmd += ["--store", "memory://", *timeout]
         if arm == "kvserve-bf16":  # bf16 matmuls, everything else (KV cache included) fp32
             cmd += ["--matmul-dtype", "bfloat16"]
         return ServerProcess(arm, cmd, port, "/ready", log, threads_env)
@@ -393,6 +397,7 @@ def make_server(
         own = None if redis_url else OwnRedis(free_port(), redis_maxmemory, log_dir / "redis.log")
         url = own.url if own is not None else str(redis_url)
         cmd = [_kvserve_exe(), "stack", "--redis", url, "--model", str(model), "--port", str(port)]
+        cmd += timeout
         return ServerProcess(arm, cmd, port, "/ready", log, threads_env, redis=own)
     if arm == "llama-server":
         cmd = llama_server_cmd(ensure_llama_server(), model, port, threads)

@@ -117,6 +117,7 @@ def run_arm(
                 args.threads,
                 args.redis,
                 args.redis_maxmemory,
+                args.timeout + 60,  # the client's limit is the one that applies
             )
             t0 = time.monotonic()
             server.start(args.ready_timeout)
@@ -275,6 +276,6 @@ def run(args: argparse.Namespace) -> int:
         results[arm] = result
         rows = {arm: aggregate(r) for arm, r in results.items()}
         # After every arm, so that a run stopped part-way keeps (and --report shows) the others.
-        saved = json.dumps({"arms": rows, "raw": results}, indent=2) + "\n"
-        (out / "compare.json").write_text(saved)
+        raw = json.dumps({"arms": rows, "raw": results}, indent=2) + "\n"
+        (out / "compare.json").write_text(raw)
     return _finish(args, rows)

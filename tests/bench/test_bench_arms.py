@@ -148,3 +148,11 @@ def test_disagg_arm_on_a_given_redis_starts_none(model_path: Path, tmp_path: Pat
     server = make_server("kvserve-disagg", model_path, free_port(), tmp_path, redis_url=url)
     assert server.redis is None
     assert server.cmd[server.cmd.index("--redis") + 1] == url
+
+
+@pytest.mark.parametrize("arm", ["kvserve", "kvserve-bf16", "kvserve-disagg"])
+def test_kvserve_arms_take_the_clients_timeout(arm: str, model_path: Path, tmp_path: Path) -> None:
+    """The server's own request timeout (600 s by default) must not cut a long trace replay
+    short: the other servers have none."""
+    server = make_server(arm, model_path, free_port(), tmp_path, request_timeout=3660)
+    assert server.cmd[server.cmd.index("--request-timeout") + 1] == "3660"
