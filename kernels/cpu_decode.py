@@ -15,15 +15,10 @@ sequence alone.
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import platform
 from typing import Any
 
 import torch
-from kvserve.kernels import reference
-
-log = logging.getLogger(__name__)
+from kvserve.kernels import cpp_build, reference
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -164,33 +159,10 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 """
 
 
-def _cpu_tag() -> str:
-    """Binaries are built with -march=native: key them by this CPU's identity."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha256((platform.machine() + flags + _SOURCE).encode()).hexdigest()[:12]
-
-
 @functools.cache
 def _extension() -> Any | None:
     """The compiled kernel, or None when it cannot be built here (logged once)."""
-    from torch.utils.cpp_extension import load_inline
-
-    name = f"kvserve_cpu_decode_{_cpu_tag()}"  # built under torch's extensions directory
-    try:
-        return load_inline(
-            name=name,
-            cpp_sources=[_SOURCE],
-            functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as e:  # no compiler, no ninja, ...: fall back to the reference
-        log.warning("CPU decode kernel unavailable (%s); using the torch reference", e)
-        return None
+    return cpp_build.load("cpu_decode", _SOURCE, ["paged_decode"])
 
 
 def available() -> bool:
