@@ -27,6 +27,7 @@ def last_json(capsys) -> dict:  # type: ignore[no-untyped-def, type-arg]
 
 
 @pytest.mark.redis
+@pytest.mark.slow  # ~18 s; test_serve_admin covers warm-up jobs over HTTP (2-core AVX2 machine)
 def test_warmup_then_cached(make_engine, tokenizer, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     ns = f"t-{uuid.uuid4().hex}"
     url = f"redis://127.0.0.1:6379/15?namespace={ns}&ttl=3600"

@@ -72,6 +72,7 @@ def test_workload_is_seeded_and_in_range() -> None:
         assert all(FIRST_ORDINARY_TOKEN <= t < 100 for t in r.prompt)
 
 
+@pytest.mark.slow  # ~14 s; a benchmark's smoke run (2-core AVX2 machine)
 def test_bench_engine_without_hf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plot = tmp_path / "engine.png"
     summary = run_bench(["--skip-hf", "--out", str(tmp_path), "--plot", str(plot)], capsys)

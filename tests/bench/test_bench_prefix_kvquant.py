@@ -51,6 +51,7 @@ def test_bench_prefix_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped
     assert (tmp_path / "ttft.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # ~15 s; a benchmark's smoke run (2-core AVX2 machine)
 def test_bench_kvquant_tiny(capsys) -> None:  # type: ignore[no-untyped-def]
     args = ["bench", "kvquant", "--text-tokens", "64", "--gen-tokens", "8", "--num-prompts", "2"]
     assert cli.main(args) == 0

@@ -14,6 +14,7 @@ from kvserve.services.cli import main
 REQUESTS, INPUT_LEN, OUTPUT_LEN = 4, 40, 5
 
 
+@pytest.mark.slow  # ~12 s; a benchmark's smoke run (2-core AVX2 machine)
 def test_profile_accounts_for_every_token(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

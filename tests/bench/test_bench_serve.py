@@ -128,6 +128,7 @@ def test_bench_serve_does_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=60)
 
 
+@pytest.mark.slow  # ~25 s; the client against a real kvserve serve (2-core AVX2 machine)
 def test_bench_serve_end_to_end(model_path: Path, tmp_path: Path) -> None:
     server = ServeProcess(["--model", str(model_path), "--store", "memory://"]).wait_ready()
     try:

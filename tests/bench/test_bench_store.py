@@ -10,6 +10,7 @@ from kvserve.services import cli
 
 
 @pytest.mark.redis
+@pytest.mark.slow  # ~21 s; a benchmark's smoke run (2-core AVX2 machine)
 def test_bench_store_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
     args = ["bench", "store", "--formats", "fp16,int8", "--text-tokens", "48"]
     args += ["--plot", str(tmp_path / "store.png")]

@@ -10,6 +10,7 @@ from kvserve.shared.config import EngineConfig
 from kvserve.shared.engine.sampling_params import SamplingParams
 
 
+@pytest.mark.slow  # ~33 s; bf16 matmuls are opt-in (2-core AVX2 machine)
 def test_bf16_matmuls_stay_close_to_fp32(make_engine, chat_prompt_ids) -> None:  # type: ignore[no-untyped-def]
     fp32 = make_engine()
     bf16 = make_engine(matmul_dtype="bfloat16")

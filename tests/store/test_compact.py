@@ -134,6 +134,7 @@ def test_extreme_and_constant_blocks_round_trip_without_clipping() -> None:
 # --- quality -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~19 s on the whole model (2-core AVX2 machine)
 def test_quality_on_the_model(engine, tokenizer) -> None:
     """Worst case (every earlier block came through the store): KLD <= 0.02 and greedy
     agreement >= 95% against the exact cache, at <= 1/4 of fp16; a 2-bit round trip fails
