@@ -1,5 +1,5 @@
 """Sampler: logits -> one token per row, with the logprob of that token (and, for rows whose
-params ask for `top_logprobs`, the k most likely tokens' logprobs from the same log-softmax).
+params ask for `top_logprobs`, the k most likely tokens' logprobs).
 
 Greedy rows take the argmax. Sampled rows apply temperature, then top-k, then top-p, and draw
 with the row's own `torch.Generator` when it has one (a seeded request gives the same output
@@ -52,7 +52,9 @@ class Sampler:
     ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
         """As `__call__`, plus per row the `params.top_logprobs` most likely tokens and their
         logprobs (None for rows that ask for none)."""
-        logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+        # log p(token) = logit - logsumexp(logits): two passes over the logits, without writing
+        # the [N, V] log-softmax (only rows that ask for top_logprobs need it).
+        lse = torch.logsumexp(logits, dim=-1)  # [N]
         tokens = torch.argmax(logits, dim=-1)  # greedy default, [N]
         for i, row in enumerate(rows):
             p = row.params
@@ -61,11 +63,11 @@ class Sampler:
             scaled = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(scaled, dim=-1)
             tokens[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        chosen = logits.gather(1, tokens[:, None])[:, 0] - lse
         tops: list[TopLogprobs | None] = [None] * len(rows)
         for i, row in enumerate(rows):
-            k = min(row.params.top_logprobs, logprobs.shape[-1])
+            k = min(row.params.top_logprobs, logits.shape[-1])
             if k > 0:
-                values, ids = torch.topk(logprobs[i], k)
+                values, ids = torch.topk(logits[i] - lse[i], k)
                 tops[i] = dict(zip(ids.tolist(), values.tolist(), strict=True))
         return tokens.tolist(), chosen.tolist(), tops

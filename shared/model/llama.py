@@ -7,11 +7,13 @@ matmul each. The forward pass is token-flat: [T] tokens of many sequences at onc
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvserve.kernels import cpu_linear
+from kvserve.kernels import cpu_linear, cpu_ops
 from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.config import ModelConfig
 from kvserve.shared.engine.kv_cache import KVCache
@@ -105,6 +107,32 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] rotated by cos/sin [T, 1, d] (HF's rotate-half convention)."""
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class Rope:
+    """The step's positions [T] and the cos / sin tables [P, d] they index."""
+
+    positions: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
+    @functools.cached_property
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, d] of the step's positions (for the torch path)."""
+        return self.cos_table[self.positions][:, None], self.sin_table[self.positions][:, None]
+
+    def apply_(self, qkv: torch.Tensor, num_rotated: int) -> torch.Tensor:
+        """Rotate heads [0, num_rotated) of qkv [T, heads, d]: in place with the fused kernel,
+        else as a new tensor of those heads; returns the rotated heads."""
+        if cpu_ops.rope_(qkv, num_rotated, self.positions, self.cos_table, self.sin_table):
+            return qkv[:, :num_rotated]
+        return apply_rope(qkv[:, :num_rotated], *self.gathered)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for positions, computed the way HF does (so the rotation is bit-identical)."""
 
@@ -113,6 +141,7 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq: torch.Tensor = rope_inv_freq(config)
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos.shape[0] < n or self._cos.device != device:
@@ -121,19 +150,15 @@ class RotaryEmbedding(nn.Module):
             freqs = pos[:, None] * self.inv_freq.to(device)[None, :]  # [size, d/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [size, d]
             self._cos, self._sin = emb.cos(), emb.sin()
+            self._cast = {}
         return self._cos, self._sin
 
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, d] for the step's positions [T] (computed once per step)."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The tables for the step's positions [T], in `dtype`."""
         cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
-        return cos_t[positions].to(dtype)[:, None, :], sin_t[positions].to(dtype)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d] rotated by cos/sin [T, 1, d] (HF's rotate-half convention)."""
-    return x * cos + rotate_half(x) * sin
+        if dtype not in self._cast:
+            self._cast[dtype] = (cos_t.to(dtype), sin_t.to(dtype))
+        return Rope(positions, *self._cast[dtype])
 
 
 class RMSNorm(nn.Module):
@@ -143,10 +168,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_ops.rms_norm(x, self.weight, self.eps)
+        if fused is not None:
+            return fused
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+    def add(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += delta (in place), then the norm of residual."""
+        fused = cpu_ops.add_rms_norm(delta, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        residual.add_(delta)
+        return self(residual)
 
 
 class Attention(nn.Module):
@@ -173,7 +209,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         meta: AttentionMetadata,
         cache: KVCache,
         backend: AttentionBackend,
@@ -181,7 +217,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x).view(T, h + 2 * kvh, d)  # [T, h + 2 kvh, d]
-        qk = apply_rope(qkv[:, : h + kvh], *rope)  # q and k rotated together
+        qk = rope.apply_(qkv, h + kvh)  # q and k rotated together
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, h + kvh :]
         kc, vc = cache.k[self.layer], cache.v[self.layer]
@@ -232,8 +268,12 @@ class MLP(nn.Module):
         self.down = Linear(w[p + "down_proj.weight"], matmul_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(x)
+        act = cpu_ops.silu_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down(act)
 
 
 class DecoderLayer(nn.Module):
@@ -294,13 +334,15 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        x = F.embedding(input_ids, self.embed)
+        x = F.embedding(input_ids, self.embed)  # the residual stream, added to in place
         rope = self.rope(positions, x.dtype)
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            x = x + layer.attn(layer.input_norm(x), rope, meta, cache, backend)
-            x = x + layer.mlp(layer.post_attn_norm(x))
-        return self.norm(x)
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        h = layers[0].input_norm(x)
+        for i, layer in enumerate(layers):
+            h = layer.post_attn_norm.add(layer.attn(h, rope, meta, cache, backend), x)
+            after = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
+            h = after.add(layer.mlp(h), x)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in float32."""

@@ -1,0 +1,40 @@
+"""The Sampler's tokens and logprobs against torch's log-softmax of the same logits."""
+
+from __future__ import annotations
+
+import torch
+from kvserve.shared.engine.sampler import Sampler, SampleRow
+from kvserve.shared.engine.sampling_params import SamplingParams
+
+
+def test_greedy_tokens_and_logprobs_are_the_log_softmax_of_the_argmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 1000) * 4
+    rows = [SampleRow(SamplingParams(max_tokens=1), None) for _ in range(5)]
+    tokens, logprobs, tops = Sampler().sample(logits, rows)
+    want = torch.log_softmax(logits, dim=-1)
+    assert tokens == logits.argmax(-1).tolist()
+    torch.testing.assert_close(
+        torch.tensor(logprobs), want.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    )
+    assert tops == [None] * 5
+
+
+def test_sampled_rows_report_the_models_logprob_and_top_alternatives() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(2, 500) * 3
+    gen = torch.Generator().manual_seed(7)
+    rows = [
+        SampleRow(SamplingParams(max_tokens=1, temperature=0.7, top_logprobs=3), gen),
+        SampleRow(SamplingParams(max_tokens=1, top_logprobs=5), None),
+    ]
+    tokens, logprobs, tops = Sampler().sample(logits, rows)
+    want = torch.log_softmax(logits, dim=-1)
+    for i, k in enumerate((3, 5)):
+        # The chosen token's logprob is of the raw distribution, not the temperature-scaled one.
+        assert abs(logprobs[i] - want[i, tokens[i]].item()) < 1e-5
+        top = tops[i]
+        assert top is not None and len(top) == k
+        values, ids = torch.topk(want[i], k)
+        assert list(top) == ids.tolist()
+        torch.testing.assert_close(torch.tensor(list(top.values())), values)
