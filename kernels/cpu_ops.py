@@ -1,5 +1,6 @@
 """Fused elementwise kernels for the CPU forward pass, fp32: RMSNorm (with the residual add
-folded in), RoPE applied in place, and SiLU(gate) * up, as vLLM's CPU backend fuses them.
+folded in), RoPE applied in place, and SiLU(gate) * up, as vLLM's CPU backend fuses them; and
+the sampler's argmax + logsumexp over the logits.
 
 Each replaces several torch ops (and their temporaries) with one pass over the rows, which
 matters both at batch 1, where a decode step is ~25 small ops per layer, and in prefill, where
@@ -24,6 +25,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <vector>
 
 // Rows per parallel_for task: about 32k floats of work, so that a decode step's few rows run
 // inline on the calling thread.
@@ -112,12 +114,39 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   });
   return out;
 }
+
+// Per row of logits [N, V]: the index of the (first) largest value and log(sum(exp(row))),
+// the max subtracted first. Two passes over the row; the second reads it from cache.
+std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
+  const int64_t N = logits.size(0), V = logits.size(1);
+  auto ids = torch::empty({N}, logits.options().dtype(torch::kLong));
+  auto lse = torch::empty({N}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* sp = lse.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = lp + r * V;
+      float mx = x[0];
+      for (int64_t i = 1; i < V; ++i) mx = std::max(mx, x[i]);
+      float sum = 0.f;
+      for (int64_t i = 0; i < V; ++i) sum += std::exp(x[i] - mx);
+      int64_t at = 0;
+      while (x[at] != mx) ++at;
+      ip[r] = at;
+      sp[r] = mx + std::log(sum);
+    }
+  });
+  return {ids, lse};
+}
 """
 
 
 @functools.cache
 def _extension() -> Any | None:
-    return cpp_build.load("cpu_ops", _SOURCE, ["rms_norm", "add_rms_norm", "rope_", "silu_mul"])
+    return cpp_build.load(
+        "cpu_ops", _SOURCE, ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "argmax_logsumexp"]
+    )
 
 
 def available() -> bool:
@@ -178,3 +207,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     out: torch.Tensor = ext.silu_mul(gate_up.contiguous())
     return out
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row of logits [N, V]: the argmax (the first, as torch.argmax) and logsumexp, in one
+    call reading each row twice; or None."""
+    ext = _extension()
+    if ext is None or not _applies(logits) or logits.dim() != 2 or logits.shape[1] == 0:
+        return None
+    ids, lse = ext.argmax_logsumexp(logits.contiguous())
+    return ids, lse

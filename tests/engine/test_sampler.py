@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from kvserve.kernels import cpu_ops
 from kvserve.shared.engine.sampler import Sampler, SampleRow
 from kvserve.shared.engine.sampling_params import SamplingParams
 
@@ -38,3 +40,14 @@ def test_sampled_rows_report_the_models_logprob_and_top_alternatives() -> None:
         values, ids = torch.topk(want[i], k)
         assert list(top) == ids.tolist()
         torch.testing.assert_close(torch.tensor(list(top.values())), values)
+
+
+def test_without_the_fused_kernel_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(4, 300) * 3
+    rows = [SampleRow(SamplingParams(max_tokens=1, top_logprobs=2), None) for _ in range(4)]
+    fused = Sampler().sample(logits, rows)
+    monkeypatch.setattr(cpu_ops, "_extension", lambda: None)
+    plain = Sampler().sample(logits, rows)
+    assert fused[0] == plain[0]
+    torch.testing.assert_close(torch.tensor(fused[1]), torch.tensor(plain[1]))

@@ -80,3 +80,22 @@ def test_shared_prefix_blocks_read_once_give_each_sequence_its_solo_result(
             q[b : b + 1], kc, vc, tables[b : b + 1], ctx[b : b + 1], d**-0.5
         )
         assert torch.equal(alone[0], got[b]), f"sequence {b} differs from its solo result"
+
+
+def test_a_sequence_alone_equals_it_in_a_batch() -> None:
+    """A sequence's result is bit-identical alone and in a batch, and matches the reference."""
+    torch.manual_seed(3)
+    h, kvh, d, bs = 9, 3, 64, 16
+    kc = torch.randn(80, bs, kvh, d)
+    vc = torch.randn(80, bs, kvh, d)
+    tables = torch.randperm(80)[:72].view(8, 9).int()
+    ctx = torch.tensor([140, 33, 70, 144, 1, 16, 100, 90], dtype=torch.int32)
+    q = torch.randn(8, h, d)
+    batch = cpu_decode.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
+    for i in (0, 3, 4):
+        alone = cpu_decode.paged_decode_attention(
+            q[i : i + 1], kc, vc, tables[i : i + 1], ctx[i : i + 1], d**-0.5
+        )
+        assert torch.equal(alone[0], batch[i])
+    want = reference.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
+    torch.testing.assert_close(batch, want, atol=1e-5, rtol=1e-5)

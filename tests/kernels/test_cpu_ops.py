@@ -110,3 +110,14 @@ def test_model_modules_agree_with_their_torch_code(monkeypatch: pytest.MonkeyPat
     plain = run()
     for a, b in zip(fused, plain, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_argmax_logsumexp(rows: int) -> None:
+    torch.manual_seed(rows)
+    logits = torch.randn(rows, 49152) * 5
+    logits[0, 100] = logits[0, 7] = logits[0].max() + 1  # a tie: the first index, as torch
+    got = cpu_ops.argmax_logsumexp(logits)
+    assert got is not None
+    assert torch.equal(got[0], logits.argmax(-1))
+    torch.testing.assert_close(got[1], torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-6)
