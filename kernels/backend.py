@@ -1,6 +1,6 @@
-"""Choose the attention implementation: Triton on CUDA; on the CPU the torch reference with
-decode attention in a small C++ kernel and prefill attention through torch's flash kernel
-(`cpu`), or the pure torch reference (`torch`).
+"""Choose the attention implementation: Triton on CUDA; on the CPU small C++ kernels for the
+K/V write and decode attention and torch's flash kernel for prefill attention (`cpu`), or the
+pure torch reference (`torch`).
 
 All expose the same three functions with the signatures of `kernels.reference`.
 """
@@ -33,11 +33,11 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "cpu"
     if name == "cpu":
-        from kvserve.kernels import cpu_decode, cpu_prefill
+        from kvserve.kernels import cpu_decode, cpu_ops, cpu_prefill
 
         return AttentionBackend(
             "cpu",
-            reference.store_kv,
+            cpu_ops.store_kv,
             cpu_decode.paged_decode_attention,
             cpu_prefill.prefill_attention,
         )

@@ -1,6 +1,6 @@
 """Fused elementwise kernels for the CPU forward pass, fp32: RMSNorm (with the residual add
-folded in), RoPE applied in place, and SiLU(gate) * up, as vLLM's CPU backend fuses them; and
-the sampler's argmax + logsumexp over the logits.
+folded in), RoPE applied in place, and SiLU(gate) * up, as vLLM's CPU backend fuses them; the
+K/V write into the paged cache in one call; and the sampler's argmax + logsumexp.
 
 Each replaces several torch ops (and their temporaries) with one pass over the rows, which
 matters both at batch 1, where a decode step is ~25 small ops per layer, and in prefill, where
@@ -19,12 +19,13 @@ import functools
 from typing import Any
 
 import torch
-from kvserve.kernels import cpp_build
+from kvserve.kernels import cpp_build, reference
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 // Rows per parallel_for task: about 32k floats of work, so that a decode step's few rows run
@@ -115,6 +116,25 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return out;
 }
 
+// K and V of T tokens ([T, KVH, D] each, a token's heads contiguous) into the paged caches
+// [NB, BS, KVH, D] at flat slots[t] = block * BS + offset.
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+              torch::Tensor v_cache, torch::Tensor slots) {
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  at::parallel_for(0, T, grain(2 * row), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(kc + sp[t] * row, kp + t * ks, row * sizeof(float));
+      std::memcpy(vc + sp[t] * row, vp + t * vs, row * sizeof(float));
+    }
+  });
+}
+
 // Per row of logits [N, V]: the index of the (first) largest value and log(sum(exp(row))),
 // the max subtracted first. Two passes over the row; the second reads it from cache.
 std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
@@ -145,7 +165,9 @@ std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
 @functools.cache
 def _extension() -> Any | None:
     return cpp_build.load(
-        "cpu_ops", _SOURCE, ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "argmax_logsumexp"]
+        "cpu_ops",
+        _SOURCE,
+        ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "argmax_logsumexp", "store_kv"],
     )
 
 
@@ -207,6 +229,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     out: torch.Tensor = ext.silu_mul(gate_up.contiguous())
     return out
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, kvh, d]
+    value: torch.Tensor,  # [T, kvh, d]
+    k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """`reference.store_kv` in one call for fp32 caches (each token's K and V rows copied to
+    their slots); quantized and other caches go to the reference."""
+    ext = _extension()
+    rows_contiguous = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+    if (
+        ext is None
+        or not _applies(key, value, k_cache, v_cache)
+        or not (rows_contiguous and k_cache.is_contiguous() and v_cache.is_contiguous())
+        or slot_mapping.dtype != torch.int64
+    ):
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    ext.store_kv(key, value, k_cache, v_cache, slot_mapping.contiguous())
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

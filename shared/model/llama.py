@@ -62,7 +62,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.to(self.compute_dtype)
+        if dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
         y: torch.Tensor | None = None
         if self.few_rows and x.shape[0] <= cpu_linear.MAX_ROWS:
             assert self.weight is not None
@@ -74,7 +75,7 @@ class Linear(nn.Module):
         if y is None:
             assert self.weight is not None
             y = F.linear(x, self.weight)
-        return y.to(dtype)
+        return y if y.dtype == dtype else y.to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kvserve.kernels import cpu_ops
+from kvserve.kernels import cpu_ops, reference
 from kvserve.shared.model import llama
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")
@@ -121,3 +121,25 @@ def test_argmax_logsumexp(rows: int) -> None:
     assert got is not None
     assert torch.equal(got[0], logits.argmax(-1))
     torch.testing.assert_close(got[1], torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-6)
+
+
+def test_store_kv_writes_what_the_reference_writes() -> None:
+    """K and V as the model passes them (strided views of the fused QKV output)."""
+    torch.manual_seed(5)
+    h, kvh, d = 6, 2, 64
+    qkv = torch.randn(7, h + 2 * kvh, d)
+    key, value = qkv[:, h : h + kvh], qkv[:, h + kvh :]
+    slots = torch.tensor([3, 17, 18, 40, 0, 63, 21])
+    want_k, want_v = torch.zeros(4, 16, kvh, d), torch.zeros(4, 16, kvh, d)
+    reference.store_kv(key, value, want_k, want_v, slots)
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    cpu_ops.store_kv(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    # A quantized cache goes to the reference.
+    kq, vq = (
+        torch.zeros(4, 16, kvh, d, dtype=torch.int8),
+        torch.zeros(4, 16, kvh, d, dtype=torch.int8),
+    )
+    ks, vs = torch.zeros(4, 16, kvh), torch.zeros(4, 16, kvh)
+    cpu_ops.store_kv(key, value, kq, vq, slots, ks, vs)
+    assert kq.flatten(0, 1)[slots].abs().sum() > 0 and ks.flatten(0, 1)[slots].min() > 0
