@@ -135,7 +135,7 @@ class Rope:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for positions, computed the way HF does (so the rotation is bit-identical)."""
+    """cos/sin tables for positions, computed the way HF computes them."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
