@@ -51,8 +51,7 @@ def make_engine(model_path, weights, tokenizer):  # type: ignore[no-untyped-def]
         kv_dtype: str = "auto",
         **engine_kwargs: object,
     ) -> Engine:
-        # Engines hold reference cycles (the pool's eviction hook); collect the dead ones
-        # before allocating another KV cache, or a session's caches pile up in memory.
+        # Collect dead engines' leftovers (tests' own cycles) before allocating another KV cache.
         gc.collect()
         cfg = EngineConfig(
             model_path=str(model_path),

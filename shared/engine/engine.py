@@ -12,9 +12,11 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from kvserve.kernels.backend import get_backend
@@ -126,6 +128,23 @@ def store_url(url: str) -> str:
     return f"file://{cache_dir() / 'store'}" if url == DEFAULT_STORE else url
 
 
+_T = TypeVar("_T")
+
+
+def _weak_callback(method: Callable[[_T], None]) -> Callable[[_T], None]:
+    """`method` of an engine, called through a weak reference: the scheduler or pool holding it
+    then keeps no reference cycle through the engine, so dropping an engine frees its KV cache
+    (GBs) at once rather than at the garbage collector's next full pass."""
+    ref = weakref.WeakMethod(method)
+
+    def call(arg: _T) -> None:
+        bound = ref()
+        assert bound is not None, "the engine is gone"
+        bound(arg)
+
+    return call
+
+
 class Engine:
     def __init__(
         self,
@@ -169,7 +188,7 @@ class Engine:
             config.scheduler,
             self.pool,
             cc.block_size,
-            self._match_prefix if cc.enable_prefix_caching else None,
+            _weak_callback(self._match_prefix) if cc.enable_prefix_caching else None,
         )
         self.tokenizer_fingerprint = self.tokenizer.fingerprint
         self.kv_format = str(self.kv_dtype).removeprefix("torch.")
@@ -197,7 +216,7 @@ class Engine:
         sc = self.config.store
         assert sc.url is not None
         self.host_tier = HostTier(sc.host_tier_bytes)
-        self.pool.on_evict = self._offload
+        self.pool.on_evict = _weak_callback(self._offload)
         self.connector = StoreConnector(
             open_store(store_url(sc.url)),
             self.block_meta,
