@@ -1,8 +1,15 @@
 """Paged decode attention for the CPU: a small C++ kernel (built once with torch's
 cpp_extension) that reads K/V in place from the paged cache. Same signature and semantics as
 `reference.paged_decode_attention`, for float32 caches and head dims of 32, 64, 80, 96 or 128;
-anything else (and a machine where the build fails) uses the reference. Each block is read in
-address order, its dot products and accumulations in 16-float vectors.
+anything else (and a machine where the build fails) uses the reference.
+
+Each query row takes a block 16 tokens at a time with everything in registers: 16 dot products
+reduced together into one vector of scores (a transpose-reduce, not 16 horizontal sums), a
+vectorized exp for the online softmax, then the 16 V rows accumulated. While it works on one
+block it prefetches the sequence's next block (whose address the hardware prefetcher cannot
+guess: blocks are scattered), a slice per query row. On a 2-core Xeon for a W1-like batch (110
+sequences x 300-550 tokens, 30 layers, blocks scattered): 1.8x the previous per-score kernel,
+and 1.4x of that gain is the prefetch.
 
 Shared prefixes are read once (cascade attention, as FlashInfer and vLLM do it on GPUs):
 sequences whose block tables start with the same physical blocks (prefix-cache hits, n > 1
@@ -32,59 +39,128 @@ _SOURCE = (
 #include <numeric>
 #include <vector>
 
-// Online-softmax state of the query rows of M sequences x H heads (row j * H + h), and the
-// scores of the block being read (BS per row).
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+// 16 dot products' partial sums (a[i] holds dot i's 16 lanes) -> one vector of the 16 sums,
+// lane i = dot i: four rounds of pairwise shuffles and adds (a transpose-reduce).
+static inline __attribute__((always_inline)) v16 reduce16(v16* a) {
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                   25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                   22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+static inline __attribute__((always_inline)) v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+static inline __attribute__((always_inline)) float hmax(v16 v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return std::max(v[0], v[1]);
+}
+
+// e^x for x <= 0 (softmax weights), 0 below -87: x = n ln2 + r with n = trunc(x log2 e), so
+// r in (-ln2, 0]; e^r by its Taylor series to degree 8 (relative error < 2e-7); then 2^n
+// written into the exponent.
+static inline __attribute__((always_inline)) v16 vexp_neg(v16 x) {
+  const v16 xc = x < -87.f ? v16{} - 87.f : x;
+  const i16v n = __builtin_convertvector(xc * 1.44269504f, i16v);
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (xc - nf * 0.693145752f) - nf * 1.42860677e-6f;
+  v16 p = r * (1.f / 40320) + 1.f / 5040;
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  v16 scale;
+  const i16v bits = (n + 127) << 23;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? v16{} : p * scale;
+}
+
+// Online-softmax state of the query rows of M sequences x H heads (row j * H + h).
 struct Rows {
-  int64_t H, G, BS;
+  int64_t H, G;
   std::vector<const float*> q;  // each row's query
-  std::vector<float> acc, s, m, l;
-  Rows(int64_t rows, int64_t h, int64_t g, int64_t d, int64_t bs)
-      : H(h), G(g), BS(bs), q(rows), acc(rows * d, 0.f), s(rows * bs), m(rows, -FLT_MAX),
-        l(rows, 0.f) {}
+  std::vector<float> acc, m, l;
+  Rows(int64_t rows, int64_t h, int64_t g, int64_t d)
+      : H(h), G(g), q(rows), acc(rows * d, 0.f), m(rows, -FLT_MAX), l(rows, 0.f) {}
 };
 
 // The rows of sequences [j0, j1) attend to the n tokens of one block (K and V of token t at
-// kb + t * stride, all KV heads), read in address order: the scores of every row against each
-// K row, the block-wise online softmax, then each V row added into every row's accumulator.
-// D = 16 * NC floats per head. Not inlined: every row is computed by the same instructions
-// wherever it is called from and whatever rows share the call (batch independence).
+// kb + t * stride, all KV heads), 16 tokens at a time: each row's 16 scores as one vector, the
+// online-softmax update, then the 16 V rows added into the row's accumulator, all in
+// registers. D = 16 * NC floats per head. Not inlined: every row is computed by the same
+// instructions wherever it is called from and whatever rows share the call (batch
+// independence); rows never interact.
 template <int NC>
 static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t j1,
                                                    const float* kb, const float* vb, int64_t n,
-                                                   int64_t stride, float sc) {
+                                                   int64_t stride, float sc, const float* nk,
+                                                   const float* nv, int64_t nlines) {
   constexpr int64_t D = NC * 16;
-  const int64_t H = st.H, G = st.G, BS = st.BS;
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t r = j0 * H; r < j1 * H; ++r) {
-      const float* kt = kb + t * stride + (r % H / G) * D;
-      const float* qr = st.q[r];
-      v16 a = load16(qr) * load16(kt);
-      for (int c = 1; c < NC; ++c) a += load16(qr + 16 * c) * load16(kt + 16 * c);
-      st.s[r * BS + t] = hsum(a) * sc;
-    }
-  }
-  for (int64_t r = j0 * H; r < j1 * H; ++r) {
-    float* sr = st.s.data() + r * BS;
-    float mx = st.m[r];
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sr[t]);
-    const float alpha = std::exp(st.m[r] - mx);
-    float sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) {
-      sr[t] = std::exp(sr[t] - mx);
-      sum += sr[t];
-    }
-    st.l[r] = st.l[r] * alpha + sum;
-    st.m[r] = mx;
-    float* ar = st.acc.data() + r * D;
-    for (int c = 0; c < NC; ++c) store16(ar + 16 * c, load16(ar + 16 * c) * alpha);
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t r = j0 * H; r < j1 * H; ++r) {
-      const float* vt = vb + t * stride + (r % H / G) * D;
-      const float p = st.s[r * BS + t];
-      float* ar = st.acc.data() + r * D;
-      for (int c = 0; c < NC; ++c)
-        store16(ar + 16 * c, load16(ar + 16 * c) + p * load16(vt + 16 * c));
+  const int64_t H = st.H, G = st.G;
+  const int64_t iters = (n + 15) / 16 * (j1 - j0) * H;
+  int64_t it = 0;
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t nt = std::min<int64_t>(16, n - t0);
+    const float* kc = kb + t0 * stride;
+    const float* vc = vb + t0 * stride;
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t r = j * H + h, off = h / G * D;
+        if (nk != nullptr) {  // this row's share of the next block, towards L2
+          for (int64_t i = it * nlines / iters; i < (it + 1) * nlines / iters; ++i) {
+            __builtin_prefetch(nk + 16 * i, 0, 2);
+            __builtin_prefetch(nv + 16 * i, 0, 2);
+          }
+          ++it;
+        }
+        v16 qv[NC];
+        for (int c = 0; c < NC; ++c) qv[c] = load16(st.q[r] + 16 * c);
+        v16 a[16];
+        for (int t = 0; t < 16; ++t) {
+          a[t] = v16{};
+          if (t < nt) {
+            const float* kt = kc + t * stride + off;
+            for (int c = 0; c < NC; ++c) a[t] += qv[c] * load16(kt + 16 * c);
+          }
+        }
+        v16 s = reduce16(a) * sc;
+        s = lane < static_cast<float>(nt) ? s : v16{} - FLT_MAX;  // -ffast-math: no infinities
+        const float mx = std::max(st.m[r], hmax(s));
+        const float alpha = std::exp(st.m[r] - mx);
+        const v16 p = vexp_neg(s - mx);
+        st.l[r] = st.l[r] * alpha + hsum(p);
+        st.m[r] = mx;
+        float* ar = st.acc.data() + r * D;
+        v16 o[NC];
+        for (int c = 0; c < NC; ++c) o[c] = load16(ar + 16 * c) * alpha;
+        for (int t = 0; t < nt; ++t) {
+          const float* vt = vc + t * stride + off;
+          for (int c = 0; c < NC; ++c) o[c] += p[t] * load16(vt + 16 * c);
+        }
+        for (int c = 0; c < NC; ++c) store16(ar + 16 * c, o[c]);
+      }
     }
   }
 }
@@ -106,6 +182,7 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
   float* o = out.data_ptr<float>();
   const int64_t tok_stride = KVH * D, blk_stride = BS * KVH * D;
   const float sc = static_cast<float>(scale);
+  const int64_t nlines = blk_stride / 16;  // 64-byte lines in one block of K (or V)
 
   // Groups: sequences whose tables start with the same physical block (a shared prefix), at
   // most kMaxGroup each so that a large group still spreads over threads. A group's `shared`
@@ -137,21 +214,24 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t M = starts[g + 1] - starts[g];
-      Rows st(M * H, H, G, D, BS);
+      Rows st(M * H, H, G, D);
       for (int64_t j = 0; j < M; ++j)
         for (int64_t h = 0; h < H; ++h) st.q[j * H + h] = q + (order[starts[g] + j] * H + h) * D;
       const int64_t b0 = order[starts[g]];
       for (int64_t blk = 0; blk < shared[g]; ++blk) {
         const int64_t id = tb[b0 * MAXB + blk];
+        const int64_t nx = blk + 1 < shared[g] ? tb[b0 * MAXB + blk + 1] : -1;
         attend_block<NC>(st, 0, M, kc + id * blk_stride, vc + id * blk_stride, BS, tok_stride,
-                         sc);
+                         sc, nx < 0 ? nullptr : kc + nx * blk_stride, vc + nx * blk_stride, nlines);
       }
       for (int64_t j = 0; j < M; ++j) {
         const int64_t b = order[starts[g] + j], L = ln[b];
         for (int64_t t0 = shared[g] * BS; t0 < L; t0 += BS) {
           const int64_t id = tb[b * MAXB + t0 / BS];
+          const int64_t nx = t0 + BS < L ? tb[b * MAXB + t0 / BS + 1] : -1;
           attend_block<NC>(st, j, j + 1, kc + id * blk_stride, vc + id * blk_stride,
-                           std::min(BS, L - t0), tok_stride, sc);
+                           std::min(BS, L - t0), tok_stride, sc,
+                           nx < 0 ? nullptr : kc + nx * blk_stride, vc + nx * blk_stride, nlines);
         }
         for (int64_t h = 0; h < H; ++h) {
           const int64_t r = j * H + h;

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C++ toolc
 
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, 24, 32])
 def test_matches_reference(heads: tuple[int, int], head_dim: int, block_size: int) -> None:
     torch.manual_seed(0)
     h, kvh = heads
