@@ -20,6 +20,8 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 # 16-float vectors for the kernels' inner loops, in GCC/Clang vector extensions: one AVX-512
 # register, two AVX2 ones, whatever -march=native gives. Loads and stores are unaligned.
 SIMD = r"""
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -39,6 +41,63 @@ static inline __attribute__((always_inline)) float hsum(v16 v) {
   const v4 b =
       __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+// 16 dot products' partial sums (a[i] holds dot i's 16 lanes) -> one vector of the 16 sums,
+// lane i = dot i: four rounds of pairwise shuffles and adds (a transpose-reduce).
+static inline __attribute__((always_inline)) v16 reduce16(v16* a) {
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                   25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                   22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+static inline __attribute__((always_inline)) v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+static inline __attribute__((always_inline)) float hmax(v16 v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return std::max(v[0], v[1]);
+}
+
+// e^x for x <= 0 (softmax weights), 0 below -87: x = n ln2 + r with n = trunc(x log2 e), so
+// r in (-ln2, 0]; e^r by its Taylor series to degree 8 (relative error < 2e-7); then 2^n
+// written into the exponent.
+static inline __attribute__((always_inline)) v16 vexp_neg(v16 x) {
+  const v16 xc = x < -87.f ? v16{} - 87.f : x;
+  const i16v n = __builtin_convertvector(xc * 1.44269504f, i16v);
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (xc - nf * 0.693145752f) - nf * 1.42860677e-6f;
+  v16 p = r * (1.f / 40320) + 1.f / 5040;
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  v16 scale;
+  const i16v bits = (n + 127) << 23;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? v16{} : p * scale;
 }
 """
 

@@ -1,5 +1,7 @@
-"""The CPU prefill attention (torch's flash kernel, causal chunk + unmasked prefix merged by
-log-sum-exp) against the torch reference, on the Triton tests' matrix of dtypes and layouts."""
+"""The CPU prefill attention against the torch reference, on the Triton tests' matrix of dtypes
+and layouts: fp32 takes the C++ kernel, fp16/bf16 torch's flash kernel (causal chunk + unmasked
+prefix merged by log-sum-exp), quantized caches the reference. Then the C++ kernel's
+independence of chunking and batching."""
 
 from __future__ import annotations
 
@@ -44,3 +46,76 @@ def test_matches_reference(
     assert got.dtype == want.dtype and got.shape == want.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+needs_kernel = pytest.mark.skipif(not cpu_prefill.available(), reason="no C++ toolchain")
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+            chunks: list[tuple[int, int]]) -> torch.Tensor:  # fmt: skip
+    """The kernel over (q_len, context_len) chunks of sequences whose queries are stacked in q."""
+    cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor([n for n, _ in chunks]).cumsum(0)
+    ctx = torch.tensor([c for _, c in chunks], dtype=torch.int32)
+    return cpu_prefill.prefill_attention(q, k, v, tables, cu, ctx, q.shape[-1] ** -0.5)
+
+
+@needs_kernel
+def test_a_prompt_gives_the_same_bits_however_it_is_chunked_or_batched() -> None:
+    """A 150-token prompt attended in one chunk, in chunks of 70 / 50 / 30 tokens (each after
+    the cached rest), and beside other sequences: every token's output is bit-identical."""
+    torch.manual_seed(4)
+    h, kvh, d, bs = 9, 3, 64, 16
+    k = torch.randn(40, bs, kvh, d)
+    v = torch.randn(40, bs, kvh, d)
+    table = torch.randperm(40)[:10].int()
+    q = torch.randn(150, h, d)
+    whole = _attend(q, k, v, table[None], [(150, 150)])
+    chunked = torch.cat([
+        _attend(q[a:b], k, v, table[None], [(b - a, b)])
+        for a, b in [(0, 70), (70, 120), (120, 150)]
+    ])  # fmt: skip
+    assert torch.equal(chunked, whole)
+    other = torch.randperm(40)[:10].int()
+    tables = torch.stack([other, table, other])
+    q_other = torch.randn(40 + 30, h, d)
+    batch = _attend(
+        torch.cat([q_other[:40], q[50:120], q_other[40:]]), k, v, tables,
+        [(40, 100), (70, 120), (30, 30)],
+    )  # fmt: skip
+    assert torch.equal(batch[40:110], whole[50:120])
+    want = reference.prefill_attention(
+        q, k, v, table[None], torch.tensor([0, 150], dtype=torch.int32),
+        torch.tensor([150], dtype=torch.int32), d**-0.5,
+    )  # fmt: skip
+    torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [32, 80, 96])
+def test_other_head_dims_match_reference(head_dim: int) -> None:
+    torch.manual_seed(5)
+    k = torch.randn(20, 16, 2, head_dim)
+    v = torch.randn(20, 16, 2, head_dim)
+    tables = torch.randperm(20)[:18].view(2, 9).int()
+    q = torch.randn(100 + 37, 4, head_dim)
+    got = _attend(q, k, v, tables, [(100, 130), (37, 37)])
+    want = reference.prefill_attention(
+        q, k, v, tables, torch.tensor([0, 100, 137], dtype=torch.int32),
+        torch.tensor([130, 37], dtype=torch.int32), head_dim**-0.5,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_head_dim_takes_the_torch_path() -> None:
+    torch.manual_seed(6)
+    k = torch.randn(4, 16, 1, 48)
+    v = torch.randn(4, 16, 1, 48)
+    tables = torch.arange(4, dtype=torch.int32)[None]
+    q = torch.randn(50, 2, 48)
+    got = _attend(q, k, v, tables, [(50, 50)])
+    want = reference.prefill_attention(
+        q, k, v, tables, torch.tensor([0, 50], dtype=torch.int32),
+        torch.tensor([50], dtype=torch.int32), 48**-0.5,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
