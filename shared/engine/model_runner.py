@@ -10,7 +10,7 @@ from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.engine.kv_cache import KVCache
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
 from kvserve.shared.engine.sequence import Sequence
-from kvserve.shared.model.attention import AttentionMetadata
+from kvserve.shared.model.attention import AttentionMetadata, OutputRows
 from kvserve.shared.model.llama import LlamaModel
 
 
@@ -32,31 +32,72 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
-        ordered, hidden = self.forward(batch)
-        rows, sampling = [], []
-        offset = 0
-        for s in ordered:
-            offset += s.num_new_tokens
-            if s.samples:
-                rows.append(offset - 1)
-                sampling.append(s.seq)
-        if not rows:
-            return StepOutput([], hidden.new_empty((0, 0)))
-        idx = torch.tensor(rows, device=self.device)
-        return StepOutput(sampling, self.model.compute_logits(hidden[idx]))
+        """Logits of the sequences that sample: the model computes its last layer only for
+        their rows (the last token of each sampling chunk, every decode)."""
+        prefills, decodes = self._split(batch)
+        ordered = prefills + decodes
+        sampling = [s.seq for s in ordered if s.samples]
+        if not sampling:
+            self._run_model(batch, prefills, decodes)
+            return StepOutput([], torch.empty((0, 0), device=self.device))
+        hidden = self._run_model(batch, prefills, decodes, only_sampling=True)
+        return StepOutput(sampling, self.model.compute_logits(hidden))
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """Run the model over the batch; returns the token order and hidden states [T, H]."""
-        for src, dst in batch.block_copies:
-            self.cache.copy_block(src, dst)
-        # Prefill chunks (more than one new token) first, then single-token decodes.
+        prefills, decodes = self._split(batch)
+        return prefills + decodes, self._run_model(batch, prefills, decodes)
+
+    @staticmethod
+    def _split(batch: Batch) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
+        """Prefill chunks (more than one new token) first, then single-token decodes."""
         prefills = [s for s in batch.scheduled if s.num_new_tokens > 1]
         decodes = [s for s in batch.scheduled if s.num_new_tokens == 1]
-        ordered = prefills + decodes
-        input_ids, positions, slots = self._flatten(ordered)
+        return prefills, decodes
+
+    def _run_model(
+        self,
+        batch: Batch,
+        prefills: list[ScheduledSeq],
+        decodes: list[ScheduledSeq],
+        only_sampling: bool = False,
+    ) -> torch.Tensor:
+        for src, dst in batch.block_copies:
+            self.cache.copy_block(src, dst)
+        input_ids, positions, slots = self._flatten(prefills + decodes)
         meta = self._metadata(prefills, decodes, slots)
-        return ordered, self.model(input_ids, positions, meta, self.cache, self.backend)
+        out = self._output_rows(prefills, decodes, meta) if only_sampling else None
+        return self.model(input_ids, positions, meta, self.cache, self.backend, out)
+
+    def _output_rows(
+        self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq], meta: AttentionMetadata
+    ) -> OutputRows:
+        """The sampling rows (each sampling chunk's last token, then the decodes that sample)
+        and attention metadata for them alone: each such chunk as a one-token chunk."""
+        rows: list[int] = []
+        chunks = []
+        offset = 0
+        for i, s in enumerate(prefills):
+            offset += s.num_new_tokens
+            if s.samples:
+                rows.append(offset - 1)
+                chunks.append(i)
+        keep = [j for j, s in enumerate(decodes) if s.samples]
+        rows += [offset + j for j in keep]
+        dev = self.device
+        pick = torch.tensor(chunks, dtype=torch.long, device=dev)
+        dpick = torch.tensor(keep, dtype=torch.long, device=dev)
+        sub = AttentionMetadata(
+            slot_mapping=meta.slot_mapping,  # unused: K/V are written for every token
+            num_prefill_tokens=len(chunks),
+            prefill_cu_query_lens=torch.arange(len(chunks) + 1, dtype=torch.int32, device=dev),
+            prefill_context_lens=meta.prefill_context_lens[pick],
+            prefill_block_tables=meta.prefill_block_tables[pick],
+            decode_context_lens=meta.decode_context_lens[dpick],
+            decode_block_tables=meta.decode_block_tables[dpick],
+        )
+        return OutputRows(torch.tensor(rows, dtype=torch.long, device=dev), sub)
 
     def _flatten(
         self, ordered: list[ScheduledSeq]

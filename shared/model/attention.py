@@ -30,3 +30,14 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return int(self.decode_context_lens.shape[0])
+
+
+@dataclass(frozen=True)
+class OutputRows:
+    """The rows of a step whose hidden states are wanted (those that sample), and the attention
+    metadata for them alone: each wanted prefill row as a one-token chunk at its position (the
+    decode part unchanged). The last layer needs every token's K/V but only these rows'
+    attention output, o projection and MLP."""
+
+    rows: torch.Tensor  # [N] int64 indices into the step's tokens
+    meta: AttentionMetadata

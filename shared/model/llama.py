@@ -17,7 +17,7 @@ from kvserve.kernels import cpu_linear, cpu_ops
 from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.config import ModelConfig
 from kvserve.shared.engine.kv_cache import KVCache
-from kvserve.shared.model.attention import AttentionMetadata
+from kvserve.shared.model.attention import AttentionMetadata, OutputRows
 from torch import nn
 
 
@@ -214,7 +214,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         cache: KVCache,
         backend: AttentionBackend,
+        out_rows: OutputRows | None = None,
     ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; with `out_rows`, K/V of all T tokens are written but
+        only those rows attend: -> [len(out_rows.rows), hidden]."""
         T = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x).view(T, h + 2 * kvh, d)  # [T, h + 2 kvh, d]
@@ -224,6 +227,9 @@ class Attention(nn.Module):
         kc, vc = cache.k[self.layer], cache.v[self.layer]
         ks, vs = cache.k_scale[self.layer], cache.v_scale[self.layer]
         backend.store_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
+        if out_rows is not None:
+            q, meta = q[out_rows.rows], out_rows.meta
+            T = q.shape[0]
         P = meta.num_prefill_tokens
         parts = []
         if P:
@@ -333,16 +339,24 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         cache: KVCache,
         backend: AttentionBackend,
+        out_rows: OutputRows | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
+        """Hidden states after the final norm, [T, hidden], or only at `out_rows.rows`: the
+        last layer then attends, projects and runs its MLP for those rows alone (every token's
+        K/V is still written)."""
         x = F.embedding(input_ids, self.embed)  # the residual stream, added to in place
         rope = self.rope(positions, x.dtype)
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         h = layers[0].input_norm(x)
         for i, layer in enumerate(layers):
-            h = layer.post_attn_norm.add(layer.attn(h, rope, meta, cache, backend), x)
-            after = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
-            h = after.add(layer.mlp(h), x)
+            last = i + 1 == len(layers)
+            if last and out_rows is not None:
+                a = layer.attn(h, rope, meta, cache, backend, out_rows)
+                x = x[out_rows.rows]
+            else:
+                a = layer.attn(h, rope, meta, cache, backend)
+            h = layer.post_attn_norm.add(a, x)
+            h = (self.norm if last else layers[i + 1].input_norm).add(layer.mlp(h), x)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

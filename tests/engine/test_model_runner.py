@@ -1,0 +1,65 @@
+"""The runner computes the last layer only for the rows that sample; their logits match the
+full forward pass, and every token's K/V still reaches the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
+from kvserve.shared.engine.sequence import SeqId, Sequence
+
+
+def _seq(engine, i: int, tokens: list[int], computed: int) -> Sequence:  # type: ignore[no-untyped-def]
+    seq = Sequence(SeqId(100 + i), f"r{i}", 0, tokens, len(tokens), SamplingParams(), arrival=i)
+    blocks = engine.pool.allocate(seq.blocks_needed(len(tokens), engine.block_size))
+    assert blocks is not None
+    seq.block_table = blocks
+    seq.num_computed_tokens = computed
+    return seq
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_sampling_rows_alone_match_the_full_forward(make_engine, backend: str) -> None:  # type: ignore[no-untyped-def]
+    """A step with a final prompt chunk, a non-final one (no row sampled), a one-token prompt
+    and two decodes: run()'s logits equal the full forward's at the sampling rows, and the K/V
+    written (by the last layer too) equal the full forward's."""
+    engine = make_engine(num_blocks=64, attention_backend=backend, enable_prefix_caching=False)
+    runner = engine.runner
+    g = torch.Generator().manual_seed(0)
+    toks = [torch.randint(20, 40000, (n,), generator=g).tolist() for n in (70, 90, 1, 40, 33)]
+    # (sequence, new tokens this step): final chunk of 70 after 30 cached, a first chunk of 50
+    # of 90, a 1-token prompt, decodes at 40 and 33 tokens.
+    plan = [(0, 30, 40), (1, 0, 50), (2, 0, 1), (3, 39, 1), (4, 32, 1)]
+    seqs = [_seq(engine, i, toks[i], c) for i, c, _ in plan]
+    batch = Batch(scheduled=[ScheduledSeq(seqs[i], n) for i, _, n in plan])
+    # The cached parts first (the plan's "computed" tokens), one chunk each.
+    for i, c, _ in plan:
+        if c:
+            seqs[i].num_computed_tokens = 0
+            runner.forward(Batch(scheduled=[ScheduledSeq(seqs[i], c)]))
+            seqs[i].num_computed_tokens = c
+    bs = engine.block_size
+    slots = torch.tensor([
+        seqs[i].block_table[p // bs] * bs + p % bs for i, c, n in plan for p in range(c, c + n)
+    ])  # fmt: skip
+
+    def step_kv() -> list[torch.Tensor]:
+        return [k.view(-1, *k.shape[2:])[slots].clone() for k in runner.cache.k + runner.cache.v]
+
+    ordered, hidden = runner.forward(batch)
+    full_kv = step_kv()
+    want_rows = []
+    offset = 0
+    for s in ordered:
+        offset += s.num_new_tokens
+        if s.samples:
+            want_rows.append(offset - 1)
+    want = runner.model.compute_logits(hidden[want_rows])
+    for k in runner.cache.k + runner.cache.v:
+        k.view(-1, *k.shape[2:])[slots] = 0.0
+    out = runner.run(batch)
+    assert [s.seq_id for s in out.sampling_seqs] == [seqs[i].seq_id for i in (0, 2, 3, 4)]
+    torch.testing.assert_close(out.logits, want, atol=1e-4, rtol=1e-4)
+    for got, full in zip(step_kv(), full_kv, strict=True):  # every layer's K/V, the last too
+        assert torch.equal(got, full)
