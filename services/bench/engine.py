@@ -14,7 +14,9 @@ from the vocabulary without the special ids (< 17) with a fixed seed; both arms 
 
 Then the machine, in the same run: read bandwidth, fp32 matmul FLOP/s, and the model's linear
 layers alone as chained F.linear calls at batch 1 and 32; and the engine's steady-state decode
-step at batch 1 and 32 (~256-token contexts). Printed ratios (targets, not asserted):
+step at batch 1 and 32 (~256-token contexts), each timed step followed by the machine figure it
+is divided by (a bandwidth sample at batch 1, the bare chain at batch 32: both then see the
+machine in the same state). Printed ratios (targets, not asserted):
   ratio            = kvserve tok/s / hf tok/s                                  (>= 5)
   roofline_b1      = (weight + KV bytes) / bandwidth / engine step at batch 1  (>= 0.8)
   linear_share_b32 = bare linear time at batch 32 / engine step at batch 32    (>= 0.8)
@@ -278,6 +280,7 @@ class DecodeProbe:
     batch: int
     step_ms: float  # median over the timed steps
     mean_context: float  # KV tokens each sequence reads per step, averaged over the timed steps
+    paired_s: tuple[float, ...] = ()  # the paired measurement, run after each timed step
 
 
 def _count_tokens(outputs: list[RequestOutput], emitted: dict[str, int]) -> None:
@@ -286,9 +289,18 @@ def _count_tokens(outputs: list[RequestOutput], emitted: dict[str, int]) -> None
             emitted[out.request_id] += sum(len(c.token_ids) for c in out.completions)
 
 
-def decode_step(engine: Engine, batch: int, context: int, steps: int, seed: int) -> DecodeProbe:
+def decode_step(
+    engine: Engine,
+    batch: int,
+    context: int,
+    steps: int,
+    seed: int,
+    paired: Callable[[], object] | None = None,
+) -> DecodeProbe:
     """Median time of `steps` pure decode steps of `batch` sequences whose prompts are
-    `context` tokens, after every prompt is prefilled and a few untimed decode steps."""
+    `context` tokens, after every prompt is prefilled and a few untimed decode steps.
+    `paired` (a machine measurement the step is compared with) is timed after each timed step,
+    outside it, so that both see the machine in the same state."""
     rng = random.Random(seed)
     budget = engine.scheduler.config.max_num_batched_tokens
     params = SamplingParams(
@@ -301,17 +313,21 @@ def decode_step(engine: Engine, batch: int, context: int, steps: int, seed: int)
         _count_tokens(engine.step(), emitted)
     for _ in range(PROBE_WARMUP_STEPS):
         _count_tokens(engine.step(), emitted)
-    contexts = []
+    contexts, paired_s = [], []
     with timed_steps(engine) as records:
         for _ in range(steps):
             contexts.append(context + statistics.fmean(emitted.values()))
             _count_tokens(engine.step(), emitted)
+            if paired is not None:
+                t0 = time.perf_counter()
+                paired()
+                paired_s.append(time.perf_counter() - t0)
     for rid in emitted:
         engine.abort_request(rid)
     if any(r.num_seqs != batch or not r.decode_only for r in records):
         raise RuntimeError(f"decode probe at batch {batch} ran steps that were not pure decode")
     ms = statistics.median(r.seconds for r in records) * 1e3
-    return DecodeProbe(batch, ms, statistics.fmean(contexts))
+    return DecodeProbe(batch, ms, statistics.fmean(contexts), tuple(paired_s))
 
 
 # ---- arm 2: Hugging Face transformers -------------------------------------------------------
@@ -401,16 +417,32 @@ def measure_roofline(model: ModelConfig, args: argparse.Namespace) -> Roofline:
     )
 
 
+def paired_figures(args: argparse.Namespace, b1: DecodeProbe, b32: DecodeProbe) -> dict[str, float]:
+    """The machine figures measured beside the probes' steps: read bandwidth (best sample, as
+    `memory_bandwidth_gb_s`) and the bare chain at batch 32 (median, as `median_ms`)."""
+    nbytes = ((args.bandwidth_mib << 20) // FP32_BYTES) * FP32_BYTES
+    return {
+        "bandwidth_paired_b1_gb_s": nbytes / min(b1.paired_s) / 1e9,
+        "bare_linear_b32_paired_ms": statistics.median(b32.paired_s) * 1e3,
+    }
+
+
 def roofline_ratios(
-    roof: Roofline, model: ModelConfig, b1: DecodeProbe, b32: DecodeProbe
+    roof: Roofline,
+    model: ModelConfig,
+    b1: DecodeProbe,
+    b32: DecodeProbe,
+    paired: dict[str, float],
 ) -> dict[str, float]:
+    """roofline_b1 and linear_share_b32 divide by the figures measured beside the steps (this
+    VM's bandwidth drifts by a third within minutes); flop_frac_b32 by the matmul peak."""
     weight_bytes = roof.linear_params * FP32_BYTES
     kv_bytes = b1.mean_context * model.kv_bytes_per_token(FP32_BYTES)
-    ideal_b1_s = (weight_bytes + kv_bytes) / (roof.bandwidth_gb_s * 1e9)
+    ideal_b1_s = (weight_bytes + kv_bytes) / (paired["bandwidth_paired_b1_gb_s"] * 1e9)
     b32_flops = 2 * roof.linear_params * b32.batch / (b32.step_ms / 1e3)
     return {
         "roofline_b1": ideal_b1_s * 1e3 / b1.step_ms,
-        "linear_share_b32": roof.bare_linear_b32_ms / b32.step_ms,
+        "linear_share_b32": paired["bare_linear_b32_paired_ms"] / b32.step_ms,
         "flop_frac_b32": b32_flops / (roof.matmul_gflop_s * 1e9),
     }
 
@@ -441,7 +473,9 @@ def print_report(summary: dict[str, Any]) -> None:
     )
     print(
         f"engine decode step: b1 {s['engine_step_b1_ms']:.2f} ms, "
-        f"b32 {s['engine_step_b32_ms']:.2f} ms (context ~{s['probe_context']})"
+        f"b32 {s['engine_step_b32_ms']:.2f} ms (context ~{s['probe_context']}); beside them: "
+        f"bandwidth {s['bandwidth_paired_b1_gb_s']:.1f} GB/s, "
+        f"bare linear b32 {s['bare_linear_b32_paired_ms']:.2f} ms"
     )
     print(
         f"kvserve: {s['kvserve_tokens']} tokens in {s['kvserve_wall_s']:.2f} s = "
@@ -518,14 +552,29 @@ class EngineSide:
 def measure_engine(
     model_path: Path, weights: LoadedWeights, requests: list[BenchRequest], args: argparse.Namespace
 ) -> EngineSide:
-    """Arm 1, then the decode probes on the same (by then idle) engine."""
+    """Arm 1, then the decode probes on the same (by then idle) engine, each step paired with
+    the machine figure it is divided by: a bandwidth sample (batch 1), the bare linear chain at
+    the same batch (batch 32)."""
     engine = Engine(engine_config(model_path, requests, args, weights.config), weights=weights)
     kv, steps = _timed_phase("kvserve arm", functools.partial(run_kvserve, engine, requests))
+    ones = torch.ones((args.bandwidth_mib << 20) // FP32_BYTES)
+    chain = LinearChain(llama_linear_shapes(weights.config))
+    x32 = torch.randn(PROBE_BATCHES[1], chain.weights[0].shape[1])
+    pairs: dict[int, Callable[[], object]] = {
+        PROBE_BATCHES[0]: ones.sum,
+        PROBE_BATCHES[1]: functools.partial(chain.forward, x32),
+    }
     b1, b32 = (
         _timed_phase(
             f"decode probe b{b}",
             functools.partial(
-                decode_step, engine, b, args.probe_context, args.probe_steps, args.seed + b
+                decode_step,
+                engine,
+                b,
+                args.probe_context,
+                args.probe_steps,
+                args.seed + b,
+                pairs[b],
             ),
         )
         for b in PROBE_BATCHES
@@ -568,6 +617,7 @@ def build_summary(
 ) -> dict[str, Any]:
     kv, b1, b32 = side.kvserve, side.b1, side.b32
     ratio = kv.tok_s / hf.tok_s if hf else None
+    paired = paired_figures(args, b1, b32)
     return {
         **asdict(spec),
         "hf_batch_size": args.hf_batch_size,
@@ -589,5 +639,6 @@ def build_summary(
         "engine_step_b32_ms": b32.step_ms,
         "engine_context_b1": b1.mean_context,
         "engine_context_b32": b32.mean_context,
-        **roofline_ratios(roof, model, b1, b32),
+        **paired,
+        **roofline_ratios(roof, model, b1, b32, paired),
     }

@@ -3,11 +3,20 @@ summary with every number, and it writes its files. Speed is not asserted: the m
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
-from kvserve.services.bench.engine import FIRST_ORDINARY_TOKEN, WorkloadSpec, make_requests
+from kvserve.services.bench.engine import (
+    FIRST_ORDINARY_TOKEN,
+    DecodeProbe,
+    Roofline,
+    WorkloadSpec,
+    make_requests,
+    paired_figures,
+    roofline_ratios,
+)
 from kvserve.services.cli import main
 
 MEASURED_KEYS = (
@@ -21,6 +30,8 @@ MEASURED_KEYS = (
     "bare_linear_b32_ms",
     "engine_step_b1_ms",
     "engine_step_b32_ms",
+    "bandwidth_paired_b1_gb_s",
+    "bare_linear_b32_paired_ms",
 )
 HF_KEYS = ("hf_tok_s", "ratio")
 WORKLOAD = {
@@ -80,6 +91,9 @@ def test_bench_engine_without_hf(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert {k: summary[k] for k in WORKLOAD} == WORKLOAD
     assert summary["kvserve_tokens"] == 8 + 7 + 7 + 6  # the seed-0 targets
     assert summary["hf_tok_s"] is None and summary["ratio"] is None
+    # The step ratios divide by the machine figures measured beside the probes' steps.
+    share = summary["bare_linear_b32_paired_ms"] / summary["engine_step_b32_ms"]  # type: ignore[operator]
+    assert summary["linear_share_b32"] == pytest.approx(share)
     saved = json.loads((tmp_path / "engine.json").read_text())
     assert saved["summary"] == summary
     assert len(saved["steps"]) == summary["kvserve_steps"]
@@ -93,3 +107,21 @@ def test_bench_engine_with_hf_arm(tmp_path: Path, capsys: pytest.CaptureFixture[
     # HF generates each batch's longest target for every row; only the targets count.
     assert summary["hf_useful_tokens"] == summary["kvserve_tokens"]
     assert summary["hf_generated_tokens"] >= summary["hf_useful_tokens"]  # type: ignore[operator]
+
+
+def test_step_ratios_use_the_figures_paired_with_the_steps(weights) -> None:  # type: ignore[no-untyped-def]
+    """Bandwidth from the fastest paired sample (as the machine line's best-of), the bare chain
+    from the median paired run; the start-of-run figures only feed flop_frac_b32."""
+    model_config = weights.config
+    args = argparse.Namespace(bandwidth_mib=1)
+    b1 = DecodeProbe(1, 20.0, 100.0, (0.004, 0.001, 0.002))
+    b32 = DecodeProbe(32, 50.0, 100.0, (0.030, 0.040, 0.010))
+    paired = paired_figures(args, b1, b32)
+    assert paired["bandwidth_paired_b1_gb_s"] == pytest.approx((1 << 20) / 0.001 / 1e9)
+    assert paired["bare_linear_b32_paired_ms"] == pytest.approx(30.0)
+    roof = Roofline(999.0, 100.0, 1_000_000, 1.0, 1.0)  # start-of-run figures, unused here
+    ratios = roofline_ratios(roof, model_config, b1, b32, paired)
+    assert ratios["linear_share_b32"] == pytest.approx(30.0 / 50.0)
+    kv = 100.0 * model_config.kv_bytes_per_token(4)
+    want_b1 = (4_000_000 + kv) / (paired["bandwidth_paired_b1_gb_s"] * 1e9) * 1e3 / 20.0
+    assert ratios["roofline_b1"] == pytest.approx(want_b1)
