@@ -126,6 +126,10 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
   const int64_t tok_stride = KVH * D, blk_stride = BS * KVH * D;
   const float sc = static_cast<float>(scale);
   const int64_t nlines = blk_stride / 16;  // 64-byte lines in one block of K (or V)
+  // The block to prefetch, or nullptr for none (id -1).
+  const auto next_block = [&](const float* cache, int64_t id) {
+    return id < 0 ? nullptr : cache + id * blk_stride;
+  };
 
   // Groups: sequences whose tables start with the same physical block (a shared prefix), at
   // most kMaxGroup each so that a large group still spreads over threads. A group's `shared`
@@ -165,7 +169,7 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
         const int64_t id = tb[b0 * MAXB + blk];
         const int64_t nx = blk + 1 < shared[g] ? tb[b0 * MAXB + blk + 1] : -1;
         attend_block<NC>(st, 0, M, kc + id * blk_stride, vc + id * blk_stride, BS, tok_stride,
-                         sc, nx < 0 ? nullptr : kc + nx * blk_stride, vc + nx * blk_stride, nlines);
+                         sc, next_block(kc, nx), next_block(vc, nx), nlines);
       }
       for (int64_t j = 0; j < M; ++j) {
         const int64_t b = order[starts[g] + j], L = ln[b];
@@ -174,7 +178,7 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
           const int64_t nx = t0 + BS < L ? tb[b * MAXB + t0 / BS + 1] : -1;
           attend_block<NC>(st, j, j + 1, kc + id * blk_stride, vc + id * blk_stride,
                            std::min(BS, L - t0), tok_stride, sc,
-                           nx < 0 ? nullptr : kc + nx * blk_stride, vc + nx * blk_stride, nlines);
+                           next_block(kc, nx), next_block(vc, nx), nlines);
         }
         for (int64_t h = 0; h < H; ++h) {
           const int64_t r = j * H + h;
