@@ -10,11 +10,24 @@ from kvserve.shared.config import ModelConfig
 
 @functools.lru_cache(maxsize=2)
 def open_gguf(path: str) -> Any:
-    """One parsed GGUF file per path (parsing its metadata takes seconds; weights and
-    tokenizer both need it)."""
+    """One parsed GGUF file per path (weights and tokenizer both need it)."""
     import gguf
+    import numpy as np
 
-    return gguf.GGUFReader(path)
+    class Reader(gguf.GGUFReader):
+        """The reader on a plain ndarray view of its memory map: it slices the file once per
+        metadata value (~250,000 times for a 49k-token vocabulary), and a np.memmap slice costs
+        several times a plain one (parsing 3.5 s -> 1.3 s here)."""
+
+        @property
+        def data(self) -> Any:
+            return self._data
+
+        @data.setter
+        def data(self, mapped: Any) -> None:
+            self._data = mapped.view(np.ndarray)
+
+    return Reader(path)
 
 
 def gguf_field(reader: Any, key: str) -> Any:
