@@ -49,23 +49,23 @@ struct Rows {
 };
 
 // The rows of sequences [j0, j1) attend to the n tokens of one block (K and V of token t at
-// kb + t * stride, all KV heads), 16 tokens at a time: each row's 16 scores as one vector, the
-// online-softmax update, then the 16 V rows added into the row's accumulator, all in
-// registers. D = 16 * NC floats per head. Not inlined: every row is computed by the same
+// kb + t * stride, all KV heads), VW tokens at a time: each row's VW scores as one vector, the
+// online-softmax update, then the VW V rows added into the row's accumulator, all in
+// registers. D floats per head. Not inlined: every row is computed by the same
 // instructions wherever it is called from and whatever rows share the call (batch
 // independence); rows never interact.
-template <int NC>
+template <int D>
 static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t j1,
                                                    const float* kb, const float* vb, int64_t n,
                                                    int64_t stride, float sc, const float* nk,
                                                    const float* nv, int64_t nlines) {
-  constexpr int64_t D = NC * 16;
+  constexpr int NC = D / VW;
   const int64_t H = st.H, G = st.G;
-  const int64_t iters = (n + 15) / 16 * (j1 - j0) * H;
+  const int64_t iters = (n + VW - 1) / VW * (j1 - j0) * H;
   int64_t it = 0;
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int64_t nt = std::min<int64_t>(16, n - t0);
+  const vf lane = lanes();
+  for (int64_t t0 = 0; t0 < n; t0 += VW) {
+    const int64_t nt = std::min<int64_t>(VW, n - t0);
     const float* kc = kb + t0 * stride;
     const float* vc = vb + t0 * stride;
     for (int64_t j = j0; j < j1; ++j) {
@@ -78,41 +78,39 @@ static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t
           }
           ++it;
         }
-        v16 qv[NC];
-        for (int c = 0; c < NC; ++c) qv[c] = load16(st.q[r] + 16 * c);
-        v16 a[16];
-        for (int t = 0; t < 16; ++t) {
-          a[t] = v16{};
+        const float* qr = st.q[r];
+        vf a[VW];
+        for (int t = 0; t < VW; ++t) {
+          a[t] = vf{};
           if (t < nt) {
             const float* kt = kc + t * stride + off;
-            for (int c = 0; c < NC; ++c) a[t] += qv[c] * load16(kt + 16 * c);
+            for (int c = 0; c < NC; ++c) a[t] += loadv(qr + VW * c) * loadv(kt + VW * c);
           }
         }
-        v16 s = reduce16(a) * sc;
-        s = lane < static_cast<float>(nt) ? s : v16{} - FLT_MAX;  // -ffast-math: no infinities
+        vf s = reducev(a) * sc;
+        s = lane < static_cast<float>(nt) ? s : vf{} - FLT_MAX;  // -ffast-math: no infinities
         const float mx = std::max(st.m[r], hmax(s));
         const float alpha = std::exp(st.m[r] - mx);
-        const v16 p = vexp_neg(s - mx);
+        const vf p = vexp_neg(s - mx);
         st.l[r] = st.l[r] * alpha + hsum(p);
         st.m[r] = mx;
         float* ar = st.acc.data() + r * D;
-        v16 o[NC];
-        for (int c = 0; c < NC; ++c) o[c] = load16(ar + 16 * c) * alpha;
+        vf o[NC];
+        for (int c = 0; c < NC; ++c) o[c] = loadv(ar + VW * c) * alpha;
         for (int t = 0; t < nt; ++t) {
           const float* vt = vc + t * stride + off;
-          for (int c = 0; c < NC; ++c) o[c] += p[t] * load16(vt + 16 * c);
+          for (int c = 0; c < NC; ++c) o[c] += p[t] * loadv(vt + VW * c);
         }
-        for (int c = 0; c < NC; ++c) store16(ar + 16 * c, o[c]);
+        for (int c = 0; c < NC; ++c) storev(ar + VW * c, o[c]);
       }
     }
   }
 }
 
 // query [B, H, D] f32; k/v cache [NB, BS, KVH, D] f32; tables [B, MAXB] i32; lens [B] i32.
-template <int NC>
+template <int D>
 static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor tables, torch::Tensor lens, double scale) {
-  constexpr int64_t D = NC * 16;
   const int64_t B = query.size(0), H = query.size(1);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t MAXB = tables.size(1);
@@ -168,7 +166,7 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
       for (int64_t blk = 0; blk < shared[g]; ++blk) {
         const int64_t id = tb[b0 * MAXB + blk];
         const int64_t nx = blk + 1 < shared[g] ? tb[b0 * MAXB + blk + 1] : -1;
-        attend_block<NC>(st, 0, M, kc + id * blk_stride, vc + id * blk_stride, BS, tok_stride,
+        attend_block<D>(st, 0, M, kc + id * blk_stride, vc + id * blk_stride, BS, tok_stride,
                          sc, next_block(kc, nx), next_block(vc, nx), nlines);
       }
       for (int64_t j = 0; j < M; ++j) {
@@ -176,7 +174,7 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
         for (int64_t t0 = shared[g] * BS; t0 < L; t0 += BS) {
           const int64_t id = tb[b * MAXB + t0 / BS];
           const int64_t nx = t0 + BS < L ? tb[b * MAXB + t0 / BS + 1] : -1;
-          attend_block<NC>(st, j, j + 1, kc + id * blk_stride, vc + id * blk_stride,
+          attend_block<D>(st, j, j + 1, kc + id * blk_stride, vc + id * blk_stride,
                            std::min(BS, L - t0), tok_stride, sc,
                            next_block(kc, nx), next_block(vc, nx), nlines);
         }
@@ -194,11 +192,11 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor lens, double scale) {
   switch (query.size(2)) {
-    case 32: return decode<2>(query, k_cache, v_cache, tables, lens, scale);
-    case 64: return decode<4>(query, k_cache, v_cache, tables, lens, scale);
-    case 80: return decode<5>(query, k_cache, v_cache, tables, lens, scale);
-    case 96: return decode<6>(query, k_cache, v_cache, tables, lens, scale);
-    case 128: return decode<8>(query, k_cache, v_cache, tables, lens, scale);
+    case 32: return decode<32>(query, k_cache, v_cache, tables, lens, scale);
+    case 64: return decode<64>(query, k_cache, v_cache, tables, lens, scale);
+    case 80: return decode<80>(query, k_cache, v_cache, tables, lens, scale);
+    case 96: return decode<96>(query, k_cache, v_cache, tables, lens, scale);
+    case 128: return decode<128>(query, k_cache, v_cache, tables, lens, scale);
   }
   TORCH_CHECK(false, "paged_decode: unsupported head dim ", query.size(2));
 }

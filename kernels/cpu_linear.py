@@ -28,19 +28,19 @@ _SOURCE = (
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-// w . x over K floats in four independent 16-float accumulators. Not inlined, so that every row
+// w . x over K floats in four independent vector accumulators. Not inlined, so that every row
 // of x is computed by the same instructions whatever the number of rows (-ffast-math would
 // otherwise let the compiler reorder the sums differently per call site).
 static __attribute__((noinline)) float dot(const float* w, const float* x, int64_t K) {
-  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    a0 += load16(w + k) * load16(x + k);
-    a1 += load16(w + k + 16) * load16(x + k + 16);
-    a2 += load16(w + k + 32) * load16(x + k + 32);
-    a3 += load16(w + k + 48) * load16(x + k + 48);
+  for (; k + 4 * VW <= K; k += 4 * VW) {
+    a0 += loadv(w + k) * loadv(x + k);
+    a1 += loadv(w + k + VW) * loadv(x + k + VW);
+    a2 += loadv(w + k + 2 * VW) * loadv(x + k + 2 * VW);
+    a3 += loadv(w + k + 3 * VW) * loadv(x + k + 3 * VW);
   }
-  for (; k + 16 <= K; k += 16) a0 += load16(w + k) * load16(x + k);
+  for (; k + VW <= K; k += VW) a0 += loadv(w + k) * loadv(x + k);
   float s = hsum((a0 + a1) + (a2 + a3));
   for (; k < K; ++k) s += w[k] * x[k];
   return s;

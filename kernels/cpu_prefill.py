@@ -44,25 +44,34 @@ _SOURCE = (
 #include <atomic>
 #include <cfloat>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 constexpr int64_t kQueryTile = 32;  // query positions per work item
 
 // One work item: the `npos` query positions starting at `pos0` (rows `q_first`.. of the query)
 // of one sequence, for the G query heads of KV head `kh` (G * npos rows), over every key up to
-// the last of them, 16 keys at a time, in the order of the sequence's blocks. Per key tile: the
-// K tile transposed once into kt [D][16]; scores for 8 rows at a time as 16-lane vectors
-// (broadcast q[r][c] times kt[c]); the online softmax per row; then P V for PR rows at a time
-// with the accumulators in registers. A row's arithmetic depends only on its own query, its
+// the last of them, KT = 2 VW keys at a time, in the order of the sequence's blocks. Per key
+// tile: the K tile transposed once into kt [D][KT]; scores for SR rows at a time as two vectors
+// each (broadcast q[r][c] times kt[c]); the online softmax per row; then P V for PR rows and CB
+// vectors of the head dim at a time, with the accumulators in registers. SR, PR and CB keep
+// the accumulators within the 32 AVX-512 or 16 AVX2 registers. A row's arithmetic depends only on its own query, its
 // position and the keys, never on the other rows of the tile: a token's result is the same
 // however the prompt was chunked or batched.
-template <int NC>
+template <int D>
 static void attend_tile(const float* q, int64_t H, int64_t G, int64_t kh, int64_t q_first,
                         int64_t npos, int64_t pos0, const float* kc, const float* vc,
                         const int32_t* table, int64_t BS, int64_t KVH, float sc, float* out) {
-  constexpr int64_t D = NC * 16, KT = 32;
-  constexpr int PR = NC <= 6 ? 4 : 2;
-  const int64_t rows = npos * G, RP = (rows + 7) / 8 * 8;
+  constexpr int64_t KT = 2 * VW;
+  constexpr int NC = D / VW;
+#if VW == 16
+  constexpr int SR = 8, CB = NC, PR = NC <= 6 ? 4 : 2;
+#else
+  constexpr int SR = 6, CB = NC % 4 == 0 ? 4 : (NC % 5 == 0 ? 5 : NC), PR = CB <= 4 ? 3 : 2;
+#endif
+  constexpr int64_t RQ = std::lcm(SR, PR);  // rows are padded to a multiple of both
+  static_assert(NC % CB == 0 && SR <= VW);
+  const int64_t rows = npos * G, RP = (rows + RQ - 1) / RQ * RQ;
   const int64_t stride = KVH * D;
   std::vector<float> qs(RP * D, 0.f), o(RP * D, 0.f), p(RP * KT), m(RP, -FLT_MAX), l(RP, 0.f),
       alpha(RP), rowpos(RP, 0.f);
@@ -73,7 +82,7 @@ static void attend_tile(const float* q, int64_t H, int64_t G, int64_t kh, int64_
     for (int64_t c = 0; c < D; ++c) qs[r * D + c] = src[c] * sc;
     rowpos[r] = static_cast<float>(pos0 + r / G);
   }
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf lane = lanes();
   const int64_t last = pos0 + npos - 1;
   for (int64_t t0 = 0; t0 <= last;) {
     // Gather up to KT keys (possibly from two blocks) into kt [D][KT] and vt [KT][D].
@@ -92,54 +101,57 @@ static void attend_tile(const float* q, int64_t H, int64_t G, int64_t kh, int64_
     }
     for (int64_t i = nt; i < KT; ++i)
       for (int64_t c = 0; c < D; ++c) kt[c * KT + i] = 0.f;
-    const v16 kp0 = lane + static_cast<float>(t0), kp1 = kp0 + 16.f;
+    const vf kp0 = lane + static_cast<float>(t0), kp1 = kp0 + static_cast<float>(VW);
     const float nt_f = static_cast<float>(nt);
-    for (int64_t rb = 0; rb < RP; rb += 8) {
-      v16 a0[8] = {}, a1[8] = {};
+    for (int64_t rb = 0; rb < RP; rb += SR) {
+      vf a0[SR] = {}, a1[SR] = {};
       const float* qr = qs.data() + rb * D;
       for (int64_t c = 0; c < D; ++c) {
-        const v16 k0 = load16(kt + c * KT), k1 = load16(kt + c * KT + 16);
-        for (int rr = 0; rr < 8; ++rr) {
+        const vf k0 = loadv(kt + c * KT), k1 = loadv(kt + c * KT + VW);
+        for (int rr = 0; rr < SR; ++rr) {
           a0[rr] += qr[rr * D + c] * k0;
           a1[rr] += qr[rr * D + c] * k1;
         }
       }
-      v16 mold = {}, mnew = {}, sums = {};
-      for (int rr = 0; rr < 8; ++rr) {
+      vf mold = {}, mnew = {}, sums = {};
+      for (int rr = 0; rr < SR; ++rr) {
         const int64_t r = rb + rr;
         const float rp = rowpos[r];
-        const v16 s0 = (lane < nt_f) & (kp0 <= rp) ? a0[rr] : v16{} - FLT_MAX;
-        const v16 s1 = (lane + 16.f < nt_f) & (kp1 <= rp) ? a1[rr] : v16{} - FLT_MAX;
+        const vf s0 = (lane < nt_f) & (kp0 <= rp) ? a0[rr] : vf{} - FLT_MAX;
+        const vf s1 = (lane + static_cast<float>(VW) < nt_f) & (kp1 <= rp) ? a1[rr]
+                                                                          : vf{} - FLT_MAX;
         const float mx = std::max(m[r], hmax(vmax(s0, s1)));
-        const v16 e0 = vexp_neg(s0 - mx), e1 = vexp_neg(s1 - mx);
+        const vf e0 = vexp_neg(s0 - mx), e1 = vexp_neg(s1 - mx);
         mold[rr] = m[r];
         mnew[rr] = mx;
         sums[rr] = hsum(e0 + e1);
         m[r] = mx;
-        store16(p.data() + r * KT, e0);
-        store16(p.data() + r * KT + 16, e1);
+        storev(p.data() + r * KT, e0);
+        storev(p.data() + r * KT + VW, e1);
       }
-      const v16 al = vexp_neg(mold - mnew);
-      for (int rr = 0; rr < 8; ++rr) {
+      const vf al = vexp_neg(mold - mnew);
+      for (int rr = 0; rr < SR; ++rr) {
         alpha[rb + rr] = al[rr];
         l[rb + rr] = l[rb + rr] * al[rr] + sums[rr];
       }
     }
-    for (int64_t rb = 0; rb < RP; rb += PR) {
-      v16 acc[PR][NC];
-      for (int rr = 0; rr < PR; ++rr)
-        for (int c = 0; c < NC; ++c)
-          acc[rr][c] = load16(&o[(rb + rr) * D + 16 * c]) * alpha[rb + rr];
-      for (int64_t t = 0; t < nt; ++t) {
-        v16 vv[NC];
-        for (int c = 0; c < NC; ++c) vv[c] = load16(vt + t * D + 16 * c);
-        for (int rr = 0; rr < PR; ++rr) {
-          const float w = p[(rb + rr) * KT + t];
-          for (int c = 0; c < NC; ++c) acc[rr][c] += w * vv[c];
+    for (int c0 = 0; c0 < NC; c0 += CB) {
+      for (int64_t rb = 0; rb < RP; rb += PR) {
+        vf acc[PR][CB];
+        for (int rr = 0; rr < PR; ++rr)
+          for (int c = 0; c < CB; ++c)
+            acc[rr][c] = loadv(&o[(rb + rr) * D + VW * (c0 + c)]) * alpha[rb + rr];
+        for (int64_t t = 0; t < nt; ++t) {
+          vf vv[CB];
+          for (int c = 0; c < CB; ++c) vv[c] = loadv(vt + t * D + VW * (c0 + c));
+          for (int rr = 0; rr < PR; ++rr) {
+            const float w = p[(rb + rr) * KT + t];
+            for (int c = 0; c < CB; ++c) acc[rr][c] += w * vv[c];
+          }
         }
+        for (int rr = 0; rr < PR; ++rr)
+          for (int c = 0; c < CB; ++c) storev(&o[(rb + rr) * D + VW * (c0 + c)], acc[rr][c]);
       }
-      for (int rr = 0; rr < PR; ++rr)
-        for (int c = 0; c < NC; ++c) store16(&o[(rb + rr) * D + 16 * c], acc[rr][c]);
     }
     t0 += nt;
   }
@@ -152,7 +164,7 @@ static void attend_tile(const float* q, int64_t H, int64_t G, int64_t kh, int64_
 
 // query [T, H, D] f32; k/v cache [NB, BS, KVH, D] f32; tables [B, MAXB] i32; cu [B + 1] i32;
 // lens [B] i32 (cache length including the chunk).
-template <int NC>
+template <int D>
 static torch::Tensor prefill(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor tables, torch::Tensor cu, torch::Tensor lens,
                              double scale) {
@@ -186,7 +198,7 @@ static torch::Tensor prefill(torch::Tensor query, torch::Tensor k_cache, torch::
     for (int64_t i = next++; i < N; i = next++) {
       const Item& it = items[i];
       const int64_t qlen = cq[it.b + 1] - cq[it.b];
-      attend_tile<NC>(q, H, G, it.kh, cq[it.b] + it.i0, it.n, ln[it.b] - qlen + it.i0, kc, vc,
+      attend_tile<D>(q, H, G, it.kh, cq[it.b] + it.i0, it.n, ln[it.b] - qlen + it.i0, kc, vc,
                       tb + it.b * MAXB, BS, KVH, sc, o);
     }
   });
@@ -197,11 +209,11 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_cache,
                                 torch::Tensor v_cache, torch::Tensor tables, torch::Tensor cu,
                                 torch::Tensor lens, double scale) {
   switch (query.size(2)) {
-    case 32: return prefill<2>(query, k_cache, v_cache, tables, cu, lens, scale);
-    case 64: return prefill<4>(query, k_cache, v_cache, tables, cu, lens, scale);
-    case 80: return prefill<5>(query, k_cache, v_cache, tables, cu, lens, scale);
-    case 96: return prefill<6>(query, k_cache, v_cache, tables, cu, lens, scale);
-    case 128: return prefill<8>(query, k_cache, v_cache, tables, cu, lens, scale);
+    case 32: return prefill<32>(query, k_cache, v_cache, tables, cu, lens, scale);
+    case 64: return prefill<64>(query, k_cache, v_cache, tables, cu, lens, scale);
+    case 80: return prefill<80>(query, k_cache, v_cache, tables, cu, lens, scale);
+    case 96: return prefill<96>(query, k_cache, v_cache, tables, cu, lens, scale);
+    case 128: return prefill<128>(query, k_cache, v_cache, tables, cu, lens, scale);
   }
   TORCH_CHECK(false, "prefill_attention: unsupported head dim ", query.size(2));
 }
