@@ -55,9 +55,9 @@ constexpr int64_t kQueryTile = 32;  // query positions per work item
 // tile: the K tile transposed once into kt [D][KT]; scores for SR rows at a time as two vectors
 // each (broadcast q[r][c] times kt[c]); the online softmax per row; then P V for PR rows and CB
 // vectors of the head dim at a time, with the accumulators in registers. SR, PR and CB keep
-// the accumulators within the 32 AVX-512 or 16 AVX2 registers. A row's arithmetic depends only on its own query, its
-// position and the keys, never on the other rows of the tile: a token's result is the same
-// however the prompt was chunked or batched.
+// the accumulators within the 32 AVX-512 or 16 AVX2 registers. A row's arithmetic depends only
+// on its own query, its position and the keys, never on the other rows of the tile: a token's
+// result is the same however the prompt was chunked or batched.
 template <int D>
 static void attend_tile(const float* q, int64_t H, int64_t G, int64_t kh, int64_t q_first,
                         int64_t npos, int64_t pos0, const float* kc, const float* vc,
