@@ -66,6 +66,8 @@ def _check(args: argparse.Namespace) -> None:
         raise CliError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
     if args.claim_idle <= 0 or args.drain_timeout <= 0:
         raise CliError("--claim-idle and --drain-timeout must be > 0")
+    if args.threads is not None and args.threads < 1:
+        raise CliError("--threads must be >= 1")
 
 
 def run(args: argparse.Namespace, role: str) -> int:

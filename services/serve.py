@@ -89,6 +89,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="dtype of the linear layers' matmuls alone (auto: --dtype); bfloat16 with "
         "--dtype float32 uses the CPU's bf16 instructions, the KV cache stays float32",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the engine's compute (default: one per core)",
+    )
     p.add_argument("--log-level", default=None)
 
 
@@ -100,6 +106,8 @@ def _check(args: argparse.Namespace) -> None:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise CliError("--num-blocks must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise CliError("--threads must be >= 1")
     for name in ("request_timeout", "drain_timeout"):
         if getattr(args, name) <= 0:
             raise CliError(f"--{name.replace('_', '-')} must be > 0")
@@ -132,6 +140,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             matmul_dtype=args.matmul_dtype,
             device=args.device,
             attention_backend=args.attention_backend,
+            num_threads=args.threads,
             cache=CacheConfig(
                 block_size=args.block_size,
                 num_blocks=args.num_blocks,

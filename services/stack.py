@@ -1,10 +1,14 @@
 """`kvserve stack`: the disaggregated topology on this machine, for development: a gateway,
 `--prefill` prefill workers and `--decode` decode workers as subprocesses, on one Redis (bus
-and prefix store). Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after a grace)."""
+and prefix store). The workers share the machine's cores: each gets `--threads-per-worker`
+torch threads (default: the cores divided among them, at least one), so that they do not
+oversubscribe the cores. Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after a
+grace)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -25,11 +29,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=9100, help="first worker's; 0: off")
     p.add_argument("--grace", type=float, default=40.0, help="seconds before SIGKILL on stop")
     p.add_argument("--request-timeout", type=float, default=600.0, help="the gateway's, seconds")
+    p.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=None,
+        help="torch threads of each worker (default: cores // workers, at least 1)",
+    )
     p.set_defaults(handler=run)
+
+
+def worker_threads(args: argparse.Namespace) -> int:
+    if args.threads_per_worker is not None:
+        return int(args.threads_per_worker)
+    return max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
 
 
 def commands(args: argparse.Namespace) -> list[list[str]]:
     base = [sys.executable, "-m", "kvserve.services.cli"]
+    threads = str(worker_threads(args))
     out = [
         [*base, "gateway", "--bus", args.redis, "--host", args.host, "--port", str(args.port),
          "--model", args.model, "--request-timeout", str(args.request_timeout)],
@@ -40,7 +57,7 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
             metrics = str(args.metrics_port + i) if args.metrics_port else "0"
             out.append(
                 [*base, role, "--bus", args.redis, "--store", args.redis, "--model", args.model,
-                 "--metrics-port", metrics]
+                 "--metrics-port", metrics, "--threads", threads]
             )  # fmt: skip
             i += 1
     return out
@@ -51,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--prefill and --decode must be >= 1")
     if not args.redis.startswith(("redis://", "rediss://")):
         raise CliError(f"--redis must be a redis:// URL, got {args.redis!r}")
+    if args.request_timeout <= 0:
+        raise CliError("--request-timeout must be > 0")
+    if args.grace < 0:
+        raise CliError("--grace must be >= 0")
+    if args.threads_per_worker is not None and args.threads_per_worker < 1:
+        raise CliError("--threads-per-worker must be >= 1")
     stopping = False
 
     def stop(_sig: int, _frame: object) -> None:

@@ -170,6 +170,8 @@ class EngineConfig:
             raise ValueError(
                 f"matmul_dtype must be one of {MATMUL_DTYPES}, got {self.matmul_dtype!r}"
             )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.num_threads}")
 
     @property
     def resolved_matmul_dtype(self) -> str:
