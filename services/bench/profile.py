@@ -52,7 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="PATH", help="default: the default model")
     p.add_argument("--store", default="memory://", help="prefix store URL, or none")
     p.add_argument("--store-format", default="native")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--out", default=None, metavar="DIR", help="write DIR/profile.json")
     serve_cli.add_engine_arguments(p)
 
