@@ -3,13 +3,14 @@ cpp_extension) that reads K/V in place from the paged cache. Same signature and 
 `reference.paged_decode_attention`, for float32 caches and head dims of 32, 64, 80, 96 or 128;
 anything else (and a machine where the build fails) uses the reference.
 
-Each query row takes a block 16 tokens at a time with everything in registers: 16 dot products
-reduced together into one vector of scores (a transpose-reduce, not 16 horizontal sums), a
-vectorized exp for the online softmax, then the 16 V rows accumulated. While it works on one
-block it prefetches the sequence's next block (whose address the hardware prefetcher cannot
-guess: blocks are scattered), a slice per query row. On a 2-core Xeon for a W1-like batch (110
-sequences x 300-550 tokens, 30 layers, blocks scattered): 1.8x the previous per-score kernel,
-and 1.4x of that gain is the prefetch.
+Each query row takes a block VW tokens at a time (the machine's vector width, cpp_build.SIMD:
+16 with AVX-512, 8 with AVX2) with everything in registers: VW dot products reduced together
+into one vector of scores (a transpose-reduce, not VW horizontal sums), a vectorized exp for
+the online softmax, then the VW V rows accumulated. While it works on one block it prefetches
+the sequence's next block (whose address the hardware prefetcher cannot guess: blocks are
+scattered), a slice per query row. On a 2-core Xeon for a W1-like batch (110 sequences x
+300-550 tokens, 30 layers, blocks scattered): 1.8x the previous per-score kernel, and 1.4x of
+that gain is the prefetch; on a 2-core AVX2 EPYC 10-12 GB/s from memory (`sum()` 16-25).
 
 Shared prefixes are read once (cascade attention, as FlashInfer and vLLM do it on GPUs):
 sequences whose block tables start with the same physical blocks (prefix-cache hits, n > 1
@@ -167,7 +168,7 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
         const int64_t id = tb[b0 * MAXB + blk];
         const int64_t nx = blk + 1 < shared[g] ? tb[b0 * MAXB + blk + 1] : -1;
         attend_block<D>(st, 0, M, kc + id * blk_stride, vc + id * blk_stride, BS, tok_stride,
-                         sc, next_block(kc, nx), next_block(vc, nx), nlines);
+                        sc, next_block(kc, nx), next_block(vc, nx), nlines);
       }
       for (int64_t j = 0; j < M; ++j) {
         const int64_t b = order[starts[g] + j], L = ln[b];
@@ -175,8 +176,8 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
           const int64_t id = tb[b * MAXB + t0 / BS];
           const int64_t nx = t0 + BS < L ? tb[b * MAXB + t0 / BS + 1] : -1;
           attend_block<D>(st, j, j + 1, kc + id * blk_stride, vc + id * blk_stride,
-                           std::min(BS, L - t0), tok_stride, sc,
-                           next_block(kc, nx), next_block(vc, nx), nlines);
+                          std::min(BS, L - t0), tok_stride, sc,
+                          next_block(kc, nx), next_block(vc, nx), nlines);
         }
         for (int64_t h = 0; h < H; ++h) {
           const int64_t r = j * H + h;

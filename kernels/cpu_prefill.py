@@ -3,15 +3,17 @@
 float32 with head dims 32/64/80/96/128: a C++ flash-attention kernel (built once with torch's
 cpp_extension, like the decode kernel) that reads K/V in place from the paged cache. A work item
 is 32 query positions of one sequence times the query heads of one KV head (K/V read once for
-the whole GQA group); it walks the keys up to its last position 32 at a time, in block-table
-order: the key tile transposed into [d][32] so that a query row's 32 scores are two vectors of
-broadcast-multiply-adds (8 rows at a time), the online softmax with a vectorized exp, then P V
-with the accumulators in registers. Tiles above the diagonal are never visited; the diagonal
+the whole GQA group); it walks the keys up to its last position 2 VW at a time (VW: the
+machine's vector width, 16 or 8), in block-table order: the key tile transposed into [d][2 VW]
+so that a query row's scores are two vectors of broadcast-multiply-adds (8 rows at a time with
+AVX-512, 6 with AVX2), the online softmax with a vectorized exp, then P V with the accumulators
+in registers. Tiles above the diagonal are never visited; the diagonal
 tile is masked per row. A row's arithmetic depends only on its own query, its position and the
 keys: a token's result does not depend on how its prompt was chunked or what else is in the
 batch. Work items go longest first to whichever thread is free (a static split would hand one
 thread the late, expensive tiles of a long prompt). Measured on a 2-core Xeon: 1.5-2.8x torch's
-flash kernel on W1-like steps (512 fresh tokens; 4 x 128; a chunk after a cached prefix).
+flash kernel on W1-like steps (512 fresh tokens; 4 x 128; a chunk after a cached prefix); on a
+2-core AVX2 EPYC 1.6-1.9x (2 x 256 fresh tokens).
 
 Other dtypes (bf16 models), other head dims and a machine without a compiler take torch's flash
 kernel, called so that it does no wasted work: a chunk of L new tokens after P cached ones is
