@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def worker_threads(args: argparse.Namespace) -> int:
     if args.threads_per_worker is not None:
-        return int(args.threads_per_worker)
+        return args.threads_per_worker
     return max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
 
 

@@ -398,14 +398,9 @@ def make_server(
         url = own.url if own is not None else str(redis_url)
         cmd = [_kvserve_exe(), "stack", "--redis", url, "--model", str(model), "--port", str(port)]
         # The arm's threads divided among the stack's 2 prefill + 1 decode workers.
-        cmd += [
-            "--prefill",
-            "2",
-            "--decode",
-            "1",
-            "--threads-per-worker",
-            str(max(1, threads // 3)),
-        ]
+        workers = {"--prefill": 2, "--decode": 1}
+        cmd += [str(x) for flag, n in workers.items() for x in (flag, n)]
+        cmd += ["--threads-per-worker", str(max(1, threads // sum(workers.values())))]
         cmd += timeout
         return ServerProcess(arm, cmd, port, "/ready", log, threads_env, redis=own)
     if arm == "llama-server":
