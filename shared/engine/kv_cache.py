@@ -6,6 +6,8 @@ dtype; for int8 / fp8 also per-(token, head) float32 scales [num_blocks, block_s
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +32,20 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     if dtype in KV_DTYPE_NAMES.values():
         per_layer += 2 * config.num_kv_heads * 4
     return per_layer * config.num_layers
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros, except that on the CPU the memory is a fresh anonymous mapping, which the
+    kernel hands out as zero pages on first touch: a 2 GiB cache costs nothing at start-up
+    (torch.zeros writes every page first, ~2 s here) and resident memory grows with the
+    blocks actually used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor holds a reference to the mapping: it is unmapped when the tensor is freed.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -80,8 +96,8 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.k = [zeros(shape, dtype, device) for _ in range(config.num_layers)]
+        self.v = [zeros(shape, dtype, device) for _ in range(config.num_layers)]
         self.quantized = dtype in KV_DTYPE_NAMES.values()
         scale_shape = shape[:3]
         self.k_scale: list[torch.Tensor | None] = [
