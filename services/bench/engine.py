@@ -14,13 +14,16 @@ from the vocabulary without the special ids (< 17) with a fixed seed; both arms 
 
 Then the machine, in the same run: read bandwidth, fp32 matmul FLOP/s, and the model's linear
 layers alone as chained F.linear calls at batch 1 and 32; and the engine's steady-state decode
-step at batch 1 and 32 (~256-token contexts), each timed step followed by the machine figure it
-is divided by (a bandwidth sample at batch 1, the bare chain at batch 32: both then see the
-machine in the same state). Printed ratios (targets, not asserted):
-  ratio            = kvserve tok/s / hf tok/s                                  (>= 5)
-  roofline_b1      = (weight + KV bytes) / bandwidth / engine step at batch 1  (>= 0.8)
-  linear_share_b32 = bare linear time at batch 32 / engine step at batch 32    (>= 0.8)
-  flop_frac_b32    = 2 * params * 32 / engine step at batch 32 / matmul peak
+step at batch 1 and 32 (~256-token contexts), each timed step followed by the machine figures it
+is divided by (at batch 1 a bandwidth sample and the engine's own linear kernels alone, at batch
+32 the bare chain: both then see the machine in the same state). Printed ratios (targets, not
+asserted):
+  ratio              = kvserve tok/s / hf tok/s                                  (>= 5)
+  roofline_b1        = (weight + KV bytes) / bandwidth / engine step at batch 1  (>= 0.8)
+  linear_roofline_b1 = weight bytes / bandwidth / the engine's linear kernels alone at batch 1
+                       (the ceiling of roofline_b1 with these kernels)
+  linear_share_b32   = bare linear time at batch 32 / engine step at batch 32    (>= 0.8)
+  flop_frac_b32      = 2 * params * 32 / engine step at batch 32 / matmul peak
 The last line printed is one JSON object with every number; --out DIR also gets engine.json
 (the same plus every recorded step), --plot PATH a PNG.
 """
@@ -36,14 +39,15 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from kvserve.services.bench.machine import (
     FP32_BYTES,
+    KernelChain,
     LinearChain,
     llama_linear_shapes,
     measure_machine,
@@ -280,7 +284,8 @@ class DecodeProbe:
     batch: int
     step_ms: float  # median over the timed steps
     mean_context: float  # KV tokens each sequence reads per step, averaged over the timed steps
-    paired_s: tuple[float, ...] = ()  # the paired measurement, run after each timed step
+    # The paired measurements by name, each timed once after every timed step.
+    paired_s: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def _count_tokens(outputs: list[RequestOutput], emitted: dict[str, int]) -> None:
@@ -295,11 +300,11 @@ def decode_step(
     context: int,
     steps: int,
     seed: int,
-    paired: Callable[[], object] | None = None,
+    paired: Mapping[str, Callable[[], object]] | None = None,
 ) -> DecodeProbe:
     """Median time of `steps` pure decode steps of `batch` sequences whose prompts are
     `context` tokens, after every prompt is prefilled and a few untimed decode steps.
-    `paired` (a machine measurement the step is compared with) is timed after each timed step,
+    `paired` (machine measurements the step is compared with) are timed after each timed step,
     outside it, so that both see the machine in the same state."""
     rng = random.Random(seed)
     budget = engine.scheduler.config.max_num_batched_tokens
@@ -313,21 +318,23 @@ def decode_step(
         _count_tokens(engine.step(), emitted)
     for _ in range(PROBE_WARMUP_STEPS):
         _count_tokens(engine.step(), emitted)
-    contexts, paired_s = [], []
+    contexts: list[float] = []
+    paired_s: dict[str, list[float]] = {name: [] for name in paired or {}}
     with timed_steps(engine) as records:
         for _ in range(steps):
             contexts.append(context + statistics.fmean(emitted.values()))
             _count_tokens(engine.step(), emitted)
-            if paired is not None:
+            for name, measure in (paired or {}).items():
                 t0 = time.perf_counter()
-                paired()
-                paired_s.append(time.perf_counter() - t0)
+                measure()
+                paired_s[name].append(time.perf_counter() - t0)
     for rid in emitted:
         engine.abort_request(rid)
     if any(r.num_seqs != batch or not r.decode_only for r in records):
         raise RuntimeError(f"decode probe at batch {batch} ran steps that were not pure decode")
     ms = statistics.median(r.seconds for r in records) * 1e3
-    return DecodeProbe(batch, ms, statistics.fmean(contexts), tuple(paired_s))
+    times = {name: tuple(ts) for name, ts in paired_s.items()}
+    return DecodeProbe(batch, ms, statistics.fmean(contexts), times)
 
 
 # ---- arm 2: Hugging Face transformers -------------------------------------------------------
@@ -419,11 +426,13 @@ def measure_roofline(model: ModelConfig, args: argparse.Namespace) -> Roofline:
 
 def paired_figures(args: argparse.Namespace, b1: DecodeProbe, b32: DecodeProbe) -> dict[str, float]:
     """The machine figures measured beside the probes' steps: read bandwidth (best sample, as
-    `memory_bandwidth_gb_s`) and the bare chain at batch 32 (median, as `median_ms`)."""
+    `memory_bandwidth_gb_s`), the engine's linear kernels alone at batch 1 and the bare chain
+    at batch 32 (medians, as `median_ms`)."""
     nbytes = ((args.bandwidth_mib << 20) // FP32_BYTES) * FP32_BYTES
     return {
-        "bandwidth_paired_b1_gb_s": nbytes / min(b1.paired_s) / 1e9,
-        "bare_linear_b32_paired_ms": statistics.median(b32.paired_s) * 1e3,
+        "bandwidth_paired_b1_gb_s": nbytes / min(b1.paired_s["bandwidth"]) / 1e9,
+        "kernel_linear_b1_paired_ms": statistics.median(b1.paired_s["kernel_linear"]) * 1e3,
+        "bare_linear_b32_paired_ms": statistics.median(b32.paired_s["bare_linear"]) * 1e3,
     }
 
 
@@ -435,13 +444,17 @@ def roofline_ratios(
     paired: dict[str, float],
 ) -> dict[str, float]:
     """roofline_b1 and linear_share_b32 divide by the figures measured beside the steps (this
-    VM's bandwidth drifts by a third within minutes); flop_frac_b32 by the matmul peak."""
+    VM's bandwidth drifts by a third within minutes); flop_frac_b32 by the matmul peak.
+    linear_roofline_b1 is the engine's linear kernels alone against the same bandwidth: what
+    roofline_b1 would be if a step did nothing but its projections."""
     weight_bytes = roof.linear_params * FP32_BYTES
     kv_bytes = b1.mean_context * model.kv_bytes_per_token(FP32_BYTES)
-    ideal_b1_s = (weight_bytes + kv_bytes) / (paired["bandwidth_paired_b1_gb_s"] * 1e9)
+    bandwidth = paired["bandwidth_paired_b1_gb_s"] * 1e9
+    ideal_b1_s = (weight_bytes + kv_bytes) / bandwidth
     b32_flops = 2 * roof.linear_params * b32.batch / (b32.step_ms / 1e3)
     return {
         "roofline_b1": ideal_b1_s * 1e3 / b1.step_ms,
+        "linear_roofline_b1": weight_bytes / bandwidth * 1e3 / paired["kernel_linear_b1_paired_ms"],
         "linear_share_b32": paired["bare_linear_b32_paired_ms"] / b32.step_ms,
         "flop_frac_b32": b32_flops / (roof.matmul_gflop_s * 1e9),
     }
@@ -475,6 +488,7 @@ def print_report(summary: dict[str, Any]) -> None:
         f"engine decode step: b1 {s['engine_step_b1_ms']:.2f} ms, "
         f"b32 {s['engine_step_b32_ms']:.2f} ms (context ~{s['probe_context']}); beside them: "
         f"bandwidth {s['bandwidth_paired_b1_gb_s']:.1f} GB/s, "
+        f"the engine's linear kernels alone b1 {s['kernel_linear_b1_paired_ms']:.2f} ms, "
         f"bare linear b32 {s['bare_linear_b32_paired_ms']:.2f} ms"
     )
     print(
@@ -490,6 +504,10 @@ def print_report(summary: dict[str, Any]) -> None:
         )
     print(f"ratio kvserve/hf = {_verdict(s['ratio'], TARGET_RATIO)}")
     print(f"roofline_b1 = {_verdict(s['roofline_b1'], TARGET_ROOFLINE_B1)}")
+    print(
+        f"linear_roofline_b1 = {s['linear_roofline_b1']:.3f} "
+        "(the linear kernels alone: the ceiling of roofline_b1 with these kernels)"
+    )
     print(f"linear_share_b32 = {_verdict(s['linear_share_b32'], TARGET_LINEAR_SHARE_B32)}")
     print(f"flop_frac_b32 = {s['flop_frac_b32']:.3f}")
     print(json.dumps(s, sort_keys=True))
@@ -559,10 +577,15 @@ def measure_engine(
     kv, steps = _timed_phase("kvserve arm", functools.partial(run_kvserve, engine, requests))
     ones = torch.ones((args.bandwidth_mib << 20) // FP32_BYTES)
     chain = LinearChain(llama_linear_shapes(weights.config))
+    kernels = KernelChain(chain)
+    x1 = torch.randn(PROBE_BATCHES[0], chain.weights[0].shape[1])
     x32 = torch.randn(PROBE_BATCHES[1], chain.weights[0].shape[1])
-    pairs: dict[int, Callable[[], object]] = {
-        PROBE_BATCHES[0]: ones.sum,
-        PROBE_BATCHES[1]: functools.partial(chain.forward, x32),
+    pairs: dict[int, dict[str, Callable[[], object]]] = {
+        PROBE_BATCHES[0]: {
+            "bandwidth": ones.sum,
+            "kernel_linear": functools.partial(kernels.forward, x1),
+        },
+        PROBE_BATCHES[1]: {"bare_linear": functools.partial(chain.forward, x32)},
     }
     b1, b32 = (
         _timed_phase(

@@ -101,6 +101,23 @@ class LinearChain:
         return median_seconds(lambda: self.forward(x), repeats) * 1e3
 
 
+class KernelChain:
+    """The same weights through the engine's own linear layers (`llama.Linear`: the few-row
+    gemv kernel at batch 1-3, prepacked oneDNN above), chained the same way: what a decode
+    step's projections cost with nothing else in the step."""
+
+    def __init__(self, chain: LinearChain) -> None:
+        from kvserve.shared.model.llama import Linear
+
+        self.layers = [Linear(w) for w in chain.weights]
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x[:, : layer.in_features])
+        return x
+
+
 @dataclass(frozen=True)
 class MachineProfile:
     bandwidth_gb_s: float

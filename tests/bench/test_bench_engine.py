@@ -31,7 +31,9 @@ MEASURED_KEYS = (
     "engine_step_b1_ms",
     "engine_step_b32_ms",
     "bandwidth_paired_b1_gb_s",
+    "kernel_linear_b1_paired_ms",
     "bare_linear_b32_paired_ms",
+    "linear_roofline_b1",
 )
 HF_KEYS = ("hf_tok_s", "ratio")
 WORKLOAD = {
@@ -114,10 +116,16 @@ def test_step_ratios_use_the_figures_paired_with_the_steps(weights) -> None:  # 
     from the median paired run; the start-of-run figures only feed flop_frac_b32."""
     model_config = weights.config
     args = argparse.Namespace(bandwidth_mib=1)
-    b1 = DecodeProbe(1, 20.0, 100.0, (0.004, 0.001, 0.002))
-    b32 = DecodeProbe(32, 50.0, 100.0, (0.030, 0.040, 0.010))
+    b1 = DecodeProbe(
+        1,
+        20.0,
+        100.0,
+        {"bandwidth": (0.004, 0.001, 0.002), "kernel_linear": (0.018, 0.016, 0.012)},
+    )
+    b32 = DecodeProbe(32, 50.0, 100.0, {"bare_linear": (0.030, 0.040, 0.010)})
     paired = paired_figures(args, b1, b32)
     assert paired["bandwidth_paired_b1_gb_s"] == pytest.approx((1 << 20) / 0.001 / 1e9)
+    assert paired["kernel_linear_b1_paired_ms"] == pytest.approx(16.0)
     assert paired["bare_linear_b32_paired_ms"] == pytest.approx(30.0)
     roof = Roofline(999.0, 100.0, 1_000_000, 1.0, 1.0)  # start-of-run figures, unused here
     ratios = roofline_ratios(roof, model_config, b1, b32, paired)
@@ -125,3 +133,5 @@ def test_step_ratios_use_the_figures_paired_with_the_steps(weights) -> None:  # 
     kv = 100.0 * model_config.kv_bytes_per_token(4)
     want_b1 = (4_000_000 + kv) / (paired["bandwidth_paired_b1_gb_s"] * 1e9) * 1e3 / 20.0
     assert ratios["roofline_b1"] == pytest.approx(want_b1)
+    ideal_linear_ms = 4_000_000 / (paired["bandwidth_paired_b1_gb_s"] * 1e9) * 1e3
+    assert ratios["linear_roofline_b1"] == pytest.approx(ideal_linear_ms / 16.0)
