@@ -151,6 +151,10 @@ class WorkerPort(abc.ABC):
         """Deregister. Unacked deliveries stay pending (Redis) for another worker."""
 
 
+class BusUnavailableError(ConnectionError):
+    """The bus itself (Redis) cannot be reached."""
+
+
 class Bus(abc.ABC):
     """The gateway's end of the bus, and the factory of worker ports."""
 
@@ -164,7 +168,8 @@ class Bus(abc.ABC):
 
     @abc.abstractmethod
     async def ready(self) -> bool:
-        """Is at least one worker alive?"""
+        """Is at least one worker alive? Raises BusUnavailableError when the bus itself cannot
+        be reached (then nobody can tell)."""
 
     @abc.abstractmethod
     async def stats(self) -> dict[str, dict[str, Any]]:
@@ -413,10 +418,12 @@ class RedisBus(Bus):
         return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
     async def ready(self) -> bool:
+        from redis.exceptions import RedisError
+
         try:
             return bool(await self.live_workers())
-        except Exception:  # Redis down: not ready
-            return False
+        except (RedisError, OSError) as e:
+            raise BusUnavailableError(f"Redis is unreachable: {e}") from e
 
     async def stats(self) -> dict[str, dict[str, Any]]:
         names = await self.live_workers()

@@ -411,14 +411,12 @@ class Roofline:
     bare_linear_b32_ms: float
 
 
-def measure_roofline(model: ModelConfig, args: argparse.Namespace) -> Roofline:
+def measure_roofline(chain: LinearChain, args: argparse.Namespace) -> Roofline:
     machine = measure_machine(args.bandwidth_mib << 20, args.matmul_size)
-    shapes = llama_linear_shapes(model)
-    chain = LinearChain(shapes)
     return Roofline(
         machine.bandwidth_gb_s,
         machine.matmul_gflop_s,
-        num_params(shapes),
+        num_params(chain.shapes),
         chain.median_ms(PROBE_BATCHES[0], args.repeats),
         chain.median_ms(PROBE_BATCHES[1], args.repeats),
     )
@@ -568,15 +566,18 @@ class EngineSide:
 
 
 def measure_engine(
-    model_path: Path, weights: LoadedWeights, requests: list[BenchRequest], args: argparse.Namespace
+    model_path: Path,
+    weights: LoadedWeights,
+    requests: list[BenchRequest],
+    chain: LinearChain,
+    args: argparse.Namespace,
 ) -> EngineSide:
     """Arm 1, then the decode probes on the same (by then idle) engine, each step paired with
-    the machine figure it is divided by: a bandwidth sample (batch 1), the bare linear chain at
-    the same batch (batch 32)."""
+    the machine figures it is divided by: a bandwidth sample and the engine's linear kernels
+    alone (batch 1), the bare linear chain at the same batch (batch 32)."""
     engine = Engine(engine_config(model_path, requests, args, weights.config), weights=weights)
     kv, steps = _timed_phase("kvserve arm", functools.partial(run_kvserve, engine, requests))
     ones = torch.ones((args.bandwidth_mib << 20) // FP32_BYTES)
-    chain = LinearChain(llama_linear_shapes(weights.config))
     kernels = KernelChain(chain)
     x1 = torch.randn(PROBE_BATCHES[0], chain.weights[0].shape[1])
     x32 = torch.randn(PROBE_BATCHES[1], chain.weights[0].shape[1])
@@ -614,9 +615,10 @@ def run(args: argparse.Namespace) -> int:
     weights = _timed_phase("load weights", functools.partial(load_weights, model_path))
     model: ModelConfig = weights.config
     requests = make_requests(spec, model.vocab_size)
-    roof = _timed_phase("machine", functools.partial(measure_roofline, model, args))
-    side = measure_engine(model_path, weights, requests, args)
-    del weights  # the engine is gone; let the HF arm have the memory
+    chain = LinearChain(llama_linear_shapes(model))  # the bare chain, before W1 and beside b32
+    roof = _timed_phase("machine", functools.partial(measure_roofline, chain, args))
+    side = measure_engine(model_path, weights, requests, chain, args)
+    del chain, weights  # the engine is gone; let the HF arm have the memory
     gc.collect()
     hf = None
     if not args.skip_hf:

@@ -86,6 +86,7 @@ class LinearChain:
     No norms, activations, attention or Python around them: the floor of a step's cost."""
 
     def __init__(self, shapes: list[Shape]) -> None:
+        self.shapes = shapes
         self.weights = [torch.randn(out, inp) * 0.02 for out, inp in shapes]
 
     @torch.inference_mode()

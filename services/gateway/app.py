@@ -45,7 +45,7 @@ from kvserve.services.gateway.schema import (
     parse_completion,
 )
 from kvserve.services.warmup import check_prefix, prefix_ids
-from kvserve.shared.bus import Bus, EventStream
+from kvserve.shared.bus import Bus, BusUnavailableError, EventStream
 from kvserve.shared.model.tokenizer import ChatTemplateError
 from kvserve.shared.protocol import AdminRequest, GenerateRequest, TokenEvent
 from kvserve.shared.telemetry import (
@@ -245,7 +245,18 @@ class Gateway:
             return await self._traced(request, plan, salt)
 
     async def _require_worker(self) -> None:
-        if not await self.bus.ready():
+        try:
+            up = await self.bus.ready()
+        except BusUnavailableError:
+            raise APIError(
+                503,
+                "The event bus (Redis) is unreachable; retry shortly.",
+                "server_error",
+                None,
+                "bus_unavailable",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            ) from None
+        if not up:
             raise APIError(
                 503,
                 "No engine worker is ready yet; retry shortly.",
@@ -568,7 +579,11 @@ class Gateway:
     async def ready(self, request: web.Request) -> web.Response:
         if self.admission.draining:
             return web.json_response({"status": "draining"}, status=503)
-        if not await self.bus.ready():
+        try:
+            up = await self.bus.ready()
+        except BusUnavailableError:
+            return web.json_response({"status": "bus_unavailable"}, status=503)
+        if not up:
             return web.json_response({"status": "starting"}, status=503)
         return web.json_response({"status": "ready"})
 

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from kvserve.shared.bus import Bus, InProcessBus, RedisBus, RedisBusConfig
+from kvserve.shared.bus import Bus, BusUnavailableError, InProcessBus, RedisBus, RedisBusConfig
 from kvserve.shared.protocol import Cancel, ErrorInfo, GenerateRequest, TokenEvent
+
+from tests.redis_servers import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 
@@ -130,6 +132,13 @@ async def test_ready_and_stats_follow_live_workers(bus: Bus) -> None:
     await port.close()
     assert not await bus.ready()
     assert await bus.stats() == {}
+
+
+async def test_ready_raises_when_redis_is_unreachable() -> None:
+    bus = RedisBus(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    with pytest.raises(BusUnavailableError, match="Redis is unreachable"):
+        await bus.ready()
+    await bus.close()
 
 
 async def test_receive_times_out_empty(bus: Bus) -> None:

@@ -16,17 +16,19 @@ from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys, key_salt
 from kvserve.services.gateway.errors import APIError
 from kvserve.services.gateway.schema import ModelInfo
-from kvserve.shared.bus import Delivery, InProcessBus, WorkerPort
+from kvserve.shared.bus import Bus, Delivery, InProcessBus, RedisBus, WorkerPort
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.protocol import ErrorInfo, TokenEvent
 from kvserve.shared.store.hashing import validate_cache_salt
+
+from tests.redis_servers import free_port
 
 Script = Callable[[WorkerPort, Delivery], Awaitable[None]]
 
 
 class Harness:
-    def __init__(self, tokenizer: KVTokenizer, **config: Any) -> None:
-        self.bus = InProcessBus()
+    def __init__(self, tokenizer: KVTokenizer, bus: Bus | None = None, **config: Any) -> None:
+        self.bus = bus or InProcessBus()
         info = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size)
         self.gateway = Gateway(GatewayConfig(**config), self.bus, info)
         self.server = TestServer(self.gateway.app)
@@ -140,6 +142,20 @@ async def test_not_ready_without_worker_then_ready(harness: Harness) -> None:
     harness.gateway.start_draining()
     async with harness.session.get("/ready") as r:
         assert r.status == 503 and (await r.json()) == {"status": "draining"}
+
+
+async def test_redis_unreachable_is_not_reported_as_waiting_for_a_worker(
+    tokenizer: KVTokenizer,
+) -> None:
+    """With Redis down nobody can tell whether a worker is up: /ready and generation requests
+    say that the bus is unreachable, not that a worker is still starting."""
+    bus = RedisBus(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    async with Harness(tokenizer, bus=bus) as harness:
+        async with harness.session.get("/ready") as r:
+            assert r.status == 503 and (await r.json()) == {"status": "bus_unavailable"}
+        status, body, _ = await harness.post("/v1/completions", {"prompt": "hi"})
+        assert status == 503 and body["error"]["code"] == "bus_unavailable"
+    await bus.close()
 
 
 def test_key_salts_are_valid_distinct_and_nest_client_salts() -> None:
