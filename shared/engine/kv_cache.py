@@ -44,8 +44,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # The tensor holds a reference to the mapping: it is unmapped when the tensor is freed.
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    # Private (not mmap's default shared mapping, whose pages are allocated even when only
+    # read, and which a forked child would share). The tensor holds a reference to the
+    # mapping: it is unmapped when the tensor is freed.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)

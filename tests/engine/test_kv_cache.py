@@ -44,8 +44,8 @@ def test_a_cpu_cache_is_not_resident_until_its_blocks_are_written() -> None:
     size = sum(t.numel() * 4 for t in cache.k + cache.v)  # 4 layers x 2 x 8 MiB
     assert size == 64 * MIB
     before = resident_bytes()
-    for t in cache.k + cache.v:  # reading leaves the pages unmapped zero pages
-        assert torch.count_nonzero(t[:64]) == 0
+    for t in cache.k + cache.v:  # reading maps the kernel's shared zero page, nothing more
+        assert torch.count_nonzero(t) == 0
     read = resident_bytes()
     for t in cache.k:
         t.fill_(1.0)  # every page of K is now this process's memory
