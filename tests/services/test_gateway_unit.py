@@ -1,5 +1,6 @@
 """The gateway alone, over the in-process bus with a scripted worker (no engine): stream
-failures mid-way, deadlines, readiness, auth salts, admission."""
+failures mid-way, deadlines, readiness (also over a Redis bus with no Redis behind it), auth
+salts, admission."""
 
 from __future__ import annotations
 
