@@ -244,25 +244,25 @@ class Gateway:
         with self.admission.admit():
             return await self._traced(request, plan, salt)
 
-    async def _require_worker(self) -> None:
+    async def _readiness(self) -> str:
+        """ready, starting (no live worker) or bus_unavailable (Redis down: nobody can tell)."""
         try:
-            up = await self.bus.ready()
+            return "ready" if await self.bus.ready() else "starting"
         except BusUnavailableError:
+            return "bus_unavailable"
+
+    async def _require_worker(self) -> None:
+        status = await self._readiness()
+        if status != "ready":
+            bus_down = status == "bus_unavailable"
             raise APIError(
                 503,
-                "The event bus (Redis) is unreachable; retry shortly.",
+                "The event bus (Redis) is unreachable; retry shortly."
+                if bus_down
+                else "No engine worker is ready yet; retry shortly.",
                 "server_error",
                 None,
-                "bus_unavailable",
-                headers={"Retry-After": str(self.config.retry_after_s)},
-            ) from None
-        if not up:
-            raise APIError(
-                503,
-                "No engine worker is ready yet; retry shortly.",
-                "server_error",
-                None,
-                "not_ready",
+                "bus_unavailable" if bus_down else "not_ready",
                 headers={"Retry-After": str(self.config.retry_after_s)},
             )
 
@@ -579,13 +579,8 @@ class Gateway:
     async def ready(self, request: web.Request) -> web.Response:
         if self.admission.draining:
             return web.json_response({"status": "draining"}, status=503)
-        try:
-            up = await self.bus.ready()
-        except BusUnavailableError:
-            return web.json_response({"status": "bus_unavailable"}, status=503)
-        if not up:
-            return web.json_response({"status": "starting"}, status=503)
-        return web.json_response({"status": "ready"})
+        status = await self._readiness()
+        return web.json_response({"status": status}, status=200 if status == "ready" else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         with contextlib.suppress(Exception):  # a bus hiccup must not fail the scrape

@@ -41,7 +41,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     blocks actually used."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # Private (not mmap's default shared mapping, whose pages are allocated even when only

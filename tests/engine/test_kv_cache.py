@@ -17,18 +17,6 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def tiny_config(layers: int) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=layers,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_zeros_is_a_zero_filled_writable_tensor(dtype: torch.dtype) -> None:
     t = zeros((5, 16, 2, 8), dtype, "cpu")
@@ -40,7 +28,16 @@ def test_zeros_is_a_zero_filled_writable_tensor(dtype: torch.dtype) -> None:
 
 def test_a_cpu_cache_is_not_resident_until_its_blocks_are_written() -> None:
     gc.collect()
-    cache = KVCache(tiny_config(layers=4), num_blocks=4096, block_size=16, dtype=torch.float32)
+    config = ModelConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    cache = KVCache(config, num_blocks=4096, block_size=16, dtype=torch.float32)
     size = sum(t.numel() * 4 for t in cache.k + cache.v)  # 4 layers x 2 x 8 MiB
     assert size == 64 * MIB
     before = resident_bytes()
