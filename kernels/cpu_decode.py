@@ -23,23 +23,12 @@ sequence alone.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from kvserve.kernels import cpp_build, reference
 
-_SOURCE = (
-    cpp_build.SIMD
-    + r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cfloat>
-#include <cmath>
-#include <numeric>
-#include <vector>
-
+SOURCE = r"""
 // Online-softmax state of the query rows of M sequences x H heads (row j * H + h).
 struct Rows {
   int64_t H, G;
@@ -202,16 +191,15 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(false, "paged_decode: unsupported head dim ", query.size(2));
 }
 """
-)
+FUNCTIONS = ["paged_decode"]
 
 
 HEAD_DIMS = (32, 64, 80, 96, 128)  # the kernel's instantiations; others use the reference
 
 
-@functools.cache
 def _extension() -> Any | None:
-    """The compiled kernel, or None when it cannot be built here (logged once)."""
-    return cpp_build.load("cpu_decode", _SOURCE, ["paged_decode"])
+    """The compiled kernels (cpp_build.extension), or None where they cannot be built."""
+    return cpp_build.extension()
 
 
 def available() -> bool:

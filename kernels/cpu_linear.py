@@ -12,7 +12,6 @@ the kernel cannot be built or the input is not fp32 on the CPU: the caller uses 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -22,12 +21,7 @@ from kvserve.kernels import cpp_build
 # even at 4, 0.6x at 8, where oneDNN's GEMM reuses each weight load across rows.
 MAX_ROWS = 3
 
-_SOURCE = (
-    cpp_build.SIMD
-    + r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
+SOURCE = r"""
 // w . x over K floats in four independent vector accumulators. Not inlined, so that every row
 // of x is computed by the same instructions whatever the number of rows (-ffast-math would
 // otherwise let the compiler reorder the sums differently per call site).
@@ -61,12 +55,12 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
   return out;
 }
 """
-)
+FUNCTIONS = ["gemv"]
 
 
-@functools.cache
 def _extension() -> Any | None:
-    return cpp_build.load("cpu_linear", _SOURCE, ["gemv"])
+    """The compiled kernels (cpp_build.extension), or None where they cannot be built."""
+    return cpp_build.extension()
 
 
 def available() -> bool:

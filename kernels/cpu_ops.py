@@ -15,19 +15,12 @@ Each function returns None (or False) where the kernel cannot be built or does n
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from kvserve.kernels import cpp_build, reference
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <cstring>
-#include <vector>
-
+SOURCE = r"""
 // Rows per parallel_for task: about 32k floats of work, so that a decode step's few rows run
 // inline on the calling thread.
 static int64_t grain(int64_t row) {
@@ -160,15 +153,12 @@ std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
   return {ids, lse};
 }
 """
+FUNCTIONS = ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "argmax_logsumexp", "store_kv"]
 
 
-@functools.cache
 def _extension() -> Any | None:
-    return cpp_build.load(
-        "cpu_ops",
-        _SOURCE,
-        ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "argmax_logsumexp", "store_kv"],
-    )
+    """The compiled kernels (cpp_build.extension), or None where they cannot be built."""
+    return cpp_build.extension()
 
 
 def available() -> bool:

@@ -28,7 +28,6 @@ Quantized caches use the reference.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -38,17 +37,7 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 
 HEAD_DIMS = (32, 64, 80, 96, 128)  # the C++ kernel's instantiations
 
-_SOURCE = (
-    cpp_build.SIMD
-    + r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <atomic>
-#include <cfloat>
-#include <cmath>
-#include <numeric>
-#include <vector>
-
+SOURCE = r"""
 constexpr int64_t kQueryTile = 32;  // query positions per work item
 
 // One work item: the `npos` query positions starting at `pos0` (rows `q_first`.. of the query)
@@ -220,13 +209,12 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_cache,
   TORCH_CHECK(false, "prefill_attention: unsupported head dim ", query.size(2));
 }
 """
-)
+FUNCTIONS = ["prefill_attention"]
 
 
-@functools.cache
 def _extension() -> Any | None:
-    """The compiled kernel, or None when it cannot be built here (logged once)."""
-    return cpp_build.load("cpu_prefill", _SOURCE, ["prefill_attention"])
+    """The compiled kernels (cpp_build.extension), or None where they cannot be built."""
+    return cpp_build.extension()
 
 
 def available() -> bool:

@@ -11,3 +11,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q -e ".[dev]"
 .venv/bin/kvserve fetch-model
+# The C++ kernels for this CPU (~1 minute on 2 cores), so that the first engine does not wait for
+# the compiler; without a compiler kvserve runs on the torch fallbacks.
+.venv/bin/python -m kvserve.kernels.cpp_build || true
