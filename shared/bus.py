@@ -13,9 +13,10 @@ Two implementations:
   a request stays pending until its worker acks it, so a worker that dies leaves it pending and
   a live one claims it (XAUTOCLAIM after `claim_idle_s`; live workers refresh the idle time of
   what they hold on every heartbeat, so only a dead worker's messages go stale). Token events go
-  on `kvserve:out:{id}` (expiring), cancels on the broadcast stream `kvserve:cancel` that every
-  worker reads, plus a short-lived `kvserve:cancelled:{id}` key for requests not yet picked up.
-  Workers register in the sorted set `kvserve:workers` (score: last heartbeat) and publish
+  on `kvserve:out:{id}` (expiring), which a gateway reads for all its requests in one blocking
+  XREAD (woken through its `kvserve:wake:{id}` when it submits one); cancels on the broadcast
+  stream `kvserve:cancel` that every worker reads, plus a short-lived `kvserve:cancelled:{id}`
+  key for requests not yet picked up. Workers register in the sorted set `kvserve:workers` (score: last heartbeat) and publish
   their stats in the hash `kvserve:worker_stats`.
 
 Ownership: the gateway owns a request's event stream (it deletes the Redis key on close); a
@@ -337,41 +338,117 @@ class RedisBusConfig:
     # redis-py 8 gives up on a reply after 5 s; a host whose cores are saturated by the engines
     # (or a Redis busy with large store writes) stalls longer than that without being down.
     socket_timeout_s: float = 30.0
-    # Connections the client may open. Each request in flight at a gateway holds one while its
-    # event stream waits in XREAD, so a gateway needs more than it admits at once (redis-py's
-    # default, 100, raised "Too many connections" past the 100th request in flight, which the
-    # readiness check took for "no worker": 503s).
+    # Connections the client may open. The requests in flight at a gateway wait for their events
+    # on one connection (`_EventReader`), but a burst of submits and cancels takes one each
+    # while it runs, and redis-py raises "Too many connections" past the bound instead of
+    # waiting (its default, 100, failed the 101st request of a burst: 503s).
     max_connections: int = 1024
+    # How long the gateway's one XREAD waits before it is issued again (a new request wakes it
+    # at once); below socket_timeout_s.
+    read_block_ms: int = 1000
 
 
 class _RedisEventStream(EventStream):
+    """Events arrive in `_inbox` from the bus's `_EventReader` (lists of events, or the error
+    that stopped the reader)."""
+
     def __init__(self, bus: RedisBus, request: Work) -> None:
         super().__init__(request)
         self._bus = bus
-        self._key = bus.out_key(request.request_id)
-        self._last_id = "0-0"
+        self.key = bus.out_key(request.request_id)
+        self.last_id: bytes | str = "0-0"
+        self._inbox: asyncio.Queue[list[TokenEvent] | BaseException] = asyncio.Queue()
+
+    def deliver(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        events = []
+        for entry_id, fields in entries:
+            self.last_id = entry_id
+            try:
+                msg = decode(fields[b"m"])
+            except (ProtocolError, KeyError):
+                log.warning("dropping a malformed event on %s", self.key)
+                continue
+            if isinstance(msg, TokenEvent) and msg.request_id == self.request.request_id:
+                events.append(msg)
+        self._inbox.put_nowait(events)
+
+    def fail(self, error: BaseException) -> None:
+        self._inbox.put_nowait(error)
 
     async def _receive(self) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        item = await self._inbox.get()
         while True:
-            reply = await self._bus.redis.xread({self._key: self._last_id}, count=64, block=1000)
-            if reply:
-                break
-        events = []
-        for _stream, entries in reply:
-            for entry_id, fields in entries:
-                self._last_id = entry_id
-                try:
-                    msg = decode(fields[b"m"])
-                except (ProtocolError, KeyError):
-                    log.warning("dropping a malformed event on %s", self._key)
-                    continue
-                if isinstance(msg, TokenEvent) and msg.request_id == self.request.request_id:
-                    events.append(msg)
-        return events
+            if isinstance(item, BaseException):
+                raise item
+            events += item
+            if self._inbox.empty():
+                return events
+            item = self._inbox.get_nowait()
 
     async def close(self) -> None:
+        self._bus.reader.discard(self)
         with contextlib.suppress(Exception):
-            await self._bus.redis.delete(self._key)
+            await self._bus.redis.delete(self.key)
+
+
+class _EventReader:
+    """One task reads the event streams of every request a gateway has in flight, in one
+    blocking XREAD at a time over their keys and this reader's wake-up stream, and hands each
+    stream its entries (as vLLM's and SGLang's frontends read every request's output from one
+    socket). `submit` adds to the wake-up stream in the request's round trip, so a new request's
+    key joins the read at once. A gateway thus holds one waiting connection, not one per request
+    in flight. The task runs while any stream is open. A failed read is retried once (the
+    pool's connection may predate a Redis restart); a second failure in a row fails every open
+    stream (its gateway request fails, as a failed read of its own did before) and ends the
+    task."""
+
+    def __init__(self, bus: RedisBus) -> None:
+        self._bus = bus
+        self.wake_key = f"{bus.config.prefix}:wake:{uuid.uuid4().hex[:12]}"
+        self._wake_id: bytes | str = "0-0"
+        self._open: dict[str, _RedisEventStream] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, stream: _RedisEventStream) -> None:
+        self._open[stream.key] = stream
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+
+    def discard(self, stream: _RedisEventStream) -> None:
+        if self._open.get(stream.key) is stream:
+            del self._open[stream.key]
+
+    async def _run(self) -> None:
+        failed = False
+        while self._open:
+            keys: dict[str, bytes | str] = {self.wake_key: self._wake_id}
+            keys.update((key, s.last_id) for key, s in self._open.items())
+            try:
+                reply = await self._bus.redis.xread(
+                    keys, count=64, block=self._bus.config.read_block_ms
+                )
+            except Exception as e:
+                if not failed:  # once more, on a new connection (this one may predate a restart)
+                    failed = True
+                    continue
+                for stream in self._open.values():  # Redis down: every waiting request fails
+                    stream.fail(e)
+                self._open.clear()
+                return
+            failed = False
+            for name, entries in reply or []:
+                key = name.decode() if isinstance(name, bytes) else name
+                if key == self.wake_key:
+                    self._wake_id = entries[-1][0]
+                elif (target := self._open.get(key)) is not None:
+                    target.deliver(entries)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
 
 class RedisBus(Bus):
@@ -389,6 +466,7 @@ class RedisBus(Bus):
         self.cancel_key = f"{p}:cancel"
         self.workers_key = f"{p}:workers"
         self.stats_key = f"{p}:worker_stats"
+        self.reader = _EventReader(self)
 
     def out_key(self, request_id: str) -> str:
         return f"{self.config.prefix}:out:{request_id}"
@@ -398,7 +476,16 @@ class RedisBus(Bus):
 
     async def submit(self, request: Work) -> EventStream:
         stream = _RedisEventStream(self, request)
-        await self.redis.xadd(self.request_key, {b"m": encode(request)})
+        self.reader.add(stream)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(self.request_key, {b"m": encode(request)})
+        pipe.xadd(self.reader.wake_key, {b"w": b""}, maxlen=1, approximate=False)
+        pipe.expire(self.reader.wake_key, self.config.out_ttl_s)
+        try:
+            await pipe.execute()
+        except BaseException:
+            self.reader.discard(stream)
+            raise
         return stream
 
     async def cancel(self, request_id: str, reason: str = "client") -> None:
@@ -438,6 +525,9 @@ class RedisBus(Bus):
         return _RedisPort(self, name or f"worker-{uuid.uuid4().hex[:8]}")
 
     async def close(self) -> None:
+        await self.reader.close()
+        with contextlib.suppress(Exception):
+            await self.redis.delete(self.reader.wake_key)
         await self.redis.aclose()
 
 

@@ -70,7 +70,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
     log = get_logger("kvserve.gateway")
     info = await asyncio.to_thread(load_model_info, args.model, args.served_model_name)
-    # One connection per request in flight (its event stream), plus the gateway's own calls.
+    # Every request in flight waits for its events on one connection; a burst of submits and
+    # cancels takes one each while it runs (a bound, not a reservation).
     bus = RedisBus(args.bus, RedisBusConfig(max_connections=max(1024, 2 * args.max_queue)))
     gateway, runner, port = await start_gateway(args, bus, info)
     log.info("ready", url=f"http://{args.host}:{port}", model=info.name)

@@ -271,18 +271,23 @@ async def test_event_stream_outlasts_a_redis_stall_longer_than_redis_pys_timeout
     await port.ack(d)
     await stream.close()
     await port.close()
-    await admin.aclose()
     await bus.close()
 
 
+async def wait_for_blocked_clients(admin: Any, n: int) -> int:
+    deadline = time.monotonic() + 30
+    while (blocked := (await admin.info("clients"))["blocked_clients"]) < n:
+        assert time.monotonic() < deadline, f"never {n} blocked clients"
+        await asyncio.sleep(0.01)
+    return int(blocked)
+
+
 @pytest.mark.redis
-async def test_more_streams_in_flight_than_redis_pys_default_pool_all_complete(
-    redis_server: Any,
-) -> None:
-    """Each request in flight holds one of the gateway's connections while its event stream
-    waits in XREAD. redis-py's default pool (100 connections) raised "Too many connections"
-    past the 100th, and the gateway answered the rest with 503 "no worker ready"."""
-    bus = RedisBus(redis_server.url, RedisBusConfig(prefix="pool"))
+async def test_every_stream_in_flight_waits_on_one_connection(redis_server: Any) -> None:
+    """150 requests in flight at a gateway wait for their events in one XREAD, on a pool of 8
+    connections, and all complete. (Each stream used to wait in an XREAD of its own: a
+    connection per request in flight, and redis-py's default pool of 100 ran out.)"""
+    bus = RedisBus(redis_server.url, RedisBusConfig(prefix="pool", max_connections=8))
     workers = RedisBus(redis_server.url, RedisBusConfig(prefix="pool"))  # another process's
     port = workers.worker("w1")
     await port.start()
@@ -290,10 +295,7 @@ async def test_more_streams_in_flight_than_redis_pys_default_pool_all_complete(
     streams = [await bus.submit(request(rid)) for rid in rids]
     readers = [asyncio.create_task(anext(aiter(s))) for s in streams]
     admin = aioredis.Redis.from_url(redis_server.url)
-    deadline = time.monotonic() + 30
-    while (await admin.info("clients"))["blocked_clients"] < len(rids):  # all wait at once
-        assert time.monotonic() < deadline, "the streams never all waited in XREAD"
-        await asyncio.sleep(0.01)
+    assert await wait_for_blocked_clients(admin, 1) == 1
     assert await bus.ready()
     got: list[Any] = []
     while len(got) < len(rids):
@@ -308,4 +310,60 @@ async def test_more_streams_in_flight_than_redis_pys_default_pool_all_complete(
     await port.close()
     await admin.aclose()
     await workers.close()
+    await bus.close()
+
+
+@pytest.mark.redis
+async def test_a_new_request_wakes_the_waiting_read(redis_server: Any) -> None:
+    """With one request's read blocked for up to 20 s, a second request's events still arrive
+    at once: its submit wakes the read, which then includes its stream."""
+    bus = RedisBus(redis_server.url, RedisBusConfig(prefix="wake", read_block_ms=20_000))
+    port = bus.worker("w1")
+    await port.start()
+    admin = aioredis.Redis.from_url(redis_server.url)
+    first = await bus.submit(request("r1"))
+    first_reader = asyncio.create_task(anext(aiter(first)))
+    (d1,) = await port.receive(timeout=5)
+    await wait_for_blocked_clients(admin, 1)
+    second = await bus.submit(request("r2"))
+    (d2,) = await port.receive(timeout=5)
+    await port.emit(event(0, 0, "stop", rid="r2"))
+    got = await asyncio.wait_for(anext(aiter(second)), 10)
+    assert (got.request_id, got.finish_reason) == ("r2", "stop")
+    await port.emit(event(0, 0, "stop", rid="r1"))
+    assert (await asyncio.wait_for(first_reader, 10)).request_id == "r1"
+    for d in (d1, d2):
+        await port.ack(d)
+    await first.close()
+    await second.close()
+    await port.close()
+    await admin.aclose()
+    await bus.close()
+
+
+@pytest.mark.redis
+async def test_a_failed_read_fails_every_open_stream(redis_server: Any) -> None:
+    """Redis gone while requests wait: each stream raises the error (the gateway request
+    fails) instead of waiting forever, and the bus recovers for new requests once it is back."""
+    bus = RedisBus(redis_server.url, RedisBusConfig(prefix="down", socket_timeout_s=2))
+    streams = [await bus.submit(request(f"r{i}")) for i in range(3)]
+    readers = [asyncio.create_task(anext(aiter(s))) for s in streams]
+    admin = aioredis.Redis.from_url(redis_server.url)
+    await wait_for_blocked_clients(admin, 1)
+    await admin.aclose()
+    redis_server.kill()
+    results = await asyncio.wait_for(asyncio.gather(*readers, return_exceptions=True), 60)
+    assert all(isinstance(r, Exception) for r in results), results
+    for s in streams:
+        await s.close()
+    redis_server.restart()
+    port = bus.worker("w1")
+    await port.start()
+    stream = await bus.submit(request("r9"))
+    (d,) = await port.receive(timeout=5)
+    await port.emit(event(0, 0, "stop", rid="r9"))
+    assert (await asyncio.wait_for(anext(aiter(stream)), 10)).request_id == "r9"
+    await port.ack(d)
+    await stream.close()
+    await port.close()
     await bus.close()
