@@ -16,8 +16,8 @@ Two implementations:
   on `kvserve:out:{id}` (expiring), which a gateway reads for all its requests in one blocking
   XREAD (woken through its `kvserve:wake:{id}` when it submits one); cancels on the broadcast
   stream `kvserve:cancel` that every worker reads, plus a short-lived `kvserve:cancelled:{id}`
-  key for requests not yet picked up. Workers register in the sorted set `kvserve:workers` (score: last heartbeat) and publish
-  their stats in the hash `kvserve:worker_stats`.
+  key for requests not yet picked up. Workers register in the sorted set `kvserve:workers`
+  (score: last heartbeat) and publish their stats in the hash `kvserve:worker_stats`.
 
 Ownership: the gateway owns a request's event stream (it deletes the Redis key on close); a
 worker owns a delivery from `receive()` until it acks it.
