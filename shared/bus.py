@@ -409,8 +409,11 @@ class _EventReader:
         self._wake_id: bytes | str = "0-0"
         self._open: dict[str, _RedisEventStream] = {}
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     def add(self, stream: _RedisEventStream) -> None:
+        if self._closed:
+            raise BusUnavailableError("the bus is closed")
         self._open[stream.key] = stream
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
@@ -421,7 +424,7 @@ class _EventReader:
 
     async def _run(self) -> None:
         failed = False
-        while self._open:
+        while self._open and not self._closed:
             keys: dict[str, bytes | str] = {self.wake_key: self._wake_id}
             keys.update((key, s.last_id) for key, s in self._open.items())
             try:
@@ -445,10 +448,16 @@ class _EventReader:
                     target.deliver(entries)
 
     async def close(self) -> None:
+        # The flag as well as the cancel: redis-py can turn a cancelled read into an error,
+        # which the loop would take for a failed read and retry.
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for stream in self._open.values():  # nobody reads for them any more
+            stream.fail(BusUnavailableError("the bus is closed"))
+        self._open.clear()
 
 
 class RedisBus(Bus):

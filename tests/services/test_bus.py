@@ -342,6 +342,17 @@ async def test_a_new_request_wakes_the_waiting_read(redis_server: Any) -> None:
 
 
 @pytest.mark.redis
+async def test_closing_the_bus_ends_the_streams_still_open(rbus: RedisBus) -> None:
+    stream = await rbus.submit(request("r1"))
+    reader = asyncio.create_task(anext(aiter(stream)))
+    await rbus.reader.close()
+    with pytest.raises(BusUnavailableError):
+        await asyncio.wait_for(reader, 10)
+    with pytest.raises(BusUnavailableError):
+        await rbus.submit(request("r2"))
+
+
+@pytest.mark.redis
 async def test_a_failed_read_fails_every_open_stream(redis_server: Any) -> None:
     """Redis gone while requests wait: each stream raises the error (the gateway request
     fails) instead of waiting forever, and the bus recovers for new requests once it is back."""
