@@ -448,8 +448,9 @@ class _EventReader:
                     target.deliver(entries)
 
     async def close(self) -> None:
-        # The flag as well as the cancel: redis-py can turn a cancelled read into an error,
-        # which the loop would take for a failed read and retry.
+        # The flag as well as the cancel: redis-py can lose a cancellation (a blocked XREAD
+        # cancelled in a test returned normally, and the loop read on), so the loop also stops
+        # on the flag when its read returns, within read_block_ms.
         self._closed = True
         if self._task is not None:
             self._task.cancel()
