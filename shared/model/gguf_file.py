@@ -15,9 +15,13 @@ def open_gguf(path: str) -> Any:
     import numpy as np
 
     class Reader(gguf.GGUFReader):
-        """The reader on a plain ndarray view of its memory map: it slices the file once per
-        metadata value (~250,000 times for a 49k-token vocabulary), and a np.memmap slice costs
-        several times a plain one (parsing 3.5 s -> 1.3 s here)."""
+        """gguf's reader with two shortcuts that build the same fields (tested part for part):
+        its memory map viewed as a plain ndarray (it slices the file once per metadata value,
+        ~250,000 times for a 49k-token vocabulary, and a np.memmap slice costs several times a
+        plain one), and arrays of strings or scalars walked in one loop of plain slices instead
+        of a recursive call and a fresh view per element (parsing the default model: 5.9 s
+        with gguf's reader, 2.2 s with the first shortcut, 0.3 s with both, on a Zen 3
+        VM)."""
 
         @property
         def data(self) -> Any:
@@ -26,6 +30,33 @@ def open_gguf(path: str) -> Any:
         @data.setter
         def data(self, mapped: Any) -> None:
             self._data = mapped.view(np.ndarray)
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            kind = gguf.GGUFValueType
+            if kind(raw_type) != kind.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, count = kind(int(raw_itype[0])), int(alen[0])
+            offs = orig_offs + 12
+            parts = [raw_itype, alen]
+            if itype == kind.STRING:
+                length = np.dtype(np.uint64).newbyteorder(self.byte_order)
+                for _ in range(count):
+                    slen = self._data[offs : offs + 8].view(length)
+                    end = offs + 8 + int(slen[0])
+                    parts += (slen, self._data[offs + 8 : end])
+                    offs = end
+                idxs = list(range(3, 2 + 2 * count, 2))
+            elif (scalar := self.gguf_scalar_to_np.get(itype)) is not None:
+                dtype = np.dtype(scalar).newbyteorder(self.byte_order)
+                values = self._data[offs : offs + count * dtype.itemsize].view(dtype)
+                parts += (values[i : i + 1] for i in range(count))
+                idxs = list(range(2, 2 + count))
+                offs += count * dtype.itemsize
+            else:  # arrays of arrays
+                return super()._get_field_parts(orig_offs, raw_type)
+            return offs - orig_offs, parts, idxs, [kind.ARRAY, itype] if count else [kind.ARRAY]
 
     return Reader(path)
 
