@@ -105,11 +105,10 @@ def _positive_int(value: str, flag: str) -> int:
 
 
 def _load_gguf_config(path: Path, flag: str) -> ModelConfig:
-    import gguf
-    from kvserve.shared.model.loader import gguf_model_config  # imports torch: GGUF path only
+    from kvserve.shared.model.gguf_file import gguf_model_config, open_gguf  # no torch
 
     try:
-        return gguf_model_config(gguf.GGUFReader(path))
+        return gguf_model_config(open_gguf(str(path)))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CliError(f"{flag}: cannot read GGUF {path}: {e}") from None
 

@@ -369,12 +369,13 @@ def test_cli_default_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["kv_dtypes"]["bf16"]["fit"]["tokens"] == GiB // (16 * 23_040) * 16
 
 
-def test_no_torch_import() -> None:
+def test_no_torch_import(model_path: Path) -> None:
     code = (
         "import sys, json\n"
         "import kvserve.shared.capacity\n"
         "from kvserve.services.cli import main\n"
         "assert main(['capacity', '--preset', 'llama-3-8b', '--json']) == 0\n"
+        f"assert main(['capacity', '--model', {str(model_path)!r}, '--json']) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     result = subprocess.run(
