@@ -105,10 +105,12 @@ def _positive_int(value: str, flag: str) -> int:
 
 
 def _load_gguf_config(path: Path, flag: str) -> ModelConfig:
-    from kvserve.shared.model.gguf_file import gguf_model_config, open_gguf  # no torch
+    from kvserve.shared.model.gguf_file import GGUFReadError, gguf_model_config, open_gguf
 
     try:
         return gguf_model_config(open_gguf(str(path)))
+    except GGUFReadError as e:
+        raise CliError(f"{flag}: {e}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CliError(f"{flag}: cannot read GGUF {path}: {e}") from None
 

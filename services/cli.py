@@ -10,6 +10,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+from kvserve.shared.model.gguf_file import GGUFReadError
+
 # subcommand -> module under kvserve.services (imported lazily: `kvserve capacity` needs no torch)
 SUBCOMMANDS = {
     "fetch-model": "fetch_model",
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"kvserve {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, GGUFReadError) as e:  # no model, or not a model
         print(f"kvserve {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -37,3 +37,12 @@ def test_generate_missing_model_names_fetch_command(capsys, tmp_path) -> None:  
     assert cli.main(["generate", "hi", "--model", str(tmp_path / "nope.gguf")]) == 2
     err = capsys.readouterr().err
     assert "kvserve fetch-model" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("size", [24, 1000, None])  # cut after the header, in the vocabulary; junk
+def test_generate_unreadable_model_one_line(capsys, tmp_path, model_path, size) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(model_path.read_bytes()[:size] if size else b"not a gguf file at all")
+    assert cli.main(["generate", "hi", "--model", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve generate: error: cannot read GGUF") and err.count("\n") == 1

@@ -8,6 +8,10 @@ from typing import Any
 from kvserve.shared.config import ModelConfig
 
 
+class GGUFReadError(ValueError):
+    """A file that gguf cannot parse (not GGUF, truncated): a user error, one line."""
+
+
 @functools.lru_cache(maxsize=2)
 def open_gguf(path: str) -> Any:
     """One parsed GGUF file per path (weights and tokenizer both need it)."""
@@ -58,7 +62,10 @@ def open_gguf(path: str) -> Any:
                 return super()._get_field_parts(orig_offs, raw_type)
             return offs - orig_offs, parts, idxs, [kind.ARRAY, itype] if count else [kind.ARRAY]
 
-    return Reader(path)
+    try:
+        return Reader(path)
+    except (ValueError, KeyError, TypeError, IndexError) as e:  # IndexError: truncated
+        raise GGUFReadError(f"cannot read GGUF {path}: {e}") from e
 
 
 def gguf_field(reader: Any, key: str) -> Any:
