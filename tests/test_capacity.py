@@ -347,6 +347,18 @@ def test_cli_bad_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert len(err) == 3 and all(e.startswith("kvserve capacity: error: ") for e in err)
 
 
+@pytest.mark.parametrize("size", [24, 1000, 123_457, None])  # cut at a boundary; junk
+def test_cli_unreadable_gguf(
+    size: int | None, model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.gguf"
+    with model_path.open("rb") as f:
+        bad.write_bytes(f.read(size) if size else b"not a gguf file at all")
+    assert main(["capacity", "--model", str(bad)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("kvserve capacity: error: --model: cannot read GGUF")
+
+
 def test_cli_missing_default_model_says_how_to_fetch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
