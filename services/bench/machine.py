@@ -103,9 +103,9 @@ class LinearChain:
 
 
 class KernelChain:
-    """The same weights through the engine's own linear layers (`llama.Linear`: the few-row
-    gemv kernel at batch 1-3, prepacked oneDNN above), chained the same way: what a decode
-    step's projections cost with nothing else in the step."""
+    """The same weights through the engine's own linear layers (`llama.Linear`: the panel GEMM
+    of kernels/cpu_linear.py, or oneDNN where it does not apply), chained the same way: what a
+    decode step's projections cost with nothing else in the step."""
 
     def __init__(self, chain: LinearChain) -> None:
         from kvserve.shared.model.llama import Linear

@@ -31,11 +31,12 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Module):
-    """y = x @ W.T. On the CPU the weight is prepacked once for oneDNN (what torch.compile's
-    CPU backend does with frozen weights): 1.3x (batch 1) to 1.7x (batch 8) faster than
-    F.linear's BLAS path here. Up to three rows of x (decode at batch 1-3, where the layer only
-    streams its weight) go to kernels.cpu_linear instead, which reads the plain fp32 weight
-    kept beside the packed one at up to 1.6x oneDNN's speed. Elsewhere plain F.linear.
+    """y = x @ W.T. fp32 on the CPU: kernels.cpu_linear's GEMM over the weight packed once into
+    column panels (1.3-1.5x oneDNN's prepacked GEMM at 1-53 rows here, and a row's result does
+    not depend on the batch). Where that does not apply (bf16 matmuls, no compiler, more rows
+    than cpu_linear.max_rows() on an AVX2 machine) the weight prepacked for oneDNN (what
+    torch.compile's CPU backend does with frozen weights: 1.3-1.7x F.linear's BLAS path);
+    elsewhere plain F.linear. Only the copies a path needs are kept.
 
     `compute_dtype` (default: the weight's) is the dtype of the matmul itself: the weight is
     stored in it, the input is cast to it and the output back to the input's dtype (bfloat16
@@ -46,34 +47,34 @@ class Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = compute_dtype or weight.dtype
         weight = weight.to(self.compute_dtype)
+        self.panels: torch.Tensor | None = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.available():
+            self.panels = cpu_linear.pack(weight)
         self.packed: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        if self.panels is not None and cpu_linear.max_rows() is None:
+            return  # the panels take every input
         if _can_prepack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
             except RuntimeError:  # a torch build without the op's kernel
                 self.packed = None
-        few_rows = (
-            weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.available()
-        )
-        self.weight: torch.Tensor | None = (
-            weight.contiguous() if self.packed is None or few_rows else None
-        )
-        self.few_rows = few_rows
+        if self.packed is None:
+            self.weight = weight.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         y: torch.Tensor | None = None
-        if self.few_rows and x.shape[0] <= cpu_linear.MAX_ROWS:
-            assert self.weight is not None
-            y = cpu_linear.gemv(x, self.weight)
+        if self.panels is not None:
+            y = cpu_linear.linear(x, self.panels, self.out_features)
         if y is None and self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, None, "none", [], ""
             )
         if y is None:
-            assert self.weight is not None
+            assert self.weight is not None, "no matmul path for this input"
             y = F.linear(x, self.weight)
         return y if y.dtype == dtype else y.to(dtype)
 
