@@ -1,8 +1,9 @@
-"""KVCache tensors: zero-filled, of the cache dtype, and on the CPU not resident until used."""
+"""KVCache tensors: zero-filled, of the cache dtype, and on the CPU resident from the start."""
 
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 import torch
@@ -26,7 +27,9 @@ def test_zeros_is_a_zero_filled_writable_tensor(dtype: torch.dtype) -> None:
     assert torch.count_nonzero(t.float()) == 16
 
 
-def test_a_cpu_cache_is_not_resident_until_its_blocks_are_written() -> None:
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_cpu_cache_is_resident_as_soon_as_it_exists() -> None:
+    """Reserved at construction (no page fault in a decode step), and all zeros."""
     gc.collect()
     config = ModelConfig(
         vocab_size=32,
@@ -37,16 +40,14 @@ def test_a_cpu_cache_is_not_resident_until_its_blocks_are_written() -> None:
         num_kv_heads=2,
         head_dim=16,
     )
+    before = resident_bytes()
     cache = KVCache(config, num_blocks=4096, block_size=16, dtype=torch.float32)
     size = sum(t.numel() * 4 for t in cache.k + cache.v)  # 4 layers x 2 x 8 MiB
     assert size == 64 * MIB
-    before = resident_bytes()
-    for t in cache.k + cache.v:  # reading maps the kernel's shared zero page, nothing more
+    built = resident_bytes()
+    for t in cache.k + cache.v:
         assert torch.count_nonzero(t) == 0
-    read = resident_bytes()
-    for t in cache.k:
-        t.fill_(1.0)  # every page of K is now this process's memory
+        t.fill_(1.0)
     written = resident_bytes()
-    assert read - before < size // 4
-    assert written - read >= size // 2 - 4 * MIB
-    assert torch.count_nonzero(cache.v[0]) == 0
+    assert built - before >= size - 4 * MIB
+    assert written - built < 4 * MIB
