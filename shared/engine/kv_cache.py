@@ -45,9 +45,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     """torch.zeros, except that on the CPU the memory is a fresh private anonymous mapping on
     transparent huge pages (where the kernel offers them), made resident at once: the cache's
     memory is reserved at start-up, as a GPU server reserves its KV memory, and no step waits
-    for the kernel to fault in the pages of the blocks it writes. Faulted in by the writes
-    instead, W1 spent 5.5 of its 94 s writing K/V (first touches of a VM's memory are slow
-    here); populating 2 GiB at start takes 0.8-5.7 s, the same cost moved out of serving."""
+    for the kernel to fault in the pages of the blocks it writes (W1, paired runs here: 3.4-4.2
+    s of K/V writes with the pages faulted in by the writes, 2.0-2.4 s with them populated;
+    the wall time within noise). Populating 2 GiB takes 0.8-6.7 s at start on this VM."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
