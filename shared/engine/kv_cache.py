@@ -64,7 +64,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
             raise OSError(errno.EINVAL, "MADV_POPULATE_WRITE is Linux's")
         mapping.madvise(MADV_POPULATE_WRITE)
     except OSError as e:
-        if e.errno not in (errno.EINVAL, None):  # not just an older kernel: out of memory
+        if e.errno != errno.EINVAL:  # not just an older kernel: out of memory
             raise MemoryError(f"cannot reserve {nbytes} bytes of KV cache: {e}") from e
         # An older kernel: touch every page by writing the zeros it holds.
         tensor.zero_()
