@@ -26,6 +26,7 @@ from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.engine import RequestOutput
 from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest, TokenEvent
+from kvserve.shared.tasks import cancel_all, cancel_and_wait
 from kvserve.shared.telemetry import (
     GEN_AI_CACHED_TOKENS,
     GEN_AI_INPUT_TOKENS,
@@ -83,6 +84,7 @@ class EngineWorker:
         self._running: dict[str, _Running] = {}
         self._accepting = True
         self._loops: list[asyncio.Task[None]] = []
+        self._cancelling: set[asyncio.Task[None]] = set()  # cancel_and_wait of cancelled requests
 
     @property
     def num_running(self) -> int:
@@ -103,22 +105,14 @@ class EngineWorker:
         """Stop taking requests, let running ones finish (at most `drain_timeout` seconds),
         cancel the rest, deregister."""
         self._accepting = False
-        receive = self._loops[0] if self._loops else None
-        if receive is not None:
-            receive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await receive
+        if self._loops:
+            await cancel_and_wait(self._loops[0])  # receive
         tasks = [r.task for r in self._running.values()]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=drain_timeout)
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending)
-        for t in self._loops[1:]:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await cancel_all(pending)
+        await cancel_all(self._loops[1:])
+        await asyncio.gather(*self._cancelling)  # their requests have ended by now
         await self.port.close()
         log.info("worker stopped", worker=self.port.name)
 
@@ -151,7 +145,13 @@ class EngineWorker:
                 running = self._running.get(c.request_id)
                 if running is not None:
                     log.info("cancelling request", request_id=c.request_id, reason=c.reason)
-                    running.task.cancel()
+                    self._cancel(running.task)
+
+    def _cancel(self, task: asyncio.Task[None]) -> None:
+        """Cancel a request's task without waiting for it (the cancel loop reads on)."""
+        stopping = asyncio.create_task(cancel_and_wait(task))
+        self._cancelling.add(stopping)
+        stopping.add_done_callback(self._cancelling.discard)
 
     def _admit(self, d: Delivery) -> None:
         rid = d.request.request_id

@@ -48,6 +48,7 @@ from kvserve.shared.protocol import (
     decode,
     encode,
 )
+from kvserve.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -448,14 +449,9 @@ class _EventReader:
                     target.deliver(entries)
 
     async def close(self) -> None:
-        # The flag as well as the cancel: redis-py can lose a cancellation (a blocked XREAD
-        # cancelled in a test returned normally, and the loop read on), so the loop also stops
-        # on the flag when its read returns, within read_block_ms.
         self._closed = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)  # a single cancel can be lost in redis-py
         for stream in self._open.values():  # nobody reads for them any more
             stream.fail(BusUnavailableError("the bus is closed"))
         self._open.clear()
@@ -717,9 +713,7 @@ class _RedisPort(WorkerPort):
 
     async def close(self) -> None:
         if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
+            await cancel_and_wait(self._heartbeat_task)
         with contextlib.suppress(Exception):
             pipe = self._r.pipeline(transaction=False)
             pipe.zrem(self._bus.workers_key, self.name)

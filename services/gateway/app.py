@@ -48,6 +48,7 @@ from kvserve.services.warmup import check_prefix, prefix_ids
 from kvserve.shared.bus import Bus, BusUnavailableError, EventStream
 from kvserve.shared.model.tokenizer import ChatTemplateError
 from kvserve.shared.protocol import AdminRequest, GenerateRequest, TokenEvent
+from kvserve.shared.tasks import cancel_all
 from kvserve.shared.telemetry import (
     GEN_AI_CACHED_TOKENS,
     GEN_AI_CHOICE_COUNT,
@@ -508,10 +509,7 @@ class Gateway:
             log.info("warm-up job finished", job=job.id, status=job.status, **job.counts)
 
     async def _cancel_warmups(self, app: web.Application) -> None:
-        tasks = [j.task for j in self.warmups.values() if j.task is not None and not j.task.done()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(j.task for j in self.warmups.values() if j.task is not None)
 
     async def cache_warmup_status(self, request: web.Request) -> web.Response:
         job = self.warmups.get(request.match_info["id"])
@@ -741,9 +739,7 @@ class _Call:
                 if item[1].error is not None:
                     return
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
 
     def _observe(self, event: TokenEvent) -> None:
         if not event.token_ids:
