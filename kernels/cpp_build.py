@@ -153,7 +153,7 @@ HEADERS = r"""
 #include <vector>
 """
 
-KERNELS = ("cpu_ops", "cpu_linear", "cpu_decode", "cpu_prefill")
+KERNELS = ("cpu_ops", "cpu_linear", "cpu_decode", "cpu_decoder", "cpu_prefill")
 
 
 def combined_source() -> tuple[str, list[str]]:

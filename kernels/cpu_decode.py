@@ -218,7 +218,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     ext = _extension()
     fp32 = query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-    supported = fp32 and query.shape[-1] in HEAD_DIMS and query.device.type == "cpu"
+    supported = fp32 and query.shape[-1] in HEAD_DIMS and query.is_cpu
     if ext is None or not supported or k_scale is not None:
         return reference.paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale

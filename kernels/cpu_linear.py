@@ -183,7 +183,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
     """x [M, K] @ W.T for W packed by `pack`, or None where this input is not for the kernel
     (not fp32 on the CPU, more than max_rows() rows, no compiled kernel)."""
     ext = _extension()
-    if ext is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+    if ext is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2:
         return None
     limit = max_rows()
     if limit is not None and x.shape[0] > limit:

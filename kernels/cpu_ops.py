@@ -166,7 +166,11 @@ def available() -> bool:
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    # A loop, not all() over a generator: this runs ~150 times in a batch-1 decode step.
+    for t in tensors:  # noqa: SIM110
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -233,7 +237,12 @@ def store_kv(
     """`reference.store_kv` in one call for fp32 caches (each token's K and V rows copied to
     their slots); quantized and other caches go to the reference."""
     ext = _extension()
-    rows_contiguous = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+    rows_contiguous = (
+        key.stride(2) == 1
+        and key.stride(1) == key.shape[2]
+        and value.stride(2) == 1
+        and value.stride(1) == value.shape[2]
+    )
     if (
         ext is None
         or not _applies(key, value, k_cache, v_cache)

@@ -72,9 +72,10 @@ class ModelRunner:
 
     def _output_rows(
         self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq], meta: AttentionMetadata
-    ) -> OutputRows:
+    ) -> OutputRows | None:
         """The sampling rows (each sampling chunk's last token, then the decodes that sample)
-        and attention metadata for them alone: each such chunk as a one-token chunk."""
+        and attention metadata for them alone: each such chunk as a one-token chunk. None
+        when that is every row of the step (a pure decode step)."""
         rows: list[int] = []
         chunks = []
         offset = 0
@@ -85,6 +86,8 @@ class ModelRunner:
                 chunks.append(i)
         keep = [j for j, s in enumerate(decodes) if s.samples]
         rows += [offset + j for j in keep]
+        if len(rows) == offset + len(decodes):
+            return None
         dev = self.device
         pick = torch.tensor(chunks, dtype=torch.long, device=dev)
         dpick = torch.tensor(keep, dtype=torch.long, device=dev)

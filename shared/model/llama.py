@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvserve.kernels import cpu_linear, cpu_ops
+from kvserve.kernels import cpu_decoder, cpu_linear, cpu_ops
 from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.config import ModelConfig
 from kvserve.shared.engine.kv_cache import KVCache
@@ -77,6 +77,11 @@ class Linear(nn.Module):
             assert self.weight is not None, "no matmul path for this input"
             y = F.linear(x, self.weight)
         return y if y.dtype == dtype else y.to(dtype)
+
+
+def _panels(linear: Linear) -> torch.Tensor:
+    assert linear.panels is not None
+    return linear.panels
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -324,6 +329,22 @@ class LlamaModel(nn.Module):
             lm_head = self.embed
         self.lm_head = Linear(lm_head, matmul_dtype)
         self.rope = RotaryEmbedding(config)
+        self.decoder_weights = self._decoder_weights()
+
+    def _decoder_weights(self) -> tuple[list[torch.Tensor], ...] | None:
+        """Each layer's weights as kernels.cpu_decoder takes them, or None where some layer
+        has no cpu_linear panels (or its norms are not fp32)."""
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        linears = [(x.attn.qkv, x.attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
+        if any(lin.panels is None for group in linears for lin in group):
+            return None
+        norms = [x.post_attn_norm.weight for x in layers] + [self.norm.weight]
+        if any(w.dtype != torch.float32 for w in norms):
+            return None
+        panels = [[_panels(group[j]) for group in linears] for j in range(4)]
+        nexts = [x.input_norm.weight.data for x in layers[1:]] + [self.norm.weight.data]
+        posts = [x.post_attn_norm.weight.data for x in layers]
+        return (*panels, posts, nexts)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -349,6 +370,8 @@ class LlamaModel(nn.Module):
         rope = self.rope(positions, x.dtype)
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         h = layers[0].input_norm(x)
+        if out_rows is None and self._decodes_in_cpp(x, meta, cache, backend):
+            return self._decode_in_cpp(x, h, rope, meta, cache)
         for i, layer in enumerate(layers):
             last = i + 1 == len(layers)
             if last and out_rows is not None:
@@ -359,6 +382,44 @@ class LlamaModel(nn.Module):
             h = layer.post_attn_norm.add(a, x)
             h = (self.norm if last else layers[i + 1].input_norm).add(layer.mlp(h), x)
         return h
+
+    def _decodes_in_cpp(
+        self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache, backend: AttentionBackend
+    ) -> bool:
+        """A pure decode step whose every kernel is the C++ one the Python path would call."""
+        return (
+            self.decoder_weights is not None
+            and meta.num_prefill_tokens == 0
+            and backend.name == "cpu"
+            and x.dtype == torch.float32
+            and cache.k_scale[0] is None
+            and cpu_decoder.applies(x.shape[0], self.config.head_dim)
+        )
+
+    def _decode_in_cpp(
+        self, x: torch.Tensor, h: torch.Tensor, rope: Rope, meta: AttentionMetadata, cache: KVCache
+    ) -> torch.Tensor:
+        assert self.decoder_weights is not None
+        c = self.config
+        return cpu_decoder.decode_layers(
+            x,
+            h,
+            *self.decoder_weights,
+            cache.k,
+            cache.v,
+            rope.positions,
+            rope.cos_table,
+            rope.sin_table,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.head_dim**-0.5,
+            c.rms_norm_eps,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in float32."""

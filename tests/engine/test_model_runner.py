@@ -63,3 +63,53 @@ def test_sampling_rows_alone_match_the_full_forward(make_engine, backend: str) -
     torch.testing.assert_close(out.logits, want, atol=1e-4, rtol=1e-4)
     for got, full in zip(step_kv(), full_kv, strict=True):  # every layer's K/V, the last too
         assert torch.equal(got, full)
+
+
+def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results(  # type: ignore[no-untyped-def]
+    make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kernels.cpu_decoder takes pure decode steps (and nothing else) and gives bit-identical
+    hidden states and K/V to the Python path, so a sequence's tokens do not depend on
+    whether its step had prompt chunks in it."""
+    from kvserve.kernels import cpu_decoder
+
+    engine = make_engine(num_blocks=64, enable_prefix_caching=False)
+    runner, model = engine.runner, engine.runner.model
+    if model.decoder_weights is None or not cpu_decoder.applies(3, model.config.head_dim):
+        pytest.skip("no C++ kernels on this machine")
+    real, calls = cpu_decoder.decode_layers, []
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(cpu_decoder, "decode_layers", counted)
+    g = torch.Generator().manual_seed(1)
+    toks = [torch.randint(20, 40000, (n,), generator=g).tolist() for n in (40, 33, 17, 60)]
+    seqs = [_seq(engine, i, t, 0) for i, t in enumerate(toks)]
+    for s in seqs[:3]:  # every prompt but its last token cached, by a prompt chunk in Python
+        runner.forward(Batch(scheduled=[ScheduledSeq(s, len(s.token_ids) - 1)]))
+        s.num_computed_tokens = len(s.token_ids) - 1
+    assert calls == []
+    bs = engine.block_size
+    last = [len(s.token_ids) - 1 for s in seqs[:3]]
+    slots = torch.tensor(
+        [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs[:3], last, strict=True)]
+    )
+
+    def step_kv() -> list[torch.Tensor]:
+        return [k.view(-1, *k.shape[2:])[slots].clone() for k in runner.cache.k + runner.cache.v]
+
+    decode = Batch(scheduled=[ScheduledSeq(s, 1) for s in seqs[:3]])
+    _, in_cpp = runner.forward(decode)
+    cpp_kv = step_kv()
+    assert calls == [3]
+    weights, model.decoder_weights = model.decoder_weights, None
+    _, in_python = runner.forward(decode)
+    model.decoder_weights = weights
+    assert torch.equal(in_cpp, in_python)
+    for a, b in zip(cpp_kv, step_kv(), strict=True):
+        assert torch.equal(a, b)
+    # A step with a prompt chunk in it stays in Python.
+    runner.forward(Batch(scheduled=[ScheduledSeq(seqs[0], 1), ScheduledSeq(seqs[3], 60)]))
+    assert calls == [3]
