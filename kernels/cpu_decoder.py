@@ -33,6 +33,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch:
                             torch::Tensor tables, torch::Tensor lens, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                             double scale, double eps) {
+  // The step takes 20-130 ms here; the engine runs in a thread beside the server's event
+  // loop, which must not wait for it. Nothing below touches a Python object.
+  pybind11::gil_scoped_release no_gil;
   const int64_t B = x.size(0), H = x.size(1), L = static_cast<int64_t>(qkv.size());
   const int64_t rows = heads + 2 * kv_heads;
   TORCH_CHECK(o.size() == qkv.size() && gate_up.size() == qkv.size() &&
