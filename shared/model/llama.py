@@ -338,12 +338,11 @@ class LlamaModel(nn.Module):
         linears = [(x.attn.qkv, x.attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
         if any(lin.panels is None for group in linears for lin in group):
             return None
-        norms = [x.post_attn_norm.weight for x in layers] + [self.norm.weight]
-        if any(w.dtype != torch.float32 for w in norms):
+        posts = [x.post_attn_norm.weight.data for x in layers]
+        nexts = [x.input_norm.weight.data for x in layers[1:]] + [self.norm.weight.data]
+        if any(w.dtype != torch.float32 for w in posts + nexts):
             return None
         panels = [[_panels(group[j]) for group in linears] for j in range(4)]
-        nexts = [x.input_norm.weight.data for x in layers[1:]] + [self.norm.weight.data]
-        posts = [x.post_attn_norm.weight.data for x in layers]
         return (*panels, posts, nexts)
 
     @property
@@ -401,6 +400,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         assert self.decoder_weights is not None
         c = self.config
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
         return cpu_decoder.decode_layers(
             x,
             h,
@@ -417,7 +418,7 @@ class LlamaModel(nn.Module):
             c.num_kv_heads,
             c.head_dim,
             c.intermediate_size,
-            c.head_dim**-0.5,
+            first.attn.scale,
             c.rms_norm_eps,
         )
 
