@@ -1,211 +1,336 @@
-"""Build the C++ kernels for the CPU once, with torch's cpp_extension, keyed by this CPU.
+"""Build the C++ CPU kernels (kernels/csrc/) once per machine, and load them.
 
-Every kernel module (KERNELS) gives its C++ body (`SOURCE`) and the functions it exports
-(`FUNCTIONS`); `extension()` compiles them together, each in a namespace of its module's name,
-as one translation unit. Parsing torch's headers takes ~50 s of each compile on a 2-core VM and
-the kernels' own code a few seconds, so one module costs about a quarter of four.
-Binaries are compiled with -march=native, so the module name carries a hash of the CPU's flags
-and the source: another machine (or a changed kernel) builds its own. A machine where the build
-fails (no compiler, no ninja) gets None, logged once, and the callers fall back to torch.
-`python -m kvserve.kernels.cpp_build` builds it ahead of first use (ops/setup.sh does).
+The kernels compile with -march=native into one library,
+`<cache dir>/kernels/<name>_<key>.so`, whose key hashes everything that changes the binary: the
+sources, the compiler flags, this CPU's feature flags, torch's and Python's versions. A process
+loads the library it finds there and runs the compiler only when there is none (set-up builds it
+ahead: `python -m kvserve.kernels.cpp_build`).
+Another CPU, a changed kernel or another torch gets another key, hence a build of its own.
+
+Building never blocks for good and never leaves half a library behind:
+- one builder at a time per directory, under an `fcntl.flock` lock, which the kernel releases
+  when its holder dies, however it dies;
+- the compiler writes into a private temporary directory, and the finished library is renamed
+  into place (atomic within a file system): a reader finds a whole library or none;
+- a process that finds the lock held waits at most KVSERVE_KERNEL_WAIT_S seconds (default 300),
+  saying so in one line, then runs on torch's ops.
+Each library ends in a trailer (after the ELF image, which the dynamic loader ignores) holding its
+key and the SHA-256 of the bytes before it. A library whose trailer does not verify (truncated,
+damaged, not a library, built for another CPU or from other sources) is never handed to the
+dynamic loader (a truncated library kills a process with SIGBUS there): it is reported in one
+line, removed, and built again. Where no build succeeds (no compiler), the callers use torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
-import importlib
+import importlib.util
+import json
 import logging
+import os
 import platform
+import shutil
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-
-# Native float vectors for the kernels' inner loops, in GCC/Clang vector extensions: VW lanes,
-# 16 (one AVX-512 register) or 8 (one AVX2 register). A wider type than the machine's registers
-# would be split into pairs that the compiler spills to the stack in register-blocked loops
-# (the kernels ran 5-8x slower on an AVX2 EPYC when they used 16 lanes everywhere), so the
-# kernels size their register blocks in these vectors. Loads and stores are unaligned.
-SIMD = r"""
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#ifdef __AVX512F__
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
-
-static inline __attribute__((always_inline)) vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-static inline __attribute__((always_inline)) void storev(float* p, vf v) {
-  std::memcpy(p, &v, sizeof v);
-}
-static inline __attribute__((always_inline)) vf lanes() {  // {0, 1, ..., VW - 1}
-  vf v;
-  for (int i = 0; i < VW; ++i) v[i] = static_cast<float>(i);
-  return v;
-}
-static inline __attribute__((always_inline)) float hsum(vf v) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-#if VW == 16
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  const v8 a = v;
-#endif
-  const v4 b =
-      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// VW dot products' partial sums (a[i] holds dot i's lanes) -> one vector of the VW sums, lane i
-// = dot i: log2(VW) rounds of pairwise shuffles and adds (a transpose-reduce).
-static inline __attribute__((always_inline)) vf reducev(vf* a) {
-#if VW == 16
-  for (int i = 0; i < 8; ++i)
-    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
-                                   25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
-                                   19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
-                                   22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
-                                   21, 24, 25, 28, 29) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
-                                   22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
-#else
-  for (int i = 0; i < 4; ++i)
-    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int i = 0; i < 2; ++i)
-    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-  return __builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-         __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15);
-#endif
-}
-
-static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return a > b ? a : b; }
-
-static inline __attribute__((always_inline)) float hmax(vf v) {
-#if VW == 16
-  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-#else
-  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
-  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
-#endif
-  return std::max(v[0], v[1]);
-}
-
-// e^x for x <= 0 (softmax weights), 0 below -87: x = n ln2 + r with n = trunc(x log2 e), so
-// r in (-ln2, 0]; e^r by its Taylor series to degree 8 (relative error < 2e-7); then 2^n
-// written into the exponent.
-static inline __attribute__((always_inline)) vf vexp_neg(vf x) {
-  const vf xc = x < -87.f ? vf{} - 87.f : x;
-  const vi n = __builtin_convertvector(xc * 1.44269504f, vi);
-  const vf nf = __builtin_convertvector(n, vf);
-  const vf r = (xc - nf * 0.693145752f) - nf * 1.42860677e-6f;
-  vf p = r * (1.f / 40320) + 1.f / 5040;
-  p = p * r + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  vf scale;
-  const vi bits = (n + 127) << 23;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? vf{} : p * scale;
-}
-"""
+CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20")
+LDFLAGS = ("-fopenmp",)
+# Bump when the way a library is built or laid out changes (part of every key).
+LAYOUT = "1"
+TRAILER_MAGIC = b"KVSRVLIB"
+TRAILER_LEN = len(TRAILER_MAGIC) + 16 + 32  # magic, key (16 hex digits), sha256
+WAIT_ENV = "KVSERVE_KERNEL_WAIT_S"
+DEFAULT_WAIT_S = 300.0
 
 
-# What the kernels' bodies include, once, ahead of them (a body has no #include of its own).
-HEADERS = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <atomic>
-#include <cfloat>
-#include <cmath>
-#include <numeric>
-#include <vector>
-"""
-
-KERNELS = ("cpu_ops", "cpu_linear", "cpu_decode", "cpu_decoder", "cpu_prefill")
+class BadLibrary(Exception):
+    """A library file that must not be loaded."""
 
 
-def combined_source() -> tuple[str, list[str]]:
-    """The one translation unit of every kernel module, and the functions it exports."""
-    parts, functions = [SIMD, HEADERS], []
-    for name in KERNELS:
-        module = importlib.import_module(f"kvserve.kernels.{name}")
-        parts.append(f"namespace {name} {{\n{module.SOURCE}\n}}  // namespace {name}\n")
-        parts += [f"using {name}::{fn};\n" for fn in module.FUNCTIONS]
-        functions += module.FUNCTIONS
-    return "".join(parts), functions
+@dataclass(frozen=True)
+class Recipe:
+    """A Python extension module compiled from `main` (which includes the other `sources`).
+    `torch`: compiled and linked against torch (pybind11 bindings of torch tensors)."""
+
+    name: str
+    main: Path
+    sources: tuple[Path, ...]
+    cflags: tuple[str, ...] = CFLAGS
+    torch: bool = True
+    ldflags: tuple[str, ...] = LDFLAGS
+
+    @functools.cached_property
+    def key(self) -> str:
+        h = hashlib.sha256()
+        parts = [LAYOUT, platform.machine(), _cpu_flags(), sys.implementation.cache_tag]
+        if self.torch:
+            import torch
+
+            parts += [torch.__version__, str(torch.version.git_version)]
+        for part in [*parts, *self.cflags, "|", *self.ldflags]:
+            h.update(part.encode() + b"\0")
+        for path in sorted({self.main, *self.sources}):
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        return h.hexdigest()[:16]
+
+    @property
+    def module_name(self) -> str:
+        return f"{self.name}_{self.key}"
+
+    def commands(self, output: Path) -> list[list[str]]:
+        """The compiler calls that build the library at `output` (without its trailer): compile,
+        then link. Apart, so that -ffast-math stays out of the link: linked with it, GCC adds
+        crtfastmath.o, whose constructor sets flush-to-zero for the whole process on load."""
+        cxx = os.environ.get("CXX", "c++")
+        includes = [sysconfig.get_path("include", scheme="posix_prefix")]
+        libs: list[str] = []
+        defines = [f"-DKVSERVE_MODULE={self.module_name}"]
+        if self.torch:
+            from torch.utils.cpp_extension import include_paths, library_paths
+
+            includes += include_paths("cpu")
+            (lib,) = library_paths("cpu")
+            defines += [
+                f"-DTORCH_EXTENSION_NAME={self.module_name}",
+                "-DTORCH_API_INCLUDE_EXTENSION_H",
+            ]
+            libs = [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
+            libs.append("-ltorch_python")
+        isystem = [arg for inc in includes for arg in ("-isystem", inc)]
+        obj = str(output.with_suffix(".o"))
+        compile_ = [cxx, *defines, *isystem, *self.cflags, "-c", str(self.main), "-o", obj]
+        link = [cxx, "-shared", *self.ldflags, obj, "-o", str(output), *libs]
+        return [compile_, link]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def kernels_recipe() -> Recipe:
+    """The kvserve CPU kernels: csrc/module.cpp and the headers it includes."""
+    return Recipe("kvserve_kernels", CSRC / "module.cpp", tuple(sorted(CSRC.glob("*.h"))), CFLAGS)
+
+
+def kernel_dir() -> Path:
+    """`kernels/` under kvserve's cache directory (the rule of shared.config.cache_dir, which
+    this layer cannot import)."""
+    if root := os.environ.get("KVSERVE_CACHE_DIR"):
+        return Path(root) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvserve" / "kernels"
 
 
 @functools.cache
-def extension() -> Any | None:
-    """The compiled module of every CPU kernel, built on first use, or None."""
-    source, functions = combined_source()
-    return load("cpu_kernels", source, functions)
+def extension() -> ModuleType | None:
+    """The compiled CPU kernels (loaded, built first where absent), or None: use torch."""
+    return load_or_build(kernels_recipe(), kernel_dir())
 
 
-def cpu_tag(source: str) -> str:
+# ---- load --------------------------------------------------------------------------------------
+
+
+def library_path(recipe: Recipe, directory: Path) -> Path:
+    return directory / f"{recipe.module_name}.so"
+
+
+def _trailer(key: str, image: bytes) -> bytes:
+    return TRAILER_MAGIC + key.encode() + hashlib.sha256(image + key.encode()).digest()
+
+
+def verify(path: Path, key: str) -> None:
+    """Raise BadLibrary unless `path` is a whole library that was built for `key`."""
+    data = path.read_bytes()
+    image, trailer = data[:-TRAILER_LEN], data[-TRAILER_LEN:]
+    if len(data) <= TRAILER_LEN or not trailer.startswith(TRAILER_MAGIC):
+        raise BadLibrary("not a kvserve kernel library, or cut short")
+    if trailer[len(TRAILER_MAGIC) : len(TRAILER_MAGIC) + 16] != key.encode():
+        raise BadLibrary("built for another CPU, torch or source")
+    if trailer != _trailer(key, image):
+        raise BadLibrary("damaged (checksum mismatch)")
+
+
+def _import(recipe: Recipe, path: Path) -> ModuleType:
+    verify(path, recipe.key)
+    spec = importlib.util.spec_from_file_location(recipe.module_name, path)
+    assert spec is not None and spec.loader is not None
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha256((platform.machine() + flags + source).encode()).hexdigest()[:12]
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as e:
+        raise BadLibrary(f"cannot be loaded: {e}") from e
+    return module
 
 
-def load(name: str, source: str, functions: list[str]) -> Any | None:
-    """The compiled module `kvserve_{name}_{tag}` exposing `functions`, or None."""
-    from torch.utils.cpp_extension import load_inline
-
+def load_or_build(
+    recipe: Recipe, directory: Path, wait_s: float | None = None
+) -> ModuleType | None:
+    """The module of `recipe` from `directory`, built there first where it is absent or bad;
+    None where it cannot be built (logged once) or another builder holds the lock past
+    `wait_s` (default: KVSERVE_KERNEL_WAIT_S, else 300 s)."""
+    path = library_path(recipe, directory)
+    if path.exists():
+        try:
+            return _import(recipe, path)
+        except BadLibrary as e:
+            log.warning("kvserve: CPU kernel library %s %s; building it again", path, e)
+    if wait_s is None:
+        wait_s = float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
     try:
-        return load_inline(
-            name=f"kvserve_{name}_{cpu_tag(source)}",  # under torch's extensions directory
-            cpp_sources=[source],
-            functions=functions,
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as e:  # no compiler, no ninja, ...: the caller falls back to torch
-        log.warning("CPU kernel %s unavailable (%s); using torch", name, e)
+        directory.mkdir(parents=True, exist_ok=True)
+        with _build_lock(directory, wait_s) as locked:
+            if not locked:
+                log.warning(
+                    "kvserve: gave up after %.0f s waiting for the CPU kernels' build; "
+                    "using torch's ops",
+                    wait_s,
+                )
+                return None
+            return _load_or_build_locked(recipe, directory, path)
+    except OSError as e:
+        log.warning("kvserve: cannot build the CPU kernels in %s (%s); using torch", directory, e)
         return None
+
+
+def _load_or_build_locked(recipe: Recipe, directory: Path, path: Path) -> ModuleType | None:
+    if path.exists():  # built by the holder this process waited for (or still the bad one)
+        try:
+            return _import(recipe, path)
+        except BadLibrary:
+            path.unlink()
+    if not _compile(recipe, directory, path):
+        return None
+    try:
+        return _import(recipe, path)
+    except BadLibrary as e:
+        log.warning("kvserve: the CPU kernels just built %s; using torch's ops", e)
+        return None
+
+
+# ---- build -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path, wait_s: float) -> Iterator[bool]:
+    """Hold the directory's build lock (True), or give up after `wait_s` (False). The lock is an
+    flock, so a builder that dies, however, releases it."""
+    with open(directory / "build.lock", "a+") as f:
+        deadline = time.monotonic() + wait_s
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waiting:
+                    f.seek(0)
+                    holder = f.read().strip() or "another process"
+                    print(
+                        f"kvserve: waiting up to {wait_s:.0f} s for the CPU kernels that "
+                        f"{holder} is building",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    waiting = True
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.1)
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()}")
+            f.flush()
+            _remove_stale_builds(directory)
+            yield True
+        finally:
+            f.truncate(0)
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_stale_builds(directory: Path) -> None:
+    """Temporary directories of builders that died (only the lock holder builds)."""
+    for stale in directory.glob("build-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _compile(recipe: Recipe, directory: Path, path: Path) -> bool:
+    """Compile into a temporary directory, add the trailer, rename into place; False (logged)
+    where the compiler is missing or fails."""
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="build-", dir=directory))
+    try:
+        out = tmp / path.name
+        commands = recipe.commands(out)
+        if shutil.which(commands[0][0]) is None:
+            log.warning(
+                "kvserve: no C++ compiler (%s) for the CPU kernels; using torch", commands[0][0]
+            )
+            return False
+        print(
+            f"kvserve: building the CPU kernels for this machine into {directory} "
+            "(once; about a minute on 2 cores)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for command in commands:
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                (directory / f"{recipe.module_name}.log").write_text(done.stderr)
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                log.warning(
+                    "kvserve: the CPU kernels did not compile (%s; log in %s); using torch",
+                    last[:200],
+                    directory / f"{recipe.module_name}.log",
+                )
+                return False
+        image = out.read_bytes()
+        out.write_bytes(image + _trailer(recipe.key, image))
+        os.replace(out, path)
+        _record_build(directory, recipe, time.perf_counter() - t0)
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _record_build(directory: Path, recipe: Recipe, seconds: float) -> None:
+    """One line per compile in builds.log: when the kernels were built, by whom, how long."""
+    entry = {
+        "module": recipe.module_name,
+        "pid": os.getpid(),
+        "seconds": round(seconds, 1),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    with open(directory / "builds.log", "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def main() -> int:
     t0 = time.perf_counter()
-    built = extension() is not None
+    module = extension()
     seconds = time.perf_counter() - t0
-    print(f"CPU kernels {'ready' if built else 'unavailable (torch fallbacks)'} ({seconds:.0f} s)")
-    return 0 if built else 1
+    if module is None:
+        print(f"CPU kernels unavailable, torch's ops will be used ({seconds:.0f} s)")
+        return 1
+    print(f"CPU kernels ready ({seconds:.0f} s): {module.__file__}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -49,10 +50,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "'default' (disk tier under the cache directory) or 'none' (the default here)",
     )
     p.add_argument("--store-format", choices=STORE_FORMATS, default="native")
+    p.add_argument(
+        "--timings",
+        action="store_true",
+        help="print where start-up time went, as one JSON line on stderr (bench startup)",
+    )
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    started_at = time.time()
+    t0 = time.perf_counter()
     from kvserve.shared.engine.engine import Engine
     from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
     from kvserve.shared.store.base import check_store_url
@@ -78,22 +86,36 @@ def run(args: argparse.Namespace) -> int:
             check_store_url(store)
         except ValueError as e:
             raise CliError(f"--store: {e}") from e
+    imports_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = Engine(
         EngineConfig(
             model_path=args.model,
-            cache=CacheConfig(kv_dtype=args.kv_dtype),
+            cache=CacheConfig(kv_dtype=args.kv_dtype, populate="lazy"),
             store=StoreConfig(url=store, format=args.store_format),
             attention_backend=args.attention_backend,
         )
     )
+    load_s = time.perf_counter() - t0
     with engine:
-        return _generate(engine, args, params, time.perf_counter() - t0)
+        ttft, total = _generate(engine, args, params, load_s)
+    if args.timings:
+        timings = {
+            "handler_at": started_at,
+            "imports_s": imports_s,
+            "engine_s": {**engine.startup_s, "total": load_s},
+            "first_step_s": ttft,
+            "rest_s": total - ttft,
+            "done_at": time.time(),
+        }
+        print(json.dumps({"timings": timings}), file=sys.stderr)
+    return 0
 
 
 def _generate(
     engine: Engine, args: argparse.Namespace, params: SamplingParams, load_s: float
-) -> int:
+) -> tuple[float, float]:
+    """Stream the completion to stdout; (seconds to the first token, seconds in all)."""
     from kvserve.shared.engine.sampling_params import InvalidRequestError
 
     tok = engine.tokenizer
@@ -126,4 +148,4 @@ def _generate(
         f"{n_out} tokens in {total:.2f}s, {n_out / total if total else 0:.1f} tok/s]",
         file=sys.stderr,
     )
-    return 0
+    return first or 0.0, total

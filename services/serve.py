@@ -21,6 +21,7 @@ from kvserve.shared.config import (
     KV_DTYPES,
     MATMUL_DTYPES,
     MODEL_DTYPES,
+    POPULATE_MODES,
     STORE_FORMATS,
     default_model_path,
 )
@@ -74,6 +75,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    p.add_argument(
+        "--kv-populate",
+        choices=POPULATE_MODES,
+        default="background",
+        help="when the KV cache's memory becomes resident: before the engine serves (eager), "
+        "while it serves (background), or as blocks are written (lazy)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -146,6 +154,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                 num_blocks=args.num_blocks,
                 kv_dtype=args.kv_dtype,
                 enable_prefix_caching=not args.no_prefix_caching,
+                populate=args.kv_populate,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -188,7 +197,12 @@ async def _serve(args: argparse.Namespace) -> None:
         engine = load.result()
         worker = EngineWorker(bus.worker("engine-0"), engine)
         await worker.start()
-        log.info("ready", url=f"http://{args.host}:{port}", store=config.store.url)
+        log.info(
+            "ready",
+            url=f"http://{args.host}:{port}",
+            store=config.store.url,
+            startup_s={k: round(v, 4) for k, v in engine.engine.startup_s.items()},
+        )
         await stopper
     log.info("shutting down", drain_timeout_s=args.drain_timeout)
     gateway.start_draining()

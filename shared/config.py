@@ -96,6 +96,7 @@ class ModelConfig:
 
 
 KV_DTYPES = ("auto", "int8", "fp8")
+POPULATE_MODES = ("eager", "background", "lazy")
 
 
 @dataclass(frozen=True)
@@ -107,12 +108,17 @@ class CacheConfig:
     memory_budget_bytes: int = 2 << 30
     kv_dtype: str = "auto"  # "auto" = the model's dtype, or "int8" / "fp8"
     enable_prefix_caching: bool = True
+    # When the CPU cache's memory becomes resident: "eager" (before the engine exists),
+    # "background" (while it runs) or "lazy" (as blocks are first written); see KVCache.
+    populate: str = "background"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.populate not in POPULATE_MODES:
+            raise ValueError(f"populate must be one of {POPULATE_MODES}, got {self.populate!r}")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,17 @@ def test_one_image_for_all_kvserve_services(services: dict[str, dict[str, Any]])
     assert (ROOT / "ops" / "Dockerfile").is_file()
 
 
+def test_kernels_are_built_once_per_host(services: dict[str, dict[str, Any]]) -> None:
+    """Every kvserve container shares one volume for the CPU kernels (the first builds, the
+    others wait for it and load), which the image makes writable for the service user."""
+    compose = _load(ROOT / "compose.yaml")
+    assert "kernels" in compose["volumes"]
+    for name in APP_SERVICES:
+        assert "kernels:/models/kernels" in services[name]["volumes"]
+    dockerfile = (ROOT / "ops" / "Dockerfile").read_text()
+    assert "chown kvserve:kvserve /models/store /models/kernels" in dockerfile
+
+
 def test_commands(services: dict[str, dict[str, Any]]) -> None:
     gateway = [str(c) for c in services["gateway"]["command"]]
     assert gateway[0] == "gateway"

@@ -247,7 +247,9 @@ def engine_config(
         max(PROBE_BATCHES) * -(-probe_len // bs),
     )
     budget = (blocks + 1) * bs * kv_bytes_per_token(model, torch.float32)
-    cache = CacheConfig(memory_budget_bytes=max(CacheConfig().memory_budget_bytes, budget))
+    cache = CacheConfig(
+        memory_budget_bytes=max(CacheConfig().memory_budget_bytes, budget), populate="eager"
+    )
     return EngineConfig(
         model_path=str(model_path),
         dtype="float32",

@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "store": Benchmark("store", "prefix store: bytes/token and quality per format, TTFT, MB/s"),
     "serve": Benchmark("serve", "serving benchmark: an HTTP client (TTFT, TPOT, goodput, traces)"),
     "profile": Benchmark("profile", "where an engine step's time goes under a serve workload"),
+    "startup": Benchmark("startup", "start-up time of generate and serve, part by part"),
     "compare": Benchmark(
         "compare", "bench serve against kvserve, llama-server and HF, side by side"
     ),

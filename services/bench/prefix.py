@@ -63,7 +63,9 @@ class Bench:
     def engine(self, caching: bool, max_num_seqs: int = 128) -> Engine:
         cfg = EngineConfig(
             model_path=self.model,
-            cache=CacheConfig(enable_prefix_caching=caching, memory_budget_bytes=4 << 30),
+            cache=CacheConfig(
+                enable_prefix_caching=caching, memory_budget_bytes=4 << 30, populate="eager"
+            ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         )
         return Engine(cfg, tokenizer=self.tokenizer, weights=self.weights)

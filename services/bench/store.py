@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     def engine(store: StoreConfig | None = None, num_blocks: int = 512) -> Engine:
         cfg = EngineConfig(
             model_path=args.model,
-            cache=CacheConfig(num_blocks=num_blocks),
+            cache=CacheConfig(num_blocks=num_blocks, populate="eager"),
             store=store or StoreConfig(),
         )
         return Engine(cfg, tokenizer=tokenizer, weights=weights)

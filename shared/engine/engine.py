@@ -7,18 +7,21 @@ stops -> emit deltas. Not thread-safe: one thread drives it (see AsyncEngine for
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import hashlib
 import itertools
 import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+from kvserve.kernels import cpp_build
 from kvserve.kernels.backend import get_backend
 from kvserve.shared.config import DEFAULT_STORE, EngineConfig, ModelConfig, cache_dir
 from kvserve.shared.engine.beam_search import BeamSearch
@@ -131,6 +134,15 @@ def store_url(url: str) -> str:
 _T = TypeVar("_T")
 
 
+@contextlib.contextmanager
+def _timed(into: dict[str, float], name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        into[name] = time.perf_counter() - t0
+
+
 def _weak_callback(method: Callable[[_T], None]) -> Callable[[_T], None]:
     """`method` of an engine, called through a weak reference: the scheduler or pool holding it
     then keeps no reference cycle through the engine, so dropping an engine frees its KV cache
@@ -155,10 +167,14 @@ class Engine:
     ) -> None:
         """`weights` and `tokenizer` may be passed in to share one load between engines."""
         self.config = config
+        # Seconds each part of start-up took (kvserve bench startup reports them).
+        self.startup_s: dict[str, float] = {}
+        phase = functools.partial(_timed, self.startup_s)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         dtype = DTYPES[config.dtype]
-        loaded = weights or load_weights(config.model_path, dtype)
+        with phase("model_read"):
+            loaded = weights or load_weights(config.model_path, dtype)
         self.model_config: ModelConfig = loaded.config
         matmul = config.resolved_matmul_dtype
         # Other matmul numerics give other K/V: such blocks must not meet in a shared store.
@@ -167,10 +183,15 @@ class Engine:
             if matmul == config.dtype
             else hashlib.sha256(f"{loaded.fingerprint}/matmul={matmul}".encode()).hexdigest()
         )
-        self.tokenizer = tokenizer or KVTokenizer.from_path(config.model_path)
-        # Weights go to the device first: the model prepacks them for that device.
-        on_device = {k: v.to(config.device) for k, v in loaded.weights.items()}
-        model = LlamaModel(loaded.config, on_device, DTYPES[matmul]).eval()
+        with phase("tokenizer"):
+            self.tokenizer = tokenizer or KVTokenizer.from_path(config.model_path)
+        with phase("kernel_load"):
+            if torch.device(config.device).type == "cpu":
+                cpp_build.extension()
+        with phase("weight_packing"):
+            # Weights go to the device first: the model prepacks them for that device.
+            on_device = {k: v.to(config.device) for k, v in loaded.weights.items()}
+            model = LlamaModel(loaded.config, on_device, DTYPES[matmul]).eval()
         cc = config.cache
         self.kv_dtype = resolve_kv_dtype(cc.kv_dtype, dtype)
         self.block_size = cc.block_size
@@ -180,7 +201,10 @@ class Engine:
             // (kv_bytes_per_token(loaded.config, self.kv_dtype) * cc.block_size),
         )
         self.max_model_len = loaded.config.max_position_embeddings
-        cache = KVCache(loaded.config, num_blocks, cc.block_size, self.kv_dtype, config.device)
+        with phase("kv_cache"):
+            cache = KVCache(
+                loaded.config, num_blocks, cc.block_size, self.kv_dtype, config.device, cc.populate
+            )
         backend = get_backend(config.attention_backend, config.device)
         self.runner = ModelRunner(model, cache, backend)
         self.pool = BlockPool(num_blocks, enable_caching=cc.enable_prefix_caching)
@@ -200,7 +224,8 @@ class Engine:
         self.last_fetch: FetchResult | None = None  # the latest finished fetch (benchmarks)
         self.copy_in_s = 0.0  # total time spent copying host-tier blocks into the cache
         if config.store.url and cc.enable_prefix_caching:
-            self._open_tiers()
+            with phase("store"):
+                self._open_tiers()
         self.sampler = Sampler()
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids
@@ -241,6 +266,7 @@ class Engine:
 
     def close(self) -> None:
         """Write out queued blocks and close the store. The engine is unusable afterwards."""
+        self.runner.cache.close()
         if self.connector is not None:
             self.connector.close()
             self.connector = None

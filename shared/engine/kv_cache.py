@@ -6,16 +6,24 @@ dtype; for int8 / fp8 also per-(token, head) float32 scales [num_blocks, block_s
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
+import logging
 import math
 import mmap
+import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from kvserve.kernels.reference import dequantize_kv, quantize_kv
-from kvserve.shared.config import ModelConfig
+from kvserve.shared.config import POPULATE_MODES, ModelConfig
+
+log = logging.getLogger(__name__)
 
 KV_DTYPE_NAMES: dict[str, torch.dtype] = {
     "int8": torch.int8,
@@ -39,15 +47,14 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 # Linux's madvise(2) advice "fault every page in, writable, now" (5.14+; Python 3.11's mmap
 # module predates its constant).
 MADV_POPULATE_WRITE = 23
+_POPULATE_CHUNK = 64 << 20
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """torch.zeros, except that on the CPU the memory is a fresh private anonymous mapping on
-    transparent huge pages (where the kernel offers them), made resident at once: the cache's
-    memory is reserved at start-up, as a GPU server reserves its KV memory, and no step waits
-    for the kernel to fault in the pages of the blocks it writes (W1, paired runs here: 3.4-4.2
-    s of K/V writes with the pages faulted in by the writes, 2.0-2.4 s with them populated;
-    the wall time within noise). Populating 2 GiB takes 0.8-6.7 s at start on this VM."""
+    transparent huge pages (where the kernel offers them), not yet resident: `make_resident` makes
+    it so. A cache populated ahead of use reserves its memory as a GPU server reserves its KV
+    memory, and no step waits for the kernel to fault in the pages of the blocks it writes."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -56,19 +63,44 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     # Private (not mmap's default shared mapping, which a forked child would share). The tensor
     # holds a reference to the mapping: it is unmapped when the tensor is freed.
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    tensor = torch.frombuffer(mapping, dtype=torch.uint8)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
-    try:
-        if not sys.platform.startswith("linux"):
-            raise OSError(errno.EINVAL, "MADV_POPULATE_WRITE is Linux's")
-        mapping.madvise(MADV_POPULATE_WRITE)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # not just an older kernel: out of memory
-            raise MemoryError(f"cannot reserve {nbytes} bytes of KV cache: {e}") from e
-        # An older kernel: touch every page by writing the zeros it holds.
-        tensor.zero_()
-    return tensor.view(dtype).view(shape)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+
+
+@functools.cache
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """madvise(2) through ctypes, which releases the GIL for the call (mmap.madvise holds it,
+    and populating gigabytes takes seconds)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int], int], fn)
+
+
+def make_resident(tensors: Sequence[torch.Tensor], stop: threading.Event | None = None) -> bool:
+    """Fault in the CPU tensors' pages, writable, 64 MiB per call (`stop` ends it between
+    calls), never changing what they hold. False where the kernel lacks MADV_POPULATE_WRITE;
+    MemoryError where the memory is not there."""
+    madvise = _libc_madvise()
+    if madvise is None:
+        return False
+    for t in tensors:
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        flat = t.view(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), _POPULATE_CHUNK):
+            if stop is not None and stop.is_set():
+                return True
+            chunk = flat[start : start + _POPULATE_CHUNK]
+            if madvise(chunk.data_ptr(), chunk.numel(), MADV_POPULATE_WRITE):
+                err = ctypes.get_errno()
+                if err == errno.EINVAL:  # an older kernel
+                    return False
+                raise MemoryError(f"cannot reserve KV cache memory: {os.strerror(err)}")
+    return True
 
 
 @dataclass(frozen=True)
@@ -107,6 +139,12 @@ class BlockData:
 
 
 class KVCache:
+    """`populate` says when a CPU cache's memory becomes resident: "eager" before the
+    constructor returns (MemoryError if it is not there), "background" in a daemon thread
+    while the engine already runs (a server starts serving at once; the thread ends when done
+    or at `close`), "lazy" page by page as blocks are first written (a one-shot command that
+    touches a few blocks of a large cache)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -114,7 +152,10 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        populate: str = "eager",
     ) -> None:
+        if populate not in POPULATE_MODES:
+            raise ValueError(f"populate must be one of {POPULATE_MODES}, got {populate!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -131,6 +172,28 @@ class KVCache:
             torch.ones(scale_shape, dtype=torch.float32, device=device) if self.quantized else None
             for _ in range(config.num_layers)
         ]
+        self._stop_populating = threading.Event()
+        self._populating: threading.Thread | None = None
+        if populate == "eager" and not make_resident(self.k + self.v):
+            for t in self.k + self.v:  # an older kernel: touch every page by writing it
+                t.zero_()
+        elif populate == "background":
+            self._populating = threading.Thread(
+                target=self._populate_in_background, name="kv-populate", daemon=True
+            )
+            self._populating.start()
+
+    def _populate_in_background(self) -> None:
+        try:  # an older kernel: the pages are faulted in as blocks are written
+            make_resident(self.k + self.v, self._stop_populating)
+        except MemoryError as e:
+            log.warning("%s; the cache's pages are faulted in as blocks are written", e)
+
+    def close(self) -> None:
+        """Stop a background population (the tensors stay valid)."""
+        self._stop_populating.set()
+        if self._populating is not None:
+            self._populating.join()
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: make block `dst` hold what `src` holds, in every layer."""

@@ -27,27 +27,79 @@ def test_zeros_is_a_zero_filled_writable_tensor(dtype: torch.dtype) -> None:
     assert torch.count_nonzero(t.float()) == 16
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-def test_a_cpu_cache_is_resident_as_soon_as_it_exists() -> None:
+CONFIG = ModelConfig(
+    vocab_size=32,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+SIZE = 64 * MIB  # 4096 blocks of 16 tokens x 2 heads x 16 floats: 4 layers x 2 x 8 MiB
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc/self/statm"
+)
+
+
+def cache_of(populate: str) -> KVCache:
+    cache = KVCache(CONFIG, 4096, 16, torch.float32, populate=populate)
+    assert sum(t.numel() * 4 for t in cache.k + cache.v) == SIZE
+    return cache
+
+
+@linux_only
+def test_an_eager_cache_is_resident_as_soon_as_it_exists() -> None:
     """Reserved at construction (no page fault in a decode step), and all zeros."""
     gc.collect()
-    config = ModelConfig(
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-    )
     before = resident_bytes()
-    cache = KVCache(config, num_blocks=4096, block_size=16, dtype=torch.float32)
-    size = sum(t.numel() * 4 for t in cache.k + cache.v)  # 4 layers x 2 x 8 MiB
-    assert size == 64 * MIB
+    cache = cache_of("eager")
     built = resident_bytes()
     for t in cache.k + cache.v:
         assert torch.count_nonzero(t) == 0
         t.fill_(1.0)
     written = resident_bytes()
-    assert built - before >= size - 4 * MIB
+    assert built - before >= SIZE - 4 * MIB
     assert written - built < 4 * MIB
+
+
+@linux_only
+def test_a_lazy_cache_becomes_resident_as_blocks_are_written() -> None:
+    gc.collect()
+    before = resident_bytes()
+    cache = cache_of("lazy")
+    assert resident_bytes() - before < 4 * MIB
+    cache.k[0][:16].fill_(1.0)  # 16 blocks of one layer: 32 KiB
+    assert resident_bytes() - before < 8 * MIB
+    assert torch.count_nonzero(cache.k[0]) == 16 * 16 * 2 * 16
+    assert torch.count_nonzero(cache.v[3]) == 0
+
+
+@linux_only
+def test_a_background_cache_keeps_what_is_written_while_it_populates() -> None:
+    """The engine writes blocks while the thread faults the pages in: population never
+    changes a value, and once it is done the whole cache is resident."""
+    gc.collect()
+    before = resident_bytes()
+    cache = cache_of("background")
+    for layer, t in enumerate(cache.k + cache.v):
+        t[layer * 7 : layer * 7 + 3].fill_(float(layer + 1))
+    assert cache._populating is not None
+    cache._populating.join()
+    assert resident_bytes() - before >= SIZE - 4 * MIB
+    for layer, t in enumerate(cache.k + cache.v):
+        assert torch.count_nonzero(t) == 3 * 16 * 2 * 16
+        assert bool((t[layer * 7 : layer * 7 + 3] == layer + 1).all())
+
+
+def test_close_stops_a_background_population() -> None:
+    cache = cache_of("background")
+    cache.close()
+    assert cache._populating is not None and not cache._populating.is_alive()
+    cache.k[0].fill_(2.0)  # the tensors stay valid
+    assert bool((cache.k[0] == 2.0).all())
+
+
+def test_an_unknown_populate_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="populate must be one of"):
+        KVCache(CONFIG, 4, 16, torch.float32, populate="soon")

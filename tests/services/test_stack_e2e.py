@@ -6,7 +6,9 @@ last, and the traces of every process are checked for one trace per request."""
 from __future__ import annotations
 
 import json
+import re
 import signal
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -306,9 +308,15 @@ def test_killed_decode_worker_request_completes(
     text = next(it).choices[0].text
 
     def running_decoder() -> str | None:
-        workers = http.get("/v1/cache/stats").json()["workers"]
-        busy = [n for n, w in workers.items() if n.startswith("decode") and w["worker_requests"]]
-        return busy[0] if busy else None
+        """The decode worker computing the request, from its own /metrics (live, where the
+        gateway's view waits for a heartbeat and can miss a short decode)."""
+        for name, p in stack.procs.items():
+            if name.startswith("decode") and p.proc.poll() is None:
+                with urllib.request.urlopen(p.url, timeout=5) as resp:
+                    metrics = resp.read().decode()
+                if re.search(r"^kvserve:num_requests_running\{.*\} [1-9]", metrics, re.M):
+                    return name
+        return None
 
     name = poll_until(running_decoder, timeout=10)
     stack.procs[name].proc.send_signal(signal.SIGKILL)  # the other one claims the request

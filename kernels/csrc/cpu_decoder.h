@@ -1,0 +1,61 @@
+// The C++ kernels behind kernels/cpu_decoder.py (see its docstring); bound in module.cpp.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "simd.h"
+#include "cpu_ops.h"
+#include "cpu_linear.h"
+#include "cpu_decode.h"
+
+namespace cpu_decoder {
+
+// Every layer of the model for B decode tokens. x [B, H] is the residual stream, updated in
+// place; h [B, H] the first layer's input norm of it. Per layer i: the fused QKV, O,
+// gate/up and down weights as cpu_linear panels, the post-attention norm's weight and the
+// weight of the norm after the MLP (the next layer's input norm, the final norm after the
+// last), the layer's K and V caches [NB, BS, KVH, D]. Returns the final norm of x.
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> qkv,
+                            std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
+                            std::vector<torch::Tensor> down, std::vector<torch::Tensor> post_norm,
+                            std::vector<torch::Tensor> next_norm,
+                            std::vector<torch::Tensor> k_cache,
+                            std::vector<torch::Tensor> v_cache, torch::Tensor pos,
+                            torch::Tensor cos_t, torch::Tensor sin_t, torch::Tensor slots,
+                            torch::Tensor tables, torch::Tensor lens, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+                            double scale, double eps) {
+  // The step takes 20-130 ms here; the engine runs in a thread beside the server's event
+  // loop, which must not wait for it. Nothing below touches a Python object.
+  pybind11::gil_scoped_release no_gil;
+  const int64_t B = x.size(0), H = x.size(1), L = static_cast<int64_t>(qkv.size());
+  const int64_t rows = heads + 2 * kv_heads;
+  TORCH_CHECK(o.size() == qkv.size() && gate_up.size() == qkv.size() &&
+                  down.size() == qkv.size() && post_norm.size() == qkv.size() &&
+                  next_norm.size() == qkv.size() && k_cache.size() == qkv.size() &&
+                  v_cache.size() == qkv.size(),
+              "decode_layers: one of each per layer");
+  for (int64_t i = 0; i < L; ++i) {
+    auto t = cpu_linear::linear(h, qkv[i], rows * head_dim).view({B, rows, head_dim});
+    cpu_ops::rope_(t, heads + kv_heads, pos, cos_t, sin_t);
+    cpu_ops::store_kv(t.narrow(1, heads, kv_heads), t.narrow(1, heads + kv_heads, kv_heads),
+                      k_cache[i], v_cache[i], slots);
+    auto attn = cpu_decode::paged_decode(t.narrow(1, 0, heads).contiguous(), k_cache[i],
+                                         v_cache[i], tables, lens, scale);
+    auto a = cpu_linear::linear(attn.reshape({B, heads * head_dim}), o[i], H);
+    h = cpu_ops::add_rms_norm(a, x, post_norm[i], eps);
+    auto act = cpu_ops::silu_mul(cpu_linear::linear(h, gate_up[i], 2 * intermediate));
+    h = cpu_ops::add_rms_norm(cpu_linear::linear(act, down[i], H), x, next_norm[i], eps);
+  }
+  return h;
+}
+
+}  // namespace cpu_decoder

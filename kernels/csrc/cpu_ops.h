@@ -1,0 +1,150 @@
+// The C++ kernels behind kernels/cpu_ops.py (see its docstring); bound in module.cpp.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "simd.h"
+
+namespace cpu_ops {
+
+// Rows per parallel_for task: about 32k floats of work, so that a decode step's few rows run
+// inline on the calling thread.
+static int64_t grain(int64_t row) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(row, 1));
+}
+
+static inline void norm_row(const float* x, const float* w, float* o, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (x[i] * r);
+}
+
+// w * (x * rsqrt(mean(x^2) + eps)) for each row of x [T, n].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  const int64_t T = x.size(0), n = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(n), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) norm_row(xp + t * n, wp, op + t * n, n, eps);
+  });
+  return out;
+}
+
+// residual += x (in place), then rms_norm(residual).
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  const int64_t T = x.size(0), n = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(n), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* r = rp + t * n;
+      const float* a = xp + t * n;
+      for (int64_t i = 0; i < n; ++i) r[i] += a[i];
+      norm_row(r, wp, op + t * n, n, eps);
+    }
+  });
+  return out;
+}
+
+// Rotate heads [0, nrot) of qkv [T, heads, d] (rows contiguous) in place by the rows pos[t] of
+// the cos / sin tables [P, d] (rotate-half convention: x * cos + rotate_half(x) * sin).
+void rope_(torch::Tensor qkv, int64_t nrot, torch::Tensor pos, torch::Tensor cos_t,
+           torch::Tensor sin_t) {
+  const int64_t T = qkv.size(0), d = qkv.size(2), half = d / 2;
+  const int64_t row = qkv.stride(0);
+  float* xp = qkv.data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* cp = cos_t.data_ptr<float>();
+  const float* sp = sin_t.data_ptr<float>();
+  at::parallel_for(0, T, grain(nrot * d), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + pp[t] * d;
+      const float* s = sp + pp[t] * d;
+      for (int64_t h = 0; h < nrot; ++h) {
+        float* x = xp + t * row + h * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I].
+torch::Tensor silu_mul(torch::Tensor gu) {
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  auto out = torch::empty({T, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(2 * I), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = gp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// K and V of T tokens ([T, KVH, D] each, a token's heads contiguous) into the paged caches
+// [NB, BS, KVH, D] at flat slots[t] = block * BS + offset.
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+              torch::Tensor v_cache, torch::Tensor slots) {
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  at::parallel_for(0, T, grain(2 * row), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(kc + sp[t] * row, kp + t * ks, row * sizeof(float));
+      std::memcpy(vc + sp[t] * row, vp + t * vs, row * sizeof(float));
+    }
+  });
+}
+
+// Per row of logits [N, V]: the index of the (first) largest value and log(sum(exp(row))),
+// the max subtracted first. Two passes over the row; the second reads it from cache.
+std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
+  const int64_t N = logits.size(0), V = logits.size(1);
+  auto ids = torch::empty({N}, logits.options().dtype(torch::kLong));
+  auto lse = torch::empty({N}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* sp = lse.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = lp + r * V;
+      float mx = x[0];
+      for (int64_t i = 1; i < V; ++i) mx = std::max(mx, x[i]);
+      float sum = 0.f;
+      for (int64_t i = 0; i < V; ++i) sum += std::exp(x[i] - mx);
+      int64_t at = 0;
+      while (x[at] != mx) ++at;
+      ip[r] = at;
+      sp[r] = mx + std::log(sum);
+    }
+  });
+  return {ids, lse};
+}
+
+}  // namespace cpu_ops

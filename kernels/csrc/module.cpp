@@ -1,0 +1,23 @@
+// The CPU kernels as one Python extension module: every kernel header in one translation unit
+// (parsing torch's headers is most of a compile, so it happens once), bound with pybind11.
+// KVSERVE_MODULE is the module's name, which carries the build key (kernels/cpp_build.py): a
+// library built from other sources or flags, or for another CPU, has another name.
+#include "cpu_ops.h"
+#include "cpu_linear.h"
+#include "cpu_decode.h"
+#include "cpu_prefill.h"
+#include "cpu_decoder.h"
+
+PYBIND11_MODULE(KVSERVE_MODULE, m) {
+  m.def("rms_norm", &cpu_ops::rms_norm);
+  m.def("add_rms_norm", &cpu_ops::add_rms_norm);
+  m.def("rope_", &cpu_ops::rope_);
+  m.def("silu_mul", &cpu_ops::silu_mul);
+  m.def("argmax_logsumexp", &cpu_ops::argmax_logsumexp);
+  m.def("store_kv", &cpu_ops::store_kv);
+  m.def("linear", &cpu_linear::linear);
+  m.def("geometry", &cpu_linear::geometry);
+  m.def("paged_decode", &cpu_decode::paged_decode);
+  m.def("prefill_attention", &cpu_prefill::prefill_attention);
+  m.def("decode_layers", &cpu_decoder::decode_layers);
+}

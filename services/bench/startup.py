@@ -1,0 +1,144 @@
+"""`kvserve bench startup`: how long kvserve takes to start, and where the time goes.
+
+- generate: `kvserve generate PROMPT --timings` in a new process, from the spawn to its exit.
+  Parts: interpreter (spawn to the command's handler: Python, the CLI), imports (torch, the
+  engine), the engine's own parts (model_read: GGUF read and dequantization; tokenizer;
+  kernel_load; weight_packing; kv_cache: allocation, population lazy), first_step (the prompt
+  to its first token), rest (the other tokens), exit (the last token to the process's end).
+- serve: `kvserve serve --port P` from the spawn until GET /ready answers 200, polled every
+  10 ms. Parts: listening (the HTTP server is up, /health answers), the engine's parts (as
+  logged in its "ready" event; the KV cache populates in the background), ready.
+
+Each runs --repeats times, one after the other, on an otherwise idle machine; the medians are
+printed against the targets (generate <= 5 s, serve ready <= 10 s) and the last line is one JSON
+object with every run. The kernels are not built here: run set-up first (a missing library would
+be built by the first run, which this benchmark reports as kernel_load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvserve.services.bench.arms import _kvserve_exe, free_port
+from kvserve.services.bench.host import describe_cpu
+from kvserve.services.cli import CliError
+from kvserve.shared.config import default_model_path
+
+TARGETS_S = {"generate": 5.0, "serve": 10.0}
+ENGINE_PARTS = ("model_read", "tokenizer", "kernel_load", "weight_packing", "kv_cache", "store")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(default_model_path()), help="GGUF file or HF dir")
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parts", default="generate,serve", help="comma-separated: generate,serve")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--out", default=None, metavar="DIR", help="also write DIR/startup.json")
+
+
+def time_generate(args: argparse.Namespace) -> dict[str, float]:
+    cmd = [_kvserve_exe(), "generate", args.prompt, "--model", args.model]
+    cmd += ["--max-tokens", str(args.max_tokens), "--timings"]
+    spawned = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+    ended = time.time()
+    if done.returncode != 0:
+        raise RuntimeError(f"kvserve generate failed ({done.returncode}): {done.stderr[-2000:]}")
+    line = next(x for x in done.stderr.splitlines() if x.startswith('{"timings"'))
+    t = json.loads(line)["timings"]
+    engine = t["engine_s"]
+    parts = {
+        "interpreter": t["handler_at"] - spawned,
+        "imports": t["imports_s"],
+        **{k: engine[k] for k in ENGINE_PARTS if k in engine},
+        "first_step": t["first_step_s"],
+        "rest": t["rest_s"],
+        "exit": ended - t["done_at"],
+    }
+    return {**parts, "total": ended - spawned}
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def time_serve(args: argparse.Namespace, log: Path) -> dict[str, float]:
+    port = free_port()
+    cmd = [_kvserve_exe(), "serve", "--port", str(port), "--model", args.model]
+    base = f"http://127.0.0.1:{port}"
+    with log.open("w") as out:
+        spawned = time.time()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    listening = None
+    try:
+        while not _ready(base + "/ready"):
+            if listening is None and _ready(base + "/health"):
+                listening = time.time() - spawned
+            if proc.poll() is not None or time.time() - spawned > args.timeout:
+                raise RuntimeError(f"kvserve serve did not get ready; log {log}")
+            time.sleep(0.01)
+        ready = time.time() - spawned
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    engine = next(e for e in events if e.get("event") == "ready")["startup_s"]
+    return {
+        "listening": listening if listening is not None else ready,
+        **{k: engine[k] for k in ENGINE_PARTS if k in engine},
+        "total": ready,
+    }
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def report(name: str, runs: list[dict[str, float]]) -> str:
+    med = medians(runs)
+    target = TARGETS_S[name]
+    totals = ", ".join(f"{r['total']:.2f}" for r in runs)
+    lines = [f"{name}: {med['total']:.2f} s median (runs {totals}); target <= {target:.0f} s: "
+             + ("met" if med["total"] <= target else "NOT met")]  # fmt: skip
+    lines += [f"  {k:<15} {v * 1000:8.0f} ms" for k, v in med.items() if k != "total"]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(TARGETS_S)
+    if unknown or args.repeats < 1:
+        problem = f"--parts: unknown {sorted(unknown)}" if unknown else "--repeats must be >= 1"
+        raise CliError(problem)
+    out = Path(args.out) if args.out else None
+    log_dir = out or Path(os.environ.get("TMPDIR", "/tmp"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {describe_cpu()}")
+    results: dict[str, Any] = {"machine": describe_cpu()}
+    for name in parts:
+        runs = [
+            time_generate(args) if name == "generate" else time_serve(args, log_dir / "serve.log")
+            for _ in range(args.repeats)
+        ]
+        print(report(name, runs))
+        results[name] = {"runs": runs, "median": medians(runs), "target_s": TARGETS_S[name]}
+    if out is not None:
+        (out / "startup.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results))
+    return 0
