@@ -13,11 +13,11 @@ from kvserve.services.worker import EngineWorker, sampling_params_from_dict
 from kvserve.shared.bus import Delivery, WorkerPort, error_event
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.engine import RequestOutput
-from kvserve.shared.engine.sampling_params import (
+from kvserve.shared.protocol import ErrorInfo, GenerateRequest
+from kvserve.shared.sampling_params import (
     InvalidRequestError,
     SamplingParams,
 )
-from kvserve.shared.protocol import ErrorInfo, GenerateRequest
 from kvserve.shared.store.hashing import block_hashes
 from kvserve.shared.telemetry import (
     GEN_AI_CACHED_TOKENS,

@@ -22,7 +22,7 @@ from kvserve.shared.config import (
 
 if TYPE_CHECKING:
     from kvserve.shared.engine.engine import Engine
-    from kvserve.shared.engine.sampling_params import SamplingParams
+    from kvserve.shared.sampling_params import SamplingParams
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     started_at = time.time()
     t0 = time.perf_counter()
     from kvserve.shared.engine.engine import Engine
-    from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
+    from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
     from kvserve.shared.store.base import check_store_url
 
     if not args.prompt:
@@ -116,7 +116,7 @@ def _generate(
     engine: Engine, args: argparse.Namespace, params: SamplingParams, load_s: float
 ) -> tuple[float, float]:
     """Stream the completion to stdout; (seconds to the first token, seconds in all)."""
-    from kvserve.shared.engine.sampling_params import InvalidRequestError
+    from kvserve.shared.sampling_params import InvalidRequestError
 
     tok = engine.tokenizer
     ids = (

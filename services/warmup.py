@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_remote(args, jobs)
     from kvserve.shared.config import EngineConfig, StoreConfig
     from kvserve.shared.engine.engine import Engine
-    from kvserve.shared.engine.sampling_params import InvalidRequestError
     from kvserve.shared.model.tokenizer import ChatTemplateError
+    from kvserve.shared.sampling_params import InvalidRequestError
     from kvserve.shared.store.base import check_store_url
     from tqdm import tqdm
 

@@ -24,8 +24,8 @@ from typing import Any
 from kvserve.shared.bus import Delivery, WorkerPort, error_event
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.engine import RequestOutput
-from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest, TokenEvent
+from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.tasks import cancel_all, cancel_and_wait
 from kvserve.shared.telemetry import (
     GEN_AI_CACHED_TOKENS,

@@ -43,7 +43,7 @@ class ErrorInfo:
 @dataclass(frozen=True)
 class GenerateRequest:
     """A tokenized, validated request. `sampling` is SamplingParams as a plain dict (field
-    names of kvserve.shared.engine.sampling_params.SamplingParams); `deadline` is a Unix
+    names of kvserve.shared.sampling_params.SamplingParams); `deadline` is a Unix
     time after which the request is no longer worth running."""
 
     KIND: ClassVar[str] = "generate"

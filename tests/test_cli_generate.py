@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvserve.services import cli
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 
 def test_generate_prints_greedy_text(make_engine, tokenizer, capsys) -> None:  # type: ignore[no-untyped-def]

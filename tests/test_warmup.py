@@ -13,7 +13,7 @@ import redis
 from kvserve.services import cli
 from kvserve.services.warmup import prefix_ids
 from kvserve.shared.config import StoreConfig
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import block_hashes
 

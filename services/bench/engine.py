@@ -63,9 +63,9 @@ from kvserve.shared.config import (
 )
 from kvserve.shared.engine.engine import Engine, RequestOutput
 from kvserve.shared.engine.kv_cache import kv_bytes_per_token
-from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.engine.scheduler import Batch
 from kvserve.shared.model.loader import LoadedWeights, load_weights
+from kvserve.shared.sampling_params import SamplingParams
 
 FIRST_ORDINARY_TOKEN = 17  # ids below are special tokens in SmolLM2's vocabulary
 PROBE_BATCHES = (1, 32)

@@ -23,9 +23,9 @@ from kvserve.services.cli import CliError
 from kvserve.shared.config import CacheConfig, EngineConfig, default_model_path
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype
-from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.model.loader import load_weights
 from kvserve.shared.model.tokenizer import KVTokenizer
+from kvserve.shared.sampling_params import SamplingParams
 
 PROMPTS = [
     "Explain how a hash table works.",

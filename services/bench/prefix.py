@@ -26,9 +26,9 @@ from kvserve.services.bench.engine import WorkloadSpec, make_requests, random_pr
 from kvserve.services.cli import CliError
 from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_model_path
 from kvserve.shared.engine.engine import Engine
-from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.tokenizer import KVTokenizer
+from kvserve.shared.sampling_params import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 

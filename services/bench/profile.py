@@ -138,7 +138,7 @@ def run_workload(engine: Any, sessions: list[Any], timer: StepTimer) -> list[Ste
     """Submit each request at its arrival time (at once when it has none) and step until every
     request has finished; returns every step's timing."""
     from kvserve.services.bench.engine import timed_steps
-    from kvserve.shared.engine.sampling_params import SamplingParams
+    from kvserve.shared.sampling_params import SamplingParams
 
     pending = sorted(
         ((s.arrival_s or 0.0, i, s.turns[0]) for i, s in enumerate(sessions)),
@@ -217,7 +217,7 @@ def table(summary: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
     from kvserve.services.bench import serve
-    from kvserve.shared.engine.sampling_params import SamplingParams
+    from kvserve.shared.sampling_params import SamplingParams
 
     client_defaults = {"base_url": "http://in-process", "vocab_size": None, "timeout": 1.0,
                        "warmup_requests": 0, "max_concurrency": None}  # fmt: skip

@@ -157,7 +157,7 @@ def _formats(engine: Any, formats: list[str], args: argparse.Namespace) -> dict[
 
 
 def _first_token_s(engine: Any, rid: str, ids: list[int]) -> float:
-    from kvserve.shared.engine.sampling_params import SamplingParams
+    from kvserve.shared.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -233,7 +233,7 @@ def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def _throughput(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.services.bench.kvquant import reference_text
-    from kvserve.shared.engine.sampling_params import SamplingParams
+    from kvserve.shared.sampling_params import SamplingParams
     from kvserve.shared.store.base import open_store
     from kvserve.shared.store.codec import encode_block
     from kvserve.shared.store.hashing import BlockHash, block_hashes

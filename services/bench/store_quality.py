@@ -26,9 +26,9 @@ import torch
 from kvserve.kernels.reference import gather_kv, store_kv
 from kvserve.services.bench.kvquant import text_metrics
 from kvserve.shared.engine.engine import Engine
-from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
 from kvserve.shared.engine.sequence import BlockId, SeqId, Sequence
+from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.codec import DecodedBlock, decode_block, encode_block
 from kvserve.shared.store.hashing import BlockHash, chain_hash
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.services.gateway.errors import APIError, bad_request, unsupported
-from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.model.tokenizer import ChatTemplateError, KVTokenizer
+from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
 MAX_N = 16
 MAX_SEED = 2**63 - 1

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.shared.engine.engine import Engine, RequestOutput
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,9 @@ from kvserve.kernels.backend import get_backend
 from kvserve.shared.config import DEFAULT_STORE, EngineConfig, ModelConfig, cache_dir
 from kvserve.shared.engine.beam_search import BeamSearch
 from kvserve.shared.engine.block_pool import BlockPool
-from kvserve.shared.engine.kv_cache import (
-    BlockData,
-    KVCache,
-    kv_bytes_per_token,
-    resolve_kv_dtype,
-)
+from kvserve.shared.engine.kv_cache import KVCache, kv_bytes_per_token, resolve_kv_dtype
 from kvserve.shared.engine.model_runner import ModelRunner
 from kvserve.shared.engine.sampler import Sampler, SampleRow
-from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from kvserve.shared.engine.sequence import (
     BlockId,
@@ -46,7 +40,9 @@ from kvserve.shared.engine.sequence import (
 from kvserve.shared.model.llama import LlamaModel
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.tokenizer import IncrementalDetokenizer, KVTokenizer
+from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.store.base import open_store
+from kvserve.shared.store.block_data import BlockData
 from kvserve.shared.store.codec import BlockMeta
 from kvserve.shared.store.hashing import (
     BlockHash,

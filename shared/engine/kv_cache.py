@@ -16,30 +16,24 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
-from kvserve.kernels.reference import dequantize_kv, quantize_kv
 from kvserve.shared.config import POPULATE_MODES, ModelConfig
+from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
 
 log = logging.getLogger(__name__)
 
-KV_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "int8": torch.int8,
-    "fp8": torch.float8_e4m3fn,
-}
-
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    return model_dtype if kv_dtype == "auto" else KV_DTYPE_NAMES[kv_dtype]
+    return model_dtype if kv_dtype == "auto" else QUANTIZED_KV_DTYPES[kv_dtype]
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V (and scales, when quantized) one token occupies across all layers."""
     elem = torch.empty((), dtype=dtype).element_size()
     per_layer = 2 * config.num_kv_heads * config.head_dim * elem
-    if dtype in KV_DTYPE_NAMES.values():
+    if dtype in QUANTIZED_KV_DTYPES.values():
         per_layer += 2 * config.num_kv_heads * 4
     return per_layer * config.num_layers
 
@@ -103,41 +97,6 @@ def make_resident(tensors: Sequence[torch.Tensor], stop: threading.Event | None 
     return True
 
 
-@dataclass(frozen=True)
-class BlockData:
-    """One block's K/V across all layers, as the cache holds it: k, v [num_layers, block_size,
-    num_kv_heads, head_dim] in the cache dtype; for int8 / fp8 caches also the per-(token, head)
-    scales [num_layers, block_size, num_kv_heads]. Always a copy, never a view of the cache."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        n = 2 * self.k.numel() * self.k.element_size()
-        return n + (2 * self.k_scale.numel() * 4 if self.k_scale is not None else 0)
-
-    def to_float(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V in a float dtype the store codec takes (dequantized for int8 / fp8)."""
-        if self.k_scale is None or self.v_scale is None:
-            return self.k, self.v
-        return (
-            dequantize_kv(self.k, self.k_scale, torch.float32),
-            dequantize_kv(self.v, self.v_scale, torch.float32),
-        )
-
-    @classmethod
-    def from_float(cls, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> BlockData:
-        """The block as a cache of `dtype` holds it (quantized with fresh scales if int8/fp8)."""
-        if dtype in KV_DTYPE_NAMES.values():
-            kq, ks = quantize_kv(k, dtype)
-            vq, vs = quantize_kv(v, dtype)
-            return cls(kq, vq, ks, vs)
-        return cls(k.to(dtype), v.to(dtype))
-
-
 class KVCache:
     """`populate` says when a CPU cache's memory becomes resident: "eager" before the
     constructor returns (MemoryError if it is not there), "background" in a daemon thread
@@ -162,7 +121,7 @@ class KVCache:
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k = [zeros(shape, dtype, device) for _ in range(config.num_layers)]
         self.v = [zeros(shape, dtype, device) for _ in range(config.num_layers)]
-        self.quantized = dtype in KV_DTYPE_NAMES.values()
+        self.quantized = dtype in QUANTIZED_KV_DTYPES.values()
         scale_shape = shape[:3]
         self.k_scale: list[torch.Tensor | None] = [
             torch.ones(scale_shape, dtype=torch.float32, device=device) if self.quantized else None

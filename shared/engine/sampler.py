@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from kvserve.kernels import cpu_ops
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NewType
 
 import torch
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.hashing import BlockHash, block_hashes
 
 if TYPE_CHECKING:

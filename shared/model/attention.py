@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class PagedKV(Protocol):
+    """The paged KV cache as the model reads and writes it: per layer, K and V
+    [num_blocks, block_size, num_kv_heads, head_dim] and, for an int8 / fp8 cache, their
+    per-(token, head) scales [num_blocks, block_size, num_kv_heads] (None otherwise). The engine's
+    KVCache is one; the model never allocates or frees blocks."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    k_scale: list[torch.Tensor | None]
+    v_scale: list[torch.Tensor | None]
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from kvserve.kernels import cpu_decoder, cpu_linear, cpu_ops
 from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.config import ModelConfig
-from kvserve.shared.engine.kv_cache import KVCache
-from kvserve.shared.model.attention import AttentionMetadata, OutputRows
+from kvserve.shared.model.attention import AttentionMetadata, OutputRows, PagedKV
 from torch import nn
 
 
@@ -218,7 +217,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         rope: Rope,
         meta: AttentionMetadata,
-        cache: KVCache,
+        cache: PagedKV,
         backend: AttentionBackend,
         out_rows: OutputRows | None = None,
     ) -> torch.Tensor:
@@ -358,7 +357,7 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-        cache: KVCache,
+        cache: PagedKV,
         backend: AttentionBackend,
         out_rows: OutputRows | None = None,
     ) -> torch.Tensor:
@@ -383,7 +382,7 @@ class LlamaModel(nn.Module):
         return h
 
     def _decodes_in_cpp(
-        self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache, backend: AttentionBackend
+        self, x: torch.Tensor, meta: AttentionMetadata, cache: PagedKV, backend: AttentionBackend
     ) -> bool:
         """A pure decode step whose every kernel is the C++ one the Python path would call."""
         return (
@@ -396,7 +395,7 @@ class LlamaModel(nn.Module):
         )
 
     def _decode_in_cpp(
-        self, x: torch.Tensor, h: torch.Tensor, rope: Rope, meta: AttentionMetadata, cache: KVCache
+        self, x: torch.Tensor, h: torch.Tensor, rope: Rope, meta: AttentionMetadata, cache: PagedKV
     ) -> torch.Tensor:
         assert self.decoder_weights is not None
         c = self.config

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kvserve.shared.engine.kv_cache import BlockData
 from kvserve.shared.store.base import BlockStore
+from kvserve.shared.store.block_data import BlockData
 from kvserve.shared.store.codec import BlockMeta, Miss, decode_block, encode_block
 from kvserve.shared.store.hashing import BlockHash, chain_hash
 

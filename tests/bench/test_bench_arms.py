@@ -19,7 +19,7 @@ from kvserve.services.bench.arms import (
     llama_server_path,
     make_server,
 )
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 MAX_TOKENS = 8
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from kvserve.shared.engine.async_engine import AsyncEngine
-from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 

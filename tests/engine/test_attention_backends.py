@@ -8,7 +8,7 @@ import pytest
 import torch
 from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.engine.engine import Engine
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 from tests.conftest import save_tiny_llama
 

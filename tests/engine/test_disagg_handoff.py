@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.shared.config import StoreConfig
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 

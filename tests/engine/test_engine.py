@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from kvserve.shared.engine.engine import Engine
-from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.engine.scheduler import Batch
 from kvserve.shared.engine.sequence import Sequence
 from kvserve.shared.model.tokenizer import KVTokenizer
+from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
 MakeEngine = Callable[..., Engine]
 

@@ -8,8 +8,8 @@ import asyncio
 
 from kvserve.shared.config import StoreConfig
 from kvserve.shared.engine.async_engine import AsyncEngine
-from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.protocol import AdminRequest, ProtocolError, TokenEvent, decode, encode
+from kvserve.shared.sampling_params import SamplingParams
 
 from tests.engine.test_engine import long_ids
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 
 def test_a_dropped_engine_frees_its_cache_without_the_collector(make_engine) -> None:  # type: ignore[no-untyped-def]

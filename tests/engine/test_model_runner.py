@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
 from kvserve.shared.engine.sequence import SeqId, Sequence
+from kvserve.shared.sampling_params import SamplingParams
 
 
 def _seq(engine, i: int, tokens: list[int], computed: int) -> Sequence:  # type: ignore[no-untyped-def]

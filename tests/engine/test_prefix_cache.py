@@ -4,7 +4,7 @@ eviction pressure, and that the last prompt token is always computed."""
 from __future__ import annotations
 
 import pytest
-from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 6

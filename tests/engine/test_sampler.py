@@ -6,7 +6,7 @@ import pytest
 import torch
 from kvserve.kernels import cpu_ops
 from kvserve.shared.engine.sampler import Sampler, SampleRow
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 
 def test_greedy_tokens_and_logprobs_are_the_log_softmax_of_the_argmax() -> None:

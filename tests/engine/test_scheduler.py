@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvserve.shared.config import SchedulerConfig
 from kvserve.shared.engine.block_pool import BlockPool
-from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.engine.scheduler import Batch, Scheduler
 from kvserve.shared.engine.sequence import (
     BlockId,
@@ -22,6 +21,7 @@ from kvserve.shared.engine.sequence import (
     Sequence,
     SequenceStatus,
 )
+from kvserve.shared.sampling_params import SamplingParams
 
 NEXT_TOKEN = 7
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from kvserve.shared.config import StoreConfig
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.codec import BlockMeta, encode_block
 from kvserve.shared.store.disk import DiskStore
 from kvserve.shared.store.hashing import BlockHash

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 BEAMS = 4
 MAX_NEW = 24

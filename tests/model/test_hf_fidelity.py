@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 from tests.conftest import save_tiny_llama
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 
 @pytest.mark.slow  # ~33 s; bf16 matmuls are opt-in (2-core AVX2 machine)

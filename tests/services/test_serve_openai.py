@@ -15,8 +15,8 @@ from typing import Any
 
 import openai
 import pytest
-from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.model.tokenizer import KVTokenizer
+from kvserve.shared.sampling_params import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.services.kvserve_process import Http, ServeProcess, poll_until

@@ -16,8 +16,8 @@ from typing import Any
 
 import openai
 import pytest
-from kvserve.shared.engine.sampling_params import SamplingParams
 from kvserve.shared.model.tokenizer import KVTokenizer
+from kvserve.shared.sampling_params import SamplingParams
 
 from tests.redis_servers import RedisServer, free_port, redis_binaries_present
 from tests.services.kvserve_process import Http, ServeProcess, poll_until

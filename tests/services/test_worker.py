@@ -14,8 +14,8 @@ import pytest
 from kvserve.services.worker import EngineWorker, sampling_params_from_dict
 from kvserve.shared.bus import InProcessBus
 from kvserve.shared.engine.async_engine import AsyncEngine
-from kvserve.shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.protocol import GenerateRequest, TokenEvent
+from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
 NUM_BLOCKS = 64
 

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import redis
 from kvserve.shared.config import StoreConfig
-from kvserve.shared.engine.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import block_hashes
 
