@@ -33,13 +33,13 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "cpu"
     if name == "cpu":
-        from kvserve.kernels import cpu_decode, cpu_ops, cpu_prefill
+        from kvserve.kernels import cpu_decode_attention, cpu_ops, cpu_prefill_attention
 
         return AttentionBackend(
             "cpu",
             cpu_ops.store_kv,
-            cpu_decode.paged_decode_attention,
-            cpu_prefill.prefill_attention,
+            cpu_decode_attention.paged_decode_attention,
+            cpu_prefill_attention.prefill_attention,
         )
     if name == "torch":
         return AttentionBackend(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvserve.kernels import cpu_decoder, cpu_linear, cpu_ops
+from kvserve.kernels import cpu_decode_step, cpu_linear, cpu_ops
 from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.config import ModelConfig
 from kvserve.shared.model.attention import AttentionMetadata, OutputRows, PagedKV
@@ -331,7 +331,7 @@ class LlamaModel(nn.Module):
         self.decoder_weights = self._decoder_weights()
 
     def _decoder_weights(self) -> tuple[list[torch.Tensor], ...] | None:
-        """Each layer's weights as kernels.cpu_decoder takes them, or None where some layer
+        """Each layer's weights as kernels.cpu_decode_step takes them, or None where some layer
         has no cpu_linear panels (or its norms are not fp32)."""
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         linears = [(x.attn.qkv, x.attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
@@ -391,7 +391,7 @@ class LlamaModel(nn.Module):
             and backend.name == "cpu"
             and x.dtype == torch.float32
             and cache.k_scale[0] is None
-            and cpu_decoder.applies(x.shape[0], self.config.head_dim)
+            and cpu_decode_step.applies(x.shape[0], self.config.head_dim)
         )
 
     def _decode_in_cpp(
@@ -401,7 +401,7 @@ class LlamaModel(nn.Module):
         c = self.config
         first = self.layers[0]
         assert isinstance(first, DecoderLayer)
-        return cpu_decoder.decode_layers(
+        return cpu_decode_step.decode_layers(
             x,
             h,
             *self.decoder_weights,

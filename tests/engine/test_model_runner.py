@@ -68,22 +68,22 @@ def test_sampling_rows_alone_match_the_full_forward(make_engine, backend: str) -
 def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results(  # type: ignore[no-untyped-def]
     make_engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """kernels.cpu_decoder takes pure decode steps (and nothing else) and gives bit-identical
+    """kernels.cpu_decode_step takes pure decode steps (and nothing else) and gives bit-identical
     hidden states and K/V to the Python path, so a sequence's tokens do not depend on
     whether its step had prompt chunks in it."""
-    from kvserve.kernels import cpu_decoder
+    from kvserve.kernels import cpu_decode_step
 
     engine = make_engine(num_blocks=64, enable_prefix_caching=False)
     runner, model = engine.runner, engine.runner.model
-    if model.decoder_weights is None or not cpu_decoder.applies(3, model.config.head_dim):
+    if model.decoder_weights is None or not cpu_decode_step.applies(3, model.config.head_dim):
         pytest.skip("no C++ kernels on this machine")
-    real, calls = cpu_decoder.decode_layers, []
+    real, calls = cpu_decode_step.decode_layers, []
 
     def counted(*args):  # type: ignore[no-untyped-def]
         calls.append(args[0].shape[0])
         return real(*args)
 
-    monkeypatch.setattr(cpu_decoder, "decode_layers", counted)
+    monkeypatch.setattr(cpu_decode_step, "decode_layers", counted)
     g = torch.Generator().manual_seed(1)
     toks = [torch.randint(20, 40000, (n,), generator=g).tolist() for n in (40, 33, 17, 60)]
     seqs = [_seq(engine, i, t, 0) for i, t in enumerate(toks)]

@@ -17,7 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvserve.kernels import cpp_build, cpu_decode, cpu_decoder, cpu_linear, cpu_ops, cpu_prefill
+from kvserve.kernels import (
+    cpp_build,
+    cpu_decode_attention,
+    cpu_decode_step,
+    cpu_linear,
+    cpu_ops,
+    cpu_prefill_attention,
+)
 from kvserve.shared.config import cache_dir
 
 PROBE = Path(__file__).with_name("build_probe.py")
@@ -75,7 +82,13 @@ def fake_compiler(tmp_path: Path, block: bool) -> Path:
 def test_every_kernel_wrapper_uses_the_one_library() -> None:
     ext = cpp_build.extension()
     assert ext is not None
-    for module in (cpu_ops, cpu_linear, cpu_decode, cpu_decoder, cpu_prefill):
+    for module in (
+        cpu_ops,
+        cpu_linear,
+        cpu_decode_attention,
+        cpu_decode_step,
+        cpu_prefill_attention,
+    ):
         assert module._extension() is ext
     exported = ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "argmax_logsumexp", "store_kv"]
     exported += ["linear", "geometry", "paged_decode", "prefill_attention", "decode_layers"]

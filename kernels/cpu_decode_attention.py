@@ -1,5 +1,5 @@
-"""Paged decode attention for the CPU: a small C++ kernel (built once with torch's
-cpp_extension) that reads K/V in place from the paged cache. Same signature and semantics as
+"""Paged decode attention for the CPU: a C++ kernel (kernels/csrc, built once per machine by
+cpp_build) that reads K/V in place from the paged cache. Same signature and semantics as
 `reference.paged_decode_attention`, for float32 caches and head dims of 32, 64, 80, 96 or 128;
 anything else (and a machine where the build fails) uses the reference.
 
@@ -8,9 +8,7 @@ Each query row takes a block VW tokens at a time (the machine's vector width, cs
 into one vector of scores (a transpose-reduce, not VW horizontal sums), a vectorized exp for
 the online softmax, then the VW V rows accumulated. While it works on one block it prefetches
 the sequence's next block (whose address the hardware prefetcher cannot guess: blocks are
-scattered), a slice per query row. On a 2-core Xeon for a W1-like batch (110 sequences x
-300-550 tokens, 30 layers, blocks scattered): 1.8x the previous per-score kernel, and 1.4x of
-that gain is the prefetch; on a 2-core AVX2 EPYC 10-12 GB/s from memory (`sum()` 16-25).
+scattered), a slice per query row. Figures: docs/benchmarks.md (CPU attention kernels).
 
 Shared prefixes are read once (cascade attention, as FlashInfer and vLLM do it on GPUs):
 sequences whose block tables start with the same physical blocks (prefix-cache hits, n > 1

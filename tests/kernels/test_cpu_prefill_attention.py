@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import attention_cases, make_paged_kv
-from kvserve.kernels import cpu_prefill, reference
+from kvserve.kernels import cpu_prefill_attention, reference
 
 
 def chunks_for(bs: int) -> list[tuple[int, int]]:
@@ -42,13 +42,13 @@ def test_matches_reference(
     query = torch.randn(int(cu[-1]), num_heads, head_dim).to(q_dtype)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, head_dim**-0.5)
     want = reference.prefill_attention(*args, kv.k_scale, kv.v_scale)
-    got = cpu_prefill.prefill_attention(*args, kv.k_scale, kv.v_scale)
+    got = cpu_prefill_attention.prefill_attention(*args, kv.k_scale, kv.v_scale)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
 
 
-needs_kernel = pytest.mark.skipif(not cpu_prefill.available(), reason="no C++ toolchain")
+needs_kernel = pytest.mark.skipif(not cpu_prefill_attention.available(), reason="no C++ toolchain")
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
@@ -57,7 +57,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Ten
     cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor([n for n, _ in chunks]).cumsum(0)
     ctx = torch.tensor([c for _, c in chunks], dtype=torch.int32)
-    return cpu_prefill.prefill_attention(q, k, v, tables, cu, ctx, q.shape[-1] ** -0.5)
+    return cpu_prefill_attention.prefill_attention(q, k, v, tables, cu, ctx, q.shape[-1] ** -0.5)
 
 
 @needs_kernel

@@ -1,21 +1,20 @@
 """The decoder layers of a pure decode step in one C++ call, for the CPU.
 
 A batch-1 decode step runs ~10 kernels per layer, each a few microseconds of work, and the
-Python between them (module calls, views, argument checks) cost as much as the kernels
-themselves: ~5 of a ~36 ms step, where a step's floor is reading the weights once. This
-calls the same kernels (cpu_linear, cpu_ops, cpu_decode), with the same arguments, in the same
-order as `LlamaModel.forward` does from Python, so its results are bit-identical to that path
-(tested), and a sequence's tokens do not depend on which path a step took. Only pure decode
-steps come here: a step with prompt chunks has enough work per call that Python does not
-matter.
-"""
+Python between them (module calls, views, argument checks) costs about as much as the kernels
+themselves, where the step's floor is reading the weights once. This calls the same kernels
+(cpu_linear, cpu_ops, cpu_decode_attention), with the same arguments, in the same order as
+`LlamaModel.forward` does from Python, so its results are bit-identical to that path (tested),
+and a sequence's tokens do not depend on which path a step took. Only pure decode steps come
+here: a step with prompt chunks has enough work per call that Python does not matter. This is
+what CUDA graphs do for a GPU server; torch.compile would break its graph at every C++ call."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from kvserve.kernels import cpp_build, cpu_decode, cpu_linear
+from kvserve.kernels import cpp_build, cpu_decode_attention, cpu_linear
 
 
 def _extension() -> Any | None:
@@ -28,7 +27,7 @@ def applies(rows: int, head_dim: int) -> bool:
     limit = cpu_linear.max_rows()
     return (
         _extension() is not None
-        and head_dim in cpu_decode.HEAD_DIMS
+        and head_dim in cpu_decode_attention.HEAD_DIMS
         and (limit is None or rows <= limit)
     )
 

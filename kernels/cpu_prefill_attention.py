@@ -1,19 +1,17 @@
 """Prefill attention for the CPU. Same signature and semantics as `reference.prefill_attention`.
 
-float32 with head dims 32/64/80/96/128: a C++ flash-attention kernel (built once with torch's
-cpp_extension, like the decode kernel) that reads K/V in place from the paged cache. A work item
-is 32 query positions of one sequence times the query heads of one KV head (K/V read once for
-the whole GQA group); it walks the keys up to its last position 2 VW at a time (VW: the
-machine's vector width, 16 or 8), in block-table order: the key tile transposed into [d][2 VW]
-so that a query row's scores are two vectors of broadcast-multiply-adds (8 rows at a time with
-AVX-512, 6 with AVX2), the online softmax with a vectorized exp, then P V with the accumulators
-in registers. Tiles above the diagonal are never visited; the diagonal
-tile is masked per row. A row's arithmetic depends only on its own query, its position and the
-keys: a token's result does not depend on how its prompt was chunked or what else is in the
-batch. Work items go longest first to whichever thread is free (a static split would hand one
-thread the late, expensive tiles of a long prompt). Measured on a 2-core Xeon: 1.5-2.8x torch's
-flash kernel on W1-like steps (512 fresh tokens; 4 x 128; a chunk after a cached prefix); on a
-2-core AVX2 EPYC 1.6-1.9x (2 x 256 fresh tokens).
+float32 with head dims 32/64/80/96/128: a C++ flash-attention kernel (kernels/csrc, built once
+per machine by cpp_build) that reads K/V in place from the paged cache. A work item is 32 query
+positions of one sequence times the query heads of one KV head (K/V read once for the whole GQA
+group); it walks the keys up to its last position 2 VW at a time (VW: the machine's vector
+width, 16 or 8), in block-table order: the key tile transposed into [d][2 VW] so that a query
+row's scores are two vectors of broadcast-multiply-adds (8 rows at a time with AVX-512, 6 with
+AVX2), the online softmax with a vectorized exp, then P V with the accumulators in registers.
+Tiles above the diagonal are never visited; the diagonal tile is masked per row. A row's
+arithmetic depends only on its own query, its position and the keys: a token's result does not
+depend on how its prompt was chunked or what else is in the batch. Work items go longest first
+to whichever thread is free (a static split would hand one thread the late, expensive tiles of
+a long prompt). Figures: docs/benchmarks.md (CPU attention kernels).
 
 Other dtypes (bf16 models), other head dims and a machine without a compiler take torch's flash
 kernel, called so that it does no wasted work: a chunk of L new tokens after P cached ones is
@@ -23,7 +21,7 @@ merge does):
   mask would make it compute them all) and reads each KV head for its group of query heads;
 - the chunk over the P prefix tokens, unmasked, with each KV head's query heads stacked as rows
   of one [g * L, d] query, so K/V are read once per KV head instead of being expanded g times.
-Quantized caches use the reference.
+Quantized caches take that path too, dequantized as their blocks are gathered.
 """
 
 from __future__ import annotations
@@ -87,6 +85,7 @@ def prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    args = (query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
     if (
         query.device.type == "cpu"
         and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
@@ -94,23 +93,49 @@ def prefill_attention(
         and k_scale is None
         and (ext := _extension()) is not None
     ):
-        assert query.shape[1] % k_cache.shape[2] == 0
-        assert block_tables.dtype == cu_query_lens.dtype == context_lens.dtype == torch.int32
-        res: torch.Tensor = ext.prefill_attention(
-            query.contiguous(),
-            k_cache.contiguous(),
-            v_cache.contiguous(),
-            block_tables.contiguous(),
-            cu_query_lens.contiguous(),
-            context_lens.contiguous(),
-            float(scale),
-        )
-        return res
+        return _cpp_prefill(ext, *args)
     if _FLASH is None or query.device.type != "cpu":
-        return reference.prefill_attention(
-            query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
-            k_scale, v_scale,
-        )  # fmt: skip
+        return reference.prefill_attention(*args, k_scale, v_scale)
+    return _flash_prefill(*args, k_scale, v_scale)
+
+
+def _cpp_prefill(
+    ext: Any,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The C++ kernel (fp32, a head dim it is instantiated for)."""
+    assert query.shape[1] % k_cache.shape[2] == 0
+    assert block_tables.dtype == cu_query_lens.dtype == context_lens.dtype == torch.int32
+    out: torch.Tensor = ext.prefill_attention(
+        query.contiguous(),
+        k_cache.contiguous(),
+        v_cache.contiguous(),
+        block_tables.contiguous(),
+        cu_query_lens.contiguous(),
+        context_lens.contiguous(),
+        float(scale),
+    )
+    return out
+
+
+def _flash_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """torch's flash kernel per sequence over its gathered (and dequantized) context."""
     bs = k_cache.shape[1]
     out = torch.empty_like(query)
     starts = cu_query_lens.tolist()

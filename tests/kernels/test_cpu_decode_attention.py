@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvserve.kernels import cpu_decode, reference
+from kvserve.kernels import cpu_decode_attention, reference
 
-pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C++ toolchain")
+pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no C++ toolchain")
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
@@ -24,7 +24,7 @@ def test_matches_reference(heads: tuple[int, int], head_dim: int, block_size: in
     ctx = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), h, head_dim)
     want = reference.paged_decode_attention(q, kc, vc, tables, ctx, head_dim**-0.5)
-    got = cpu_decode.paged_decode_attention(q, kc, vc, tables, ctx, head_dim**-0.5)
+    got = cpu_decode_attention.paged_decode_attention(q, kc, vc, tables, ctx, head_dim**-0.5)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -39,7 +39,7 @@ def test_quantized_cache_falls_back_to_reference() -> None:
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     ctx = torch.tensor([20, 32], dtype=torch.int32)
     want = reference.paged_decode_attention(q, kq, vq, tables, ctx, 0.125, ks, vs)
-    got = cpu_decode.paged_decode_attention(q, kq, vq, tables, ctx, 0.125, ks, vs)
+    got = cpu_decode_attention.paged_decode_attention(q, kq, vq, tables, ctx, 0.125, ks, vs)
     assert torch.equal(got, want)
 
 
@@ -72,11 +72,11 @@ def test_shared_prefix_blocks_read_once_give_each_sequence_its_solo_result(
     tables = torch.tensor([t + [0] * (width - len(t)) for t, _ in rows], dtype=torch.int32)
     ctx = torch.tensor([n for _, n in rows], dtype=torch.int32)
     q = torch.randn(len(rows), h, d)
-    got = cpu_decode.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
+    got = cpu_decode_attention.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
     want = reference.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for b in range(len(rows)):
-        alone = cpu_decode.paged_decode_attention(
+        alone = cpu_decode_attention.paged_decode_attention(
             q[b : b + 1], kc, vc, tables[b : b + 1], ctx[b : b + 1], d**-0.5
         )
         assert torch.equal(alone[0], got[b]), f"sequence {b} differs from its solo result"
@@ -91,9 +91,9 @@ def test_a_sequence_alone_equals_it_in_a_batch() -> None:
     tables = torch.randperm(80)[:72].view(8, 9).int()
     ctx = torch.tensor([140, 33, 70, 144, 1, 16, 100, 90], dtype=torch.int32)
     q = torch.randn(8, h, d)
-    batch = cpu_decode.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
+    batch = cpu_decode_attention.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
     for i in (0, 3, 4):
-        alone = cpu_decode.paged_decode_attention(
+        alone = cpu_decode_attention.paged_decode_attention(
             q[i : i + 1], kc, vc, tables[i : i + 1], ctx[i : i + 1], d**-0.5
         )
         assert torch.equal(alone[0], batch[i])

@@ -1,4 +1,4 @@
-// The C++ kernels behind kernels/cpu_decoder.py (see its docstring); bound in module.cpp.
+// The C++ kernels behind kernels/cpu_decode_step.py (see its docstring); bound in module.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -14,9 +14,9 @@
 #include "simd.h"
 #include "cpu_ops.h"
 #include "cpu_linear.h"
-#include "cpu_decode.h"
+#include "cpu_decode_attention.h"
 
-namespace cpu_decoder {
+namespace cpu_decode_step {
 
 // Every layer of the model for B decode tokens. x [B, H] is the residual stream, updated in
 // place; h [B, H] the first layer's input norm of it. Per layer i: the fused QKV, O,
@@ -33,8 +33,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch:
                             torch::Tensor tables, torch::Tensor lens, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                             double scale, double eps) {
-  // The step takes 20-130 ms here; the engine runs in a thread beside the server's event
-  // loop, which must not wait for it. Nothing below touches a Python object.
+  // The engine runs steps in a thread beside the server's event loop, which must not wait for
+  // a whole step. Nothing below touches a Python object.
   pybind11::gil_scoped_release no_gil;
   const int64_t B = x.size(0), H = x.size(1), L = static_cast<int64_t>(qkv.size());
   const int64_t rows = heads + 2 * kv_heads;
@@ -48,8 +48,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch:
     cpu_ops::rope_(t, heads + kv_heads, pos, cos_t, sin_t);
     cpu_ops::store_kv(t.narrow(1, heads, kv_heads), t.narrow(1, heads + kv_heads, kv_heads),
                       k_cache[i], v_cache[i], slots);
-    auto attn = cpu_decode::paged_decode(t.narrow(1, 0, heads).contiguous(), k_cache[i],
-                                         v_cache[i], tables, lens, scale);
+    auto attn = cpu_decode_attention::paged_decode(t.narrow(1, 0, heads).contiguous(),
+                                                   k_cache[i], v_cache[i], tables, lens, scale);
     auto a = cpu_linear::linear(attn.reshape({B, heads * head_dim}), o[i], H);
     h = cpu_ops::add_rms_norm(a, x, post_norm[i], eps);
     auto act = cpu_ops::silu_mul(cpu_linear::linear(h, gate_up[i], 2 * intermediate));
@@ -58,4 +58,4 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch:
   return h;
 }
 
-}  // namespace cpu_decoder
+}  // namespace cpu_decode_step
