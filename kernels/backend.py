@@ -1,14 +1,14 @@
-"""Choose the attention implementation: Triton on CUDA; on the CPU small C++ kernels for the
-K/V write and decode attention and torch's flash kernel for prefill attention (`cpu`), or the
-pure torch reference (`torch`).
+"""Choose the attention implementation: Triton on CUDA (`triton`); on the CPU the C++ kernels
+for the K/V write, decode and prefill attention (`cpu`), or the pure torch reference (`torch`).
 
-All expose the same three functions with the signatures of `kernels.reference`.
+All expose the same three functions with the signatures of `kernels.reference`, stated here as
+protocols so that the type checker holds every implementation to them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 from kvserve.kernels import reference
@@ -16,12 +16,63 @@ from kvserve.kernels import reference
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
+class StoreKV(Protocol):
+    """`reference.store_kv`: write T tokens' K/V into the paged cache at `slot_mapping`."""
+
+    def __call__(
+        self,
+        key: torch.Tensor,  # [T, kvh, d]
+        value: torch.Tensor,  # [T, kvh, d]
+        k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+        k_scale: torch.Tensor | None = None,  # [nb, bs, kvh]
+        v_scale: torch.Tensor | None = None,
+    ) -> None: ...
+
+
+class PagedDecodeAttention(Protocol):
+    """`reference.paged_decode_attention`: one query token per sequence over its cached context."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [B, h, d]
+        k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, max_blocks] int32
+        context_lens: torch.Tensor,  # [B] int32, >= 1
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class PrefillAttention(Protocol):
+    """`reference.prefill_attention`: each sequence's chunk over its cached prefix and itself."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [T, h, d]
+        k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, max_blocks] int32
+        cu_query_lens: torch.Tensor,  # [B + 1] int32
+        context_lens: torch.Tensor,  # [B] int32, tokens in the cache incl. this chunk
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class AttentionBackend:
+    """One implementation of each attention function; mypy checks each against the protocol of
+    its reference signature (parameter names, types, defaults)."""
+
     name: str
-    store_kv: Any
-    paged_decode_attention: Any
-    prefill_attention: Any
+    store_kv: StoreKV
+    paged_decode_attention: PagedDecodeAttention
+    prefill_attention: PrefillAttention
 
 
 def get_backend(name: str, device: torch.device | str) -> AttentionBackend:

@@ -8,17 +8,15 @@ fused multiply-adds (AVX-512: MR = 8, NR = 48, 24 accumulators; AVX2: MR = 6, NR
 threads take contiguous ranges of panels; a panel is read from memory once and from cache by
 its other row tiles, and while a panel's tiles run, the next panel is prefetched towards L2, a
 slice per tile. A single row (decode at batch 1) takes four panels at a time instead, so that
-four streams of loads are in flight (one panel at a time made a batch-1 decode step 7% slower
-than the previous row-by-row gemv).
+four streams of loads are in flight: one panel's stream alone leaves the row waiting on memory.
 
 Every output element is one lane's sequential sum over k, whatever the tile height and whatever
 other rows share the call: a sequence's result is bit-identical alone or in any batch.
 
-Measured on the default model's 121 weights (2-core AVX-512 Xeon with AMX, chained calls):
-against oneDNN's prepacked GEMM 1.3-1.5x faster at 1-53 rows (batch 32: 48 against 65 ms),
-1.15x at 128, equal at 512. Built for AVX2 on the same machine against oneDNN limited to AVX2:
-1.3-1.6x at 1-53 rows, 0.96x at 128, 0.88x at 512, hence MAX_ROWS: more rows than that go to
-oneDNN there. `available()` is False where the kernel cannot be built: the caller uses oneDNN.
+With AVX-512 it is faster than oneDNN's prepacked GEMM at decode batch sizes and as fast at
+prefill sizes, so it takes every input; with AVX2 oneDNN is faster above MAX_ROWS rows, so
+those go to oneDNN there (`max_rows()`; figures in docs/benchmarks.md, linear layers).
+`available()` is False where the kernel cannot be built: the caller uses oneDNN.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ K/V write into the paged cache in one call; and the sampler's argmax + logsumexp
 
 Each replaces several torch ops (and their temporaries) with one pass over the rows, which
 matters both at batch 1, where a decode step is ~25 small ops per layer, and in prefill, where
-the unfused SiLU * up alone read and wrote 3 MB strided tensors at a few GB/s. Every row is
+the unfused SiLU * up reads and writes strided multi-MB temporaries. Every row is
 computed on its own, the same way whatever else shares the call (batch independence). The
 arithmetic is Hugging Face's (fp32 throughout, the same formulas); only the order of the
 reduction in RMSNorm and fused multiply-adds differ, by a few ulps.

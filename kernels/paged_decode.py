@@ -32,12 +32,16 @@ import math
 import torch
 import triton
 import triton.language as tl
-from kvserve.kernels.reference import check_cache_scales
+from kvserve.kernels.reference import check_attention_operands
 
 LOG2E = 1.4426950408889634  # softmax is computed with exp2: e^x = 2^(x * log2 e)
 DEFAULT_PARTITION_SIZE = 512  # context positions per split-K partition
 MIN_PARTITION_SIZE = 128  # what a small batch may shrink partitions to, to fill the GPU
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+# Which keys of a tile _attend_keys masks
+MASK_NONE: tl.constexpr = tl.constexpr(0)  # none: whole tiles before every query's position
+MASK_TAIL: tl.constexpr = tl.constexpr(1)  # those at or past the end of the range
+MASK_CAUSAL: tl.constexpr = tl.constexpr(2)  # those too, and those after the row's position
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,6 +79,74 @@ def _load_kv_tile(
     return x.to(dtype)
 
 
+# Long for a function: a Triton kernel takes every pointer, stride and constant as a parameter
+# of its own (Triton has no structs).
+@triton.jit
+def _attend_keys(
+    acc,  # [BLOCK_M, BLOCK_D] fp32 running sum of 2^(s - m_i) v
+    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
+    l_i,  # [BLOCK_M] fp32 running sum of 2^(s - m_i)
+    q,  # [BLOCK_M, BLOCK_D] query dtype
+    q_pos,  # [BLOCK_M] int32 positions of the tile's queries
+    lo,
+    hi,  # keys [lo, hi) of this phase
+    table_ptr,  # this sequence's row of block_tables
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    kv_head,
+    dims,
+    d_mask,
+    qk_scale,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_xb,
+    stride_xt,
+    stride_xh,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,  # MASK_NONE, MASK_TAIL or MASK_CAUSAL
+    QUANTIZED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The online-softmax update of the query rows q over the keys [lo, hi) of one KV head,
+    BLOCK_N at a time in block-table order; returns the new (acc, m_i, l_i). MASK_NONE: every
+    tile is whole (hi - lo a multiple of BLOCK_N); MASK_TAIL: keys at or past hi are masked;
+    MASK_CAUSAL: also keys past each row's position q_pos."""
+    for start in range(lo, hi, BLOCK_N):
+        toks = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        t_mask = toks < hi
+        block_ids = tl.load(table_ptr + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        kv_off = block_ids * stride_cb + (toks % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        x_off = block_ids * stride_xb + (toks % BLOCK_SIZE) * stride_xt + kv_head * stride_xh
+        k = _load_kv_tile(
+            k_cache_ptr, k_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
+        )  # [BLOCK_N, BLOCK_D]
+        s = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASK == MASK_CAUSAL:
+            allowed = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]  # [BLOCK_M, BLOCK_N]
+            s = tl.where(allowed, s, float("-inf"))
+        elif MASK == MASK_TAIL:
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+        # finite: every tile has a live key for every row (key `lo` of the causal phase is at
+        # or before every row's position)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_kv_tile(
+            v_cache_ptr, v_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# Long for a function: a Triton kernel takes every pointer, stride and constant as a parameter
+# of its own (Triton has no structs).
 @triton.jit
 def _paged_decode_kernel(
     out_ptr,  # [B, h, d], written when not SPLIT
@@ -135,27 +207,12 @@ def _paged_decode_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max (log2 domain)
         l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of 2^(s - m_i)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of 2^(s - m_i) v
-        for tile in range(start, end, BLOCK_N):
-            toks = tile + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
-            t_mask = toks < end
-            block_ids = tl.load(table_ptr + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-            kv_off = block_ids * stride_cb + (toks % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-            x_off = block_ids * stride_xb + (toks % BLOCK_SIZE) * stride_xt + kv_head * stride_xh
-            k = _load_kv_tile(
-                k_cache_ptr, k_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
-            )  # [BLOCK_N, BLOCK_D]
-            s = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION)  # [BLOCK_G, BLOCK_N] fp32
-            s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: each tile has a live token
-            alpha = tl.exp2(m_i - m_new)  # [BLOCK_G]
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load_kv_tile(
-                v_cache_ptr, v_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
-            )  # [BLOCK_N, BLOCK_D]
-            pv = _dot(p.to(q.dtype), v, UPCAST_DOT, DOT_PRECISION)  # [BLOCK_G, BLOCK_D]
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, rows, start, end, table_ptr,  # rows: no positions (not causal)
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, d_mask, qk_scale,
+            stride_cb, stride_ct, stride_ch, stride_xb, stride_xt, stride_xh,
+            BLOCK_SIZE, BLOCK_N, MASK_TAIL, QUANTIZED, UPCAST_DOT, DOT_PRECISION,
+        )  # fmt: skip
         out = acc / l_i[:, None]  # [BLOCK_G, BLOCK_D]
         out_mask = row_mask[:, None] & d_mask[None, :]
         if SPLIT:
@@ -224,24 +281,15 @@ def launch_paged_decode(
     partition_size: int = DEFAULT_PARTITION_SIZE,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Check layouts, run the partition kernel and, when split, the reduce kernel."""
+    """Check layouts, run the partition kernel and, when split, the reduce kernel. (Most of its
+    length is the launches' argument lists: a Triton kernel takes every stride and constant as
+    a parameter of its own.)"""
     B, h, d = query.shape
-    nb, bs, kvh = k_cache.shape[:3]
-    assert k_cache.shape == (nb, bs, kvh, d), (
-        f"k_cache {tuple(k_cache.shape)} vs query {query.shape}"
+    bs, kvh = k_cache.shape[1:3]
+    assert context_lens.shape == (B,), f"context_lens {tuple(context_lens.shape)} vs {B} queries"
+    quantized, ks, vs = check_attention_operands(
+        query, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale
     )
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
-    assert v_cache.dtype == k_cache.dtype, "K and V caches must share a dtype"
-    assert h % kvh == 0, f"num_heads {h} is not a multiple of num_kv_heads {kvh}"
-    assert query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert query.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == B
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert context_lens.shape == (B,) and context_lens.dtype == torch.int32
-    assert context_lens.is_contiguous()
-    devices = {query.device, k_cache.device, v_cache.device, block_tables.device}
-    devices.add(context_lens.device)
-    quantized, ks, vs = check_cache_scales(k_cache, k_scale, v_scale, devices)
 
     group = h // kvh
     if block_n is None:
@@ -255,12 +303,7 @@ def launch_paged_decode(
     out = torch.empty_like(query)  # [B, h, d]
     if B == 0:
         return out
-    if split:
-        part_out = torch.empty(B, h, num_partitions, d, dtype=torch.float32, device=query.device)
-        part_max = torch.empty(B, h, num_partitions, dtype=torch.float32, device=query.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_out = part_max = part_sum = out  # never touched when not SPLIT
+    part_out, part_max, part_sum = _partition_buffers(out, num_partitions)
     block_d = triton.next_power_of_2(d)
     upcast = not query.is_cuda  # the interpreter: see _dot
     precision = "ieee" if upcast or query.dtype == torch.float32 else "tf32"
@@ -288,6 +331,19 @@ def launch_paged_decode(
             num_warps=1 if block_d <= 128 else 4,
         )  # fmt: skip
     return out
+
+
+def _partition_buffers(
+    out: torch.Tensor, num_partitions: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split-K partials (out [B, h, P, d], max and sum [B, h, P], fp32), or `out` three
+    times when there is one partition (the kernel then never touches them)."""
+    if num_partitions == 1:
+        return out, out, out
+    B, h, d = out.shape
+    part_out = torch.empty(B, h, num_partitions, d, dtype=torch.float32, device=out.device)
+    part_max = torch.empty(B, h, num_partitions, dtype=torch.float32, device=out.device)
+    return part_out, part_max, torch.empty_like(part_max)
 
 
 @functools.cache

@@ -25,71 +25,16 @@ import math
 import torch
 import triton
 import triton.language as tl
-from kvserve.kernels.paged_decode import LOG2E, _dot, _load_kv_tile
-from kvserve.kernels.reference import check_cache_scales
+from kvserve.kernels.paged_decode import LOG2E, MASK_CAUSAL, MASK_NONE, _attend_keys
+from kvserve.kernels.reference import check_attention_operands
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _attend_keys(
-    acc,  # [BLOCK_M, BLOCK_D] fp32 running sum of 2^(s - m_i) v
-    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
-    l_i,  # [BLOCK_M] fp32 running sum of 2^(s - m_i)
-    q,  # [BLOCK_M, BLOCK_D] query dtype
-    q_pos,  # [BLOCK_M] int32 positions of the tile's queries
-    lo,
-    hi,  # keys [lo, hi) of this phase
-    table_ptr,  # this sequence's row of block_tables
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    kv_head,
-    dims,
-    d_mask,
-    qk_scale,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    stride_xb,
-    stride_xt,
-    stride_xh,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    QUANTIZED: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    for start in range(lo, hi, BLOCK_N):
-        toks = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        t_mask = toks < hi
-        block_ids = tl.load(table_ptr + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        kv_off = block_ids * stride_cb + (toks % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-        x_off = block_ids * stride_xb + (toks % BLOCK_SIZE) * stride_xt + kv_head * stride_xh
-        k = _load_kv_tile(
-            k_cache_ptr, k_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
-        )  # [BLOCK_N, BLOCK_D]
-        s = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if CAUSAL:
-            allowed = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]  # [BLOCK_M, BLOCK_N]
-            s = tl.where(allowed, s, float("-inf"))
-        # finite: key `lo` (<= every row's position) is in the first tile of the causal phase
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)  # [BLOCK_M]
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(
-            v_cache_ptr, v_scale_ptr, kv_off, x_off, dims, t_mask, d_mask, q.dtype, QUANTIZED
-        )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, UPCAST_DOT, DOT_PRECISION)
-        m_i = m_new
-    return acc, m_i, l_i
-
-
+# Long for a function: a Triton kernel takes every pointer, stride and constant as a parameter
+# of its own (Triton has no structs).
 @triton.jit
 def _prefill_attention_kernel(
     out_ptr,  # [T, h, d]
@@ -154,13 +99,13 @@ def _prefill_attention_kernel(
             acc, m_i, l_i, q, q_pos, 0, lo, table_ptr,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, d_mask, qk_scale,
             stride_cb, stride_ct, stride_ch, stride_xb, stride_xt, stride_xh,
-            BLOCK_SIZE, BLOCK_N, False, QUANTIZED, UPCAST_DOT, DOT_PRECISION,
+            BLOCK_SIZE, BLOCK_N, MASK_NONE, QUANTIZED, UPCAST_DOT, DOT_PRECISION,
         )  # fmt: skip
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, lo, hi, table_ptr,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, d_mask, qk_scale,
             stride_cb, stride_ct, stride_ch, stride_xb, stride_xt, stride_xh,
-            BLOCK_SIZE, BLOCK_N, True, QUANTIZED, UPCAST_DOT, DOT_PRECISION,
+            BLOCK_SIZE, BLOCK_N, MASK_CAUSAL, QUANTIZED, UPCAST_DOT, DOT_PRECISION,
         )  # fmt: skip
         out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -199,27 +144,17 @@ def launch_prefill_attention(
     """Check layouts and launch one program per (query tile, sequence, head).
 
     Syncs with the host once, to size the grid by the longest chunk and to check
-    context_lens >= q_len.
+    context_lens >= q_len. (Most of its length is the launch's argument list: a Triton kernel
+    takes every stride and constant as a parameter of its own.)
     """
     T, h, d = query.shape
-    nb, bs, kvh = k_cache.shape[:3]
+    bs, kvh = k_cache.shape[1:3]
     B = context_lens.shape[0]
-    assert k_cache.shape == (nb, bs, kvh, d), (
-        f"k_cache {tuple(k_cache.shape)} vs query {query.shape}"
-    )
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
-    assert v_cache.dtype == k_cache.dtype, "K and V caches must share a dtype"
-    assert h % kvh == 0, f"num_heads {h} is not a multiple of num_kv_heads {kvh}"
-    assert query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert query.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == B
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert context_lens.shape == (B,) and context_lens.dtype == torch.int32
     assert cu_query_lens.shape == (B + 1,) and cu_query_lens.dtype == torch.int32
-    assert context_lens.is_contiguous() and cu_query_lens.is_contiguous()
-    devices = {query.device, k_cache.device, v_cache.device, block_tables.device}
-    devices |= {context_lens.device, cu_query_lens.device}
-    quantized, ks, vs = check_cache_scales(k_cache, k_scale, v_scale, devices)
+    assert cu_query_lens.is_contiguous()
+    quantized, ks, vs = check_attention_operands(
+        query, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, cu_query_lens
+    )
 
     out = torch.empty_like(query)  # [T, h, d]
     if B == 0 or T == 0:

@@ -66,6 +66,17 @@ def _quantize_rows(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
 
 
 @triton.jit
+def _row_block(R, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's BLOCK_R rows of an [R, D] tensor: (row indices [BLOCK_R] int64, columns
+    [BLOCK_D], row mask [BLOCK_R], element mask [BLOCK_R, BLOCK_D])."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    r_mask = rows < R
+    mask = r_mask[:, None] & (cols[None, :] < D)  # [BLOCK_R, BLOCK_D]
+    return rows.to(tl.int64), cols, r_mask, mask
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,  # [R, D] float, row stride stride_x, unit column stride
     q_ptr,  # [R, D] int8 / fp8, contiguous
@@ -78,11 +89,7 @@ def _quantize_kernel(
     QMAX: tl.constexpr,
     IS_FP8: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    r_mask = rows < R
-    mask = r_mask[:, None] & (cols[None, :] < D)  # [BLOCK_R, BLOCK_D]
-    rows64 = rows.to(tl.int64)
+    rows64, cols, r_mask, mask = _row_block(R, D, BLOCK_R, BLOCK_D)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     q, scale = _quantize_rows(x.to(tl.float32), QMAX, IS_FP8)
     tl.store(q_ptr + rows64[:, None] * D + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -100,11 +107,7 @@ def _dequantize_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    r_mask = rows < R
-    mask = r_mask[:, None] & (cols[None, :] < D)
-    rows64 = rows.to(tl.int64)
+    rows64, cols, r_mask, mask = _row_block(R, D, BLOCK_R, BLOCK_D)
     q = tl.load(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0)
     scale = tl.load(scale_ptr + rows64, mask=r_mask, other=0.0)  # [BLOCK_R]
     x = q.to(tl.float32) * scale[:, None]  # [BLOCK_R, BLOCK_D]

@@ -51,6 +51,37 @@ def check_cache_scales(
     return quantized, ks, vs
 
 
+def check_attention_operands(
+    query: torch.Tensor,  # [T or B, h, d]
+    k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    *more: torch.Tensor,  # further operands that must be on the same device
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """Launcher checks shared by the Triton attention kernels: shapes, dtypes and the strides
+    the kernels assume, then `check_cache_scales` (whose result this returns)."""
+    _, h, d = query.shape
+    nb, bs, kvh = k_cache.shape[:3]
+    B = context_lens.shape[0]
+    assert k_cache.shape == (nb, bs, kvh, d), (
+        f"k_cache {tuple(k_cache.shape)} vs query {query.shape}"
+    )
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert v_cache.dtype == k_cache.dtype, "K and V caches must share a dtype"
+    assert h % kvh == 0, f"num_heads {h} is not a multiple of num_kv_heads {kvh}"
+    assert query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert query.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == B
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert context_lens.shape == (B,) and context_lens.dtype == torch.int32
+    assert context_lens.is_contiguous()
+    tensors = (query, k_cache, v_cache, block_tables, context_lens, *more)
+    return check_cache_scales(k_cache, k_scale, v_scale, {t.device for t in tensors})
+
+
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-(token, head) quantization over the last (head_dim) axis.
 
@@ -216,7 +247,7 @@ def prefill_attention(
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
         allowed = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]  # [q, ctx]
         # 4-D inputs with as many K/V heads as query heads: torch's CPU dispatch then takes its
-        # flash kernel (3-4x faster here than the math path that 3-D or enable_gqa inputs get).
+        # flash kernel rather than the slower math path that 3-D or enable_gqa inputs get.
         o = torch.nn.functional.scaled_dot_product_attention(
             query[None, q0:q1].transpose(1, 2),  # [1, h, q, d]
             k[None].transpose(1, 2),  # [1, h, ctx, d]

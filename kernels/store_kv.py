@@ -61,6 +61,8 @@ def _store_rows(
         tl.store(dst[:, None] + dims[None, :], x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+# Long for a function: a Triton kernel takes every pointer, stride and constant as a parameter
+# of its own (Triton has no structs).
 @triton.jit
 def _store_kv_kernel(
     key_ptr,  # [T, kvh, d]

@@ -342,7 +342,7 @@ class RedisBusConfig:
     # Connections the client may open. The requests in flight at a gateway wait for their events
     # on one connection (`_EventReader`), but a burst of submits and cancels takes one each
     # while it runs, and redis-py raises "Too many connections" past the bound instead of
-    # waiting (its default, 100, failed the 101st request of a burst: 503s).
+    # waiting (with its default of 100, a burst of 101 requests would get a 503).
     max_connections: int = 1024
     # How long the gateway's one XREAD waits before it is issued again (a new request wakes it
     # at once); below socket_timeout_s.
@@ -401,8 +401,7 @@ class _EventReader:
     key joins the read at once. A gateway thus holds one waiting connection, not one per request
     in flight. The task runs while any stream is open. A failed read is retried once (the
     pool's connection may predate a Redis restart); a second failure in a row fails every open
-    stream (its gateway request fails, as a failed read of its own did before) and ends the
-    task."""
+    stream (its gateway request fails, as on a failed read of its own) and ends the task."""
 
     def __init__(self, bus: RedisBus) -> None:
         self._bus = bus

@@ -23,9 +23,7 @@ def open_gguf(path: str) -> Any:
         its memory map viewed as a plain ndarray (it slices the file once per metadata value,
         ~250,000 times for a 49k-token vocabulary, and a np.memmap slice costs several times a
         plain one), and arrays of strings or scalars walked in one loop of plain slices instead
-        of a recursive call and a fresh view per element (parsing the default model: 5.9 s
-        with gguf's reader, 2.2 s with the first shortcut, 0.3 s with both, on a Zen 3
-        VM)."""
+        of a recursive call and a fresh view per element (docs/benchmarks.md, model load)."""
 
         @property
         def data(self) -> Any:

@@ -31,10 +31,10 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 
 class Linear(nn.Module):
     """y = x @ W.T. fp32 on the CPU: kernels.cpu_linear's GEMM over the weight packed once into
-    column panels (1.3-1.5x oneDNN's prepacked GEMM at 1-53 rows here, and a row's result does
-    not depend on the batch). Where that does not apply (bf16 matmuls, no compiler, more rows
-    than cpu_linear.max_rows() on an AVX2 machine) the weight prepacked for oneDNN (what
-    torch.compile's CPU backend does with frozen weights: 1.3-1.7x F.linear's BLAS path);
+    column panels (faster than oneDNN at decode batch sizes, and a row's result does not depend
+    on the batch). Where that does not apply (bf16 matmuls, no compiler, more rows than
+    cpu_linear.max_rows() on an AVX2 machine) the weight prepacked for oneDNN (what
+    torch.compile's CPU backend does with frozen weights; faster than F.linear's BLAS path);
     elsewhere plain F.linear. Only the copies a path needs are kept.
 
     `compute_dtype` (default: the weight's) is the dtype of the matmul itself: the weight is

@@ -8,7 +8,6 @@ weights (names, shapes and contents) computed once here.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,8 +93,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
 def dequantize(raw: np.ndarray, qtype: Any) -> np.ndarray:
     """A GGUF tensor's data as float32 with its logical shape. Q4_1 and Q8_0 (the default
     model's types) in torch's vectorized ops, with gguf's arithmetic (the same fp32
-    operations in the same order, so bit-identical, tested): 0.95 s -> 0.22 s for the default
-    model. Every other type through `gguf.quants.dequantize`."""
+    operations in the same order, so bit-identical, tested), several times faster than gguf's
+    numpy code. Every other type through `gguf.quants.dequantize`."""
     import gguf
 
     kind = gguf.GGMLQuantizationType
@@ -144,8 +143,3 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedWeights:
         fp.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     weights = {k: v.to(dtype) for k, v in raw.items()}
     return LoadedWeights(config, weights, fp.hexdigest())
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(path.read_text())
-    return data

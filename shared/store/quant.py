@@ -1,22 +1,23 @@
 """The compact quantization of a KV block: the `compact` store format (at most 1/4 of raw fp16).
 
 Shapes: K and V of one block are [L, T, H, D] (layers, block tokens, KV heads, head_dim).
-Measured on SmolLM2-135M (docs/store_formats.md), three things set the design:
+Three things set the design (the measurements on SmolLM2-135M are in docs/store_formats.md):
 - K must be quantized per channel (K has outlier channels); per-token K, even rotated and with
-  the channel means removed, was 3.5-5.5x worse in KLD. Per-channel scales for 16 tokens cost
-  1-2 bits a value, so K uses one absolute step per (layer, head) and an integer offset per
-  channel: every channel keeps the same absolute error, and the entropy coder spends the bits
-  where the values spread.
+  the channel means removed, is several times worse in KLD. Per-channel scales for 16 tokens
+  cost 1-2 bits a value, so K uses one absolute step per (layer, head) and an integer offset
+  per channel: every channel keeps the same absolute error, and the entropy coder spends the
+  bits where the values spread.
 - V is quantized per token after a fixed orthogonal rotation (a sign-flipped Hadamard transform
   over head_dim), which spreads outliers so the values are near-Gaussian; the step follows the
   token's RMS, coded on a log scale in one byte.
-- Position 0 of a sequence is the attention sink: that one token carried 25-35% of the KLD. Its
-  K and V get a 4x finer step when the encoder is told the block is the first of its chain.
+- Position 0 of a sequence is the attention sink: that one token carries a large share of the
+  KLD. Its K and V get a 4x finer step when the encoder is told the block is the first of its
+  chain.
 The values are stored as bytes and entropy-coded by zstd tuned to act as a Huffman coder
-(min_match 7, fast strategy), which comes within ~0.02 bit of their order-0 entropy; zstd's
-default match finder costs ~0.3 bit a value on this noise-like data. Delta coding between
-neighbouring tokens (CacheGen) did not pay: K and V of adjacent tokens here are barely
-correlated, so deltas spread wider than the values.
+(min_match 7, fast strategy), which comes close to their order-0 entropy; zstd's default match
+finder spends bits on spurious short matches in this noise-like data. No delta coding between
+neighbouring tokens (CacheGen): K and V of adjacent tokens are barely correlated in this model,
+so deltas spread wider than the values.
 
 Layout (little-endian; every size follows from L, T, H, D):
 - `scales`: float32 [3, L, H]: K step (tokens 1..T-1), K step of token 0, V reference step.
@@ -40,8 +41,8 @@ Invariants:
 - `encode` keeps scales + compressed payload within `BUDGET` of raw fp16 (the frame's header
   adds ~0.1%): a block that comes out larger is re-encoded with both steps coarsened by the
   factor its excess predicts (coarsening by g saves about log2(g) bits a value), at most
-  MAX_RETRIES times and up to MAX_COARSEN; real blocks rarely need it (on SmolLM2 the mean is
-  ~0.243). Shapes too small for their scales to fit the budget just get the coarsest steps.
+  MAX_RETRIES times and up to MAX_COARSEN; real blocks rarely need it. Shapes too small for
+  their scales to fit the budget just get the coarsest steps.
 """
 
 from __future__ import annotations

@@ -550,7 +550,7 @@ async def test_cluster_master_killed_then_restarted(
         assert await s.get_many(hashes) == expected({kept[0]: b"new", kept[1]: b"x"})
         assert s.stats()["other_errors"] == 0
     finally:
-        redis_cluster.restart(victim)  # the session's cluster must be whole for later tests
+        redis_cluster.restart(victim)  # the shared cluster must be whole for later tests
 
     # Back, empty. Before the cooldown still short-circuited; after it the probe round-trips on
     # that master and its breaker closes; its blocks and the pins it held are gone.
