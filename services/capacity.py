@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 from kvserve.shared.capacity import (
     KV_DTYPE_BYTES,
     PRESETS,

@@ -1,18 +1,20 @@
-"""The `kvserve` command. Each subcommand lives in its own module with `register(subparsers)`;
-a module's `run(args) -> int` does the work. User errors print one line and exit 2."""
+"""The `kvserve` command. Each subcommand lives in its own module; user errors print one line
+and exit 2."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
-import signal
 import sys
 from collections.abc import Callable
 
+from kvserve.services.cli_support import CliError
 from kvserve.shared.model.gguf_file import GGUFReadError
 
-# subcommand -> module under kvserve.services (imported lazily: `kvserve capacity` needs no torch)
+# subcommand -> module under kvserve.services, imported lazily (`kvserve capacity` needs no
+# torch). The module's `register(subparsers)` (or the function after a colon) adds the
+# subcommand and sets its handler, `handler(args) -> int`; a CliError
+# (services/cli_support.py) from the handler is a user error.
 SUBCOMMANDS = {
     "fetch-model": "fetch_model",
     "generate": "generate",
@@ -21,24 +23,10 @@ SUBCOMMANDS = {
     "serve": "serve",
     "warmup": "warmup",
     "gateway": "gateway.main",
-    "prefill": "prefill",
-    "decode": "decode",
+    "prefill": "disagg:register_prefill",
+    "decode": "disagg:register_decode",
     "stack": "stack",
 }
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
-
-
-def stop_on_signals() -> asyncio.Event:
-    """An event that SIGTERM or SIGINT sets (a service's cue to drain and exit); call it from
-    inside the running event loop."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -50,8 +38,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         if chosen in SUBCOMMANDS and name != chosen:
             sub.add_parser(name)
             continue
-        mod = importlib.import_module(f"kvserve.services.{module}")
-        mod.register(sub)
+        path, _, function = module.partition(":")
+        mod = importlib.import_module(f"kvserve.services.{path}")
+        getattr(mod, function or "register")(sub)
     return parser
 
 
@@ -73,8 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Through the package's module, so CliError raised by subcommands (which import
-    # kvserve.services.cli) is the class caught in main(), not a __main__ copy of it.
-    from kvserve.services.cli import main as _main
-
-    raise SystemExit(_main())
+    raise SystemExit(main())

@@ -1,18 +1,10 @@
-"""The disaggregated workers: `kvserve prefill` and `kvserve decode` (DESIGN.md section 2).
+"""`kvserve prefill` and `kvserve decode`: the workers of the disaggregated topology
+(DESIGN.md section 2; the workers themselves are services/workers/prefill.py and decode.py).
 
-A prefill worker reads generate requests from the `kvserve:prefill` consumer group, runs the
-prompt minus its last token (max_tokens=1, `export_tail`), puts the partial last block under the
-request's tail key, flushes the store writes (so every full block is stored), then forwards the
-same request (traceparent now its own span) to the `kvserve:decode` stream. It never sends a
-token to the client; it acks a request only once forwarded (or failed/cancelled), so a prefill
-worker that dies leaves its requests pending for another one (XAUTOCLAIM).
-
-A decode worker reads `kvserve:decode`, fetches the request's tail from the store, and runs the
-full request with it (`kv_tail`): the engine loads the full blocks from the store and computes
-only the last prompt token; without the tail (a redelivery: the tail is deleted on read) it
-recomputes what the store lacks. Token events go out exactly as from the `serve` worker.
-
-Both serve Prometheus /metrics (the engine's stats) on `--metrics-port` (0: off).
+Both read their requests from a Redis consumer group (`kvserve:prefill`, `kvserve:decode`):
+any number of workers of a role share the work, and a request that a dead worker held is
+claimed by another after `--claim-idle` seconds. They meet only in the prefix store (`--store`,
+required). Both serve Prometheus /metrics (the engine's stats) on `--metrics-port` (0: off).
 """
 
 from __future__ import annotations
@@ -22,22 +14,40 @@ import asyncio
 import dataclasses
 import os
 import socket
-from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvserve.services.cli import CliError, stop_on_signals
-from kvserve.services.serve import add_engine_arguments
+from kvserve.services.cli_support import (
+    CliError,
+    check_bus_url,
+    check_port,
+    check_positive,
+    run_service,
+    stop_on_signals,
+)
+from kvserve.services.engine_options import (
+    add_engine_arguments,
+    check_engine_arguments,
+    engine_config,
+    load_engine,
+)
 from kvserve.shared.config import STORE_FORMATS, default_model_path
 
-ROLES = ("prefill", "decode")
+HELP = {
+    "prefill": "prefill worker: computes prompts into the prefix store, hands off to decode",
+    "decode": "decode worker: loads prefilled blocks from the store and streams tokens",
+}
 
 
-def register_worker(sub: argparse._SubParsersAction, role: str) -> None:
-    help_ = {
-        "prefill": "prefill worker: computes prompts into the prefix store, hands off to decode",
-        "decode": "decode worker: loads prefilled blocks from the store and streams tokens",
-    }[role]
-    p = sub.add_parser(role, help=help_)
+def register_prefill(sub: argparse._SubParsersAction) -> None:
+    _register(sub, "prefill")
+
+
+def register_decode(sub: argparse._SubParsersAction) -> None:
+    _register(sub, "decode")
+
+
+def _register(sub: argparse._SubParsersAction, role: str) -> None:
+    p = sub.add_parser(role, help=HELP[role])
     p.add_argument("--bus", required=True, help="redis://HOST:PORT/DB of the request bus")
     p.add_argument("--store", required=True, help="prefix store URL (redis://HOST:PORT/DB)")
     p.add_argument("--store-format", choices=STORE_FORMATS, default="native")
@@ -57,86 +67,68 @@ def register_worker(sub: argparse._SubParsersAction, role: str) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for url, flag in ((args.bus, "--bus"), (args.store, "--store")):
-        if not url.startswith(("redis://", "rediss://", "unix://")) and flag == "--bus":
-            raise CliError(f"{flag} must be a redis:// URL, got {url!r}")
+    check_bus_url(args.bus)
     if args.store == "none":
         raise CliError("--store is required: prefill and decode meet only in the store")
-    if not 0 <= args.metrics_port <= 65535:
-        raise CliError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
-    if args.claim_idle <= 0 or args.drain_timeout <= 0:
-        raise CliError("--claim-idle and --drain-timeout must be > 0")
-    if args.threads is not None and args.threads < 1:
-        raise CliError("--threads must be >= 1")
+    check_port("--metrics-port", args.metrics_port)
+    check_positive(args, ("claim_idle", "drain_timeout"))
+    check_engine_arguments(args)
 
 
 def run(args: argparse.Namespace, role: str) -> int:
-    from kvserve.shared.telemetry import configure_logging, configure_tracing, shutdown_tracing
-
     _check(args)
-    configure_logging(args.log_level)
-    configure_tracing(f"kvserve-{role}")
-    try:
-        asyncio.run(_work(args, role))
-    finally:
-        shutdown_tracing()
-    return 0
+
+    async def work(args: argparse.Namespace) -> None:
+        await _work(args, role)
+
+    return run_service(args, role, work)
 
 
-def _load_engine(args: argparse.Namespace) -> Any:
-    from kvserve.services.serve import engine_config
-    from kvserve.shared.engine.async_engine import AsyncEngine
-    from kvserve.shared.engine.engine import Engine
-
-    return AsyncEngine(Engine(engine_config(args)))
-
-
-def _start_metrics(args: argparse.Namespace, name: str, stats: Callable[[], Any]) -> str:
+def _start_metrics(args: argparse.Namespace, name: str, worker: Any) -> str:
     """Serve the worker's engine stats as Prometheus metrics; the URL ('' when off)."""
     if not args.metrics_port:
         return ""
-    from kvserve.shared.telemetry import EngineStatsCollector
-    from prometheus_client import CollectorRegistry, start_http_server
+    from kvserve.services.workers.metrics import serve_worker_metrics
 
-    class WorkerCollector(EngineStatsCollector):
-        def collect(self) -> Iterator[Any]:
-            self.snapshot = {name: stats()}
-            yield from super().collect()
-
-    registry = CollectorRegistry()
-    registry.register(WorkerCollector(os.path.basename(args.model)))
+    model = os.path.basename(args.model)
     try:
-        start_http_server(args.metrics_port, args.metrics_host, registry=registry)
+        return serve_worker_metrics(args.metrics_host, args.metrics_port, model, name, worker.stats)
     except OSError as e:
         raise CliError(f"cannot serve metrics on port {args.metrics_port}: {e}") from e
-    host = "127.0.0.1" if args.metrics_host in ("0.0.0.0", "::") else args.metrics_host
-    return f"http://{host}:{args.metrics_port}/metrics"
+
+
+def _make_worker(args: argparse.Namespace, role: str, name: str, engine: Any) -> tuple[Any, Any]:
+    """The role's worker on its Redis consumer group, and the bus it reads (to close)."""
+    from kvserve.shared.bus import RedisBus, RedisBusConfig
+
+    cfg = RedisBusConfig(request_stream=role, group=role, claim_idle_s=args.claim_idle)
+    bus = RedisBus(args.bus, cfg)
+    worker: Any
+    if role == "prefill":
+        from kvserve.services.workers.prefill import PrefillWorker
+
+        decode_cfg = dataclasses.replace(cfg, request_stream="decode", group="decode")
+        out = RedisBus(args.bus, decode_cfg, bus.redis)
+        worker = PrefillWorker(bus.worker(name), engine, out.submit)
+    else:
+        from kvserve.services.workers.decode import DecodeWorker
+
+        worker = DecodeWorker(bus.worker(name), engine)
+    worker.model_name = os.path.basename(args.model).split(".")[0]
+    return worker, bus
 
 
 async def _work(args: argparse.Namespace, role: str) -> None:
-    from kvserve.services.disagg_workers import DecodeWorker, PrefillWorker
-    from kvserve.shared.bus import RedisBus, RedisBusConfig
     from kvserve.shared.telemetry import get_logger
 
     log = get_logger(f"kvserve.{role}")
     name = args.name or f"{role}-{socket.gethostname()}-{os.getpid()}"
     stop = stop_on_signals()
-    engine = await asyncio.to_thread(_load_engine, args)
+    engine = await asyncio.to_thread(load_engine, engine_config(args))
     if engine.engine.connector is None:
         raise CliError("--store: the engine has no prefix store")
-    cfg = RedisBusConfig(request_stream=role, group=role, claim_idle_s=args.claim_idle)
-    bus = RedisBus(args.bus, cfg)
-    worker: Any
-    model = os.path.basename(args.model).split(".")[0]
-    if role == "prefill":
-        out = RedisBus(
-            args.bus, dataclasses.replace(cfg, request_stream="decode", group="decode"), bus.redis
-        )
-        worker = PrefillWorker(bus.worker(name), engine, out.submit)
-    else:
-        worker = DecodeWorker(bus.worker(name), engine)
-    worker.model_name = model
-    metrics_url = _start_metrics(args, name, worker.stats)
+    worker, bus = _make_worker(args, role, name, engine)
+    metrics_url = _start_metrics(args, name, worker)
     await worker.start()
     log.info("ready", role=role, worker=name, url=metrics_url or f"bus:{name}")
     await stop.wait()

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 from kvserve.shared.config import (
     DEFAULT_STORE,
     KV_DTYPES,

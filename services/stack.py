@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 from kvserve.shared.config import default_model_path
 
 

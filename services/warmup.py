@@ -2,14 +2,11 @@
 chat message lists and few-shot prefixes, writes them to the prefix store and pins them, so the
 first request that starts with such a prefix finds those tokens cached.
 
-FILE holds JSON lines, one prefix each:
-    {"text": "..."}                        raw text (few-shot examples, a document)
-    {"system": "..."}                      a system prompt, through the chat template
-    {"messages": [{"role": ..., "content": ...}, ...]}   a chat prefix, through the template
-optionally with "cache_salt". Prefixes whose blocks are all stored already are skipped, so an
-interrupted job resumes where it stopped. `--store URL` runs the job in this process against
-that store; `--server URL` submits it to a running gateway (POST /v1/cache/warmup) and follows
-the job's status.
+FILE holds JSON lines, one prefix each (services/gateway/prefixes.py): {"text": ...},
+{"system": ...} or {"messages": [...]}, optionally with "cache_salt". Prefixes whose blocks are
+all stored already are skipped, so an interrupted job resumes where it stopped. `--store URL`
+runs the job in this process against that store; `--server URL` submits it to a running gateway
+(POST /v1/cache/warmup) and follows the job's status.
 """
 
 from __future__ import annotations
@@ -21,10 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
+from kvserve.services.gateway.prefixes import check_prefix, prefix_ids
 from kvserve.shared.config import DEFAULT_STORE, default_model_path
-
-KINDS = ("text", "system", "messages")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,34 +53,6 @@ def read_jobs(path: Path) -> list[dict[str, Any]]:
     if not jobs:
         raise CliError(f"{path}: no prefixes")
     return jobs
-
-
-def check_prefix(obj: Any) -> str | None:
-    """Why `obj` (one parsed prefix) is malformed, or None when it is fine. Shared by the file
-    reader and the gateway's POST /v1/cache/warmup."""
-    kinds = [k for k in KINDS if isinstance(obj, dict) and k in obj]
-    if len(kinds) != 1:
-        return f"needs exactly one of {', '.join(KINDS)}"
-    value = obj[kinds[0]]
-    if kinds[0] == "messages":
-        ok = isinstance(value, list) and all(
-            isinstance(m, dict) and {"role", "content"} <= set(m) for m in value
-        )
-    else:
-        ok = isinstance(value, str)
-    if not ok or not value:
-        return f"{kinds[0]!r} must be a non-empty string or message list"
-    if not isinstance(obj.get("cache_salt"), str | None):
-        return "'cache_salt' must be a string"
-    return None
-
-
-def prefix_ids(tokenizer: Any, job: dict[str, Any]) -> list[int]:
-    """Token ids of one prefix, exactly as a later request starting with it tokenizes."""
-    if "text" in job:
-        return list(tokenizer.encode(job["text"]))
-    messages = job.get("messages") or [{"role": "system", "content": job["system"]}]
-    return list(tokenizer.encode(tokenizer.apply_chat_template(messages, False)))
 
 
 def run(args: argparse.Namespace) -> int:

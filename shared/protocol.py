@@ -5,6 +5,11 @@ tagged with its kind and the protocol version, `decode` turns bytes back into th
 raises ProtocolError for anything malformed (wrong version, unknown kind, missing or mistyped
 field), so a bad message is rejected at the boundary rather than deep in a worker.
 
+A generate request's SamplingParams travel as a map of their own (`encode_sampling` /
+`decode_sampling`): every field of SAMPLING_FIELDS, by name, plus the map's version
+`SAMPLING_VERSION`; decoding checks the version, the field set and each field's type, then
+builds the SamplingParams (whose own checks apply), so a worker holds typed, valid parameters.
+
 Invariants:
 - A request's token events carry `seq` = 0, 1, 2, ... in emission order; a consumer keeps the
   first event of each seq and drops the rest (a redelivered request is re-run from the start and
@@ -22,8 +27,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
+from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
 PROTOCOL_VERSION = 1
+SAMPLING_VERSION = 1
 
 
 class ProtocolError(ValueError):
@@ -42,14 +49,13 @@ class ErrorInfo:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """A tokenized, validated request. `sampling` is SamplingParams as a plain dict (field
-    names of kvserve.shared.sampling_params.SamplingParams); `deadline` is a Unix
-    time after which the request is no longer worth running."""
+    """A tokenized, validated request; `deadline` is a Unix time after which the request is
+    no longer worth running."""
 
     KIND: ClassVar[str] = "generate"
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     cache_salt: str | None = None
     traceparent: str | None = None
     deadline: float | None = None
@@ -60,7 +66,7 @@ class GenerateRequest:
 
     @property
     def n(self) -> int:
-        return int(self.sampling.get("n", 1))
+        return self.sampling.n
 
 
 @dataclass(frozen=True)
@@ -160,8 +166,86 @@ _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
 }
 
 
+# The SamplingParams fields on the bus and their types after msgpack decoding (bool is accepted
+# only where listed). One entry per field of SamplingParams (checked below at import): a new
+# field is added here, with SAMPLING_VERSION raised when old readers must refuse it.
+SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
+    "max_tokens": _INT,
+    "temperature": _NUM,
+    "top_p": _NUM,
+    "top_k": _INT,
+    "seed": (int, type(None)),
+    "n": _INT,
+    "stop": (list,),
+    "stop_token_ids": (list,),
+    "ignore_eos": (bool,),
+    "logprobs": (bool,),
+    "top_logprobs": _INT,
+    "beam_width": _INT,
+    "length_penalty": _NUM,
+    "early_stopping": (bool,),
+    "skip_special_tokens": (bool,),
+}
+_FLOAT_FIELDS = ("temperature", "top_p", "length_penalty")
+assert set(SAMPLING_FIELDS) == {f.name for f in fields(SamplingParams)}, "SAMPLING_FIELDS"
+
+
+def encode_sampling(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as a msgpack-able map: every field by name, tuples as lists, and "v"."""
+    body: dict[str, Any] = {"v": SAMPLING_VERSION}
+    for name in SAMPLING_FIELDS:
+        value = getattr(params, name)
+        body[name] = list(value) if isinstance(value, tuple) else value
+    return body
+
+
+def decode_sampling(body: Any) -> SamplingParams:
+    """The SamplingParams `encode_sampling` wrote; ProtocolError for a map of another version,
+    with missing, unknown or mistyped fields, or with values SamplingParams refuses."""
+    if not isinstance(body, dict):
+        raise ProtocolError("sampling must be a map")
+    body = dict(body)
+    if body.pop("v", None) != SAMPLING_VERSION:
+        raise ProtocolError(f"unsupported sampling version (expected {SAMPLING_VERSION})")
+    _check_sampling_fields(body)
+    kw: dict[str, Any] = {k: float(v) if k in _FLOAT_FIELDS else v for k, v in body.items()}
+    kw["stop"] = tuple(body["stop"])
+    kw["stop_token_ids"] = tuple(body["stop_token_ids"])
+    try:
+        return SamplingParams(**kw)
+    except InvalidRequestError as e:
+        raise ProtocolError(f"sampling field {e.param!r}: {e}") from e
+
+
+def _check_sampling_fields(body: dict[str, Any]) -> None:
+    missing = set(SAMPLING_FIELDS) - set(body)
+    unknown = set(body) - set(SAMPLING_FIELDS)
+    if missing or unknown:
+        raise ProtocolError(
+            f"sampling fields: missing {sorted(missing)}, unknown {sorted(unknown)}"
+        )
+    for name, value in body.items():
+        _check_type(f"sampling field {name!r}", value, SAMPLING_FIELDS[name])
+    if not all(isinstance(s, str) for s in body["stop"]):
+        raise ProtocolError("sampling field 'stop' must hold strings")
+    if not _all_ints(body["stop_token_ids"]):
+        raise ProtocolError("sampling field 'stop_token_ids' must hold ints")
+
+
+def _check_type(what: str, value: Any, types: tuple[type, ...]) -> None:
+    is_bool = isinstance(value, bool) and bool not in types
+    if not isinstance(value, types) or is_bool:
+        raise ProtocolError(f"{what} has type {type(value).__name__}")
+
+
+def _all_ints(values: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+
+
 def encode(msg: Message) -> bytes:
     body = asdict(msg)
+    if isinstance(msg, GenerateRequest):
+        body["sampling"] = encode_sampling(msg.sampling)
     body["kind"] = msg.KIND
     body["v"] = PROTOCOL_VERSION
     return bytes(msgpack.packb(body, use_bin_type=True))
@@ -183,6 +267,8 @@ def decode(data: bytes) -> Message:
     _check_fields(str(kind), body)
     if cls is TokenEvent and body.get("error") is not None:
         body["error"] = _error_info(body["error"])
+    if cls is GenerateRequest and "sampling" in body:
+        body["sampling"] = decode_sampling(body["sampling"])
     try:
         return cls(**body)
     except TypeError as e:
@@ -195,13 +281,9 @@ def _check_fields(kind: str, body: dict[str, Any]) -> None:
     if unknown:
         raise ProtocolError(f"{kind} message has unknown fields {sorted(unknown)}")
     for name, value in body.items():
-        is_bool = isinstance(value, bool) and bool not in types[name]
-        if not isinstance(value, types[name]) or is_bool:
-            raise ProtocolError(f"{kind} message field {name!r} has type {type(value).__name__}")
+        _check_type(f"{kind} message field {name!r}", value, types[name])
     for name in ("prompt_token_ids", "token_ids"):
-        if name in body and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in body[name]
-        ):
+        if name in body and not _all_ints(body[name]):
             raise ProtocolError(f"{kind} message field {name!r} must hold ints")
     if kind == "admin":
         _check_admin(body)
@@ -215,7 +297,7 @@ def _check_admin(body: dict[str, Any]) -> None:
             isinstance(p, dict)
             and set(p) <= {"token_ids", "cache_salt"}
             and isinstance(p.get("token_ids"), list)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in p["token_ids"])
+            and _all_ints(p["token_ids"])
             and isinstance(p.get("cache_salt"), str | None)
         )
         if not ok:

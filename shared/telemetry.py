@@ -179,11 +179,6 @@ def context_from_traceparent(traceparent: str | None) -> otel_context.Context | 
     return _PROPAGATOR.extract({"traceparent": traceparent})
 
 
-def current_trace_id() -> str | None:
-    ctx = trace.get_current_span().get_span_context()
-    return format(ctx.trace_id, "032x") if ctx.is_valid else None
-
-
 # GenAI semantic-convention attribute names.
 GEN_AI_OPERATION = "gen_ai.operation.name"
 GEN_AI_SYSTEM = "gen_ai.system"

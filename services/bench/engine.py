@@ -53,7 +53,7 @@ from kvserve.services.bench.machine import (
     measure_machine,
     num_params,
 )
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 from kvserve.shared.config import (
     CacheConfig,
     EngineConfig,

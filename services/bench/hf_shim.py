@@ -109,39 +109,15 @@ class Generator:
                         job.send(DONE)
 
     def _generate(self, batch: list[Job]) -> None:
+        """One greedy generate() over the batch (left-padded), each row's tokens streamed
+        to its job."""
         torch = self.torch
-        from transformers.generation.streamers import BaseStreamer
-
         width = max(len(j.prompt) for j in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, job in enumerate(batch):
             ids[i, width - len(job.prompt) :] = torch.tensor(job.prompt, dtype=torch.long)
             mask[i, width - len(job.prompt) :] = 1
-        n = max(j.max_tokens for j in batch)
-        eos_ids = self.eos_ids
-
-        class Streamer(BaseStreamer):
-            prompt_seen = False
-
-            def put(self, value: Any) -> None:
-                if not self.prompt_seen:  # generate() first hands over the prompt
-                    self.prompt_seen = True
-                    return
-                for job, tok in zip(batch, value.reshape(-1).tolist(), strict=True):
-                    if job.finished:
-                        continue
-                    job.emitted += 1
-                    job.send(int(tok))
-                    if not job.ignore_eos and int(tok) in eos_ids:
-                        job.finish_reason = "stop"
-                    if job.emitted >= job.max_tokens or job.finish_reason == "stop":
-                        job.finished = True
-                        job.send(DONE)
-
-            def end(self) -> None:
-                pass
-
         config = copy.deepcopy(self.model.generation_config)
         if batch[0].ignore_eos:  # EOS may be generated, it just does not stop the row
             config.eos_token_id = None
@@ -151,9 +127,9 @@ class Generator:
                 input_ids=ids,
                 attention_mask=mask,
                 generation_config=config,
-                max_new_tokens=n,
+                max_new_tokens=max(j.max_tokens for j in batch),
                 pad_token_id=self.pad_id,
-                streamer=Streamer(),
+                streamer=_streamer(batch, self.eos_ids),
             )
 
     def parse(self, body: dict[str, Any]) -> tuple[list[int], int, bool]:
@@ -181,6 +157,35 @@ class Generator:
         return ids, max_tokens, bool(body.get("ignore_eos", False))
 
 
+def _streamer(batch: list[Job], eos_ids: set[int]) -> Any:
+    """A transformers streamer that hands each row's new token to its job and finishes a job
+    at its max_tokens or (unless it ignores EOS) at an EOS token."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Streamer(BaseStreamer):
+        prompt_seen = False
+
+        def put(self, value: Any) -> None:
+            if not self.prompt_seen:  # generate() first hands over the prompt
+                self.prompt_seen = True
+                return
+            for job, tok in zip(batch, value.reshape(-1).tolist(), strict=True):
+                if job.finished:
+                    continue
+                job.emitted += 1
+                job.send(int(tok))
+                if not job.ignore_eos and int(tok) in eos_ids:
+                    job.finish_reason = "stop"
+                if job.emitted >= job.max_tokens or job.finish_reason == "stop":
+                    job.finished = True
+                    job.send(DONE)
+
+        def end(self) -> None:
+            pass
+
+    return Streamer()
+
+
 def _chunk(rid: str, created: int, model: str, choices: list[Any]) -> dict[str, Any]:
     return {
         "id": rid,
@@ -193,6 +198,83 @@ def _chunk(rid: str, created: int, model: str, choices: list[Any]) -> dict[str, 
 
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _Completion:
+    """One completion request's job and what has been sent of it: the tokens so far and the
+    text they decode to (held back while it ends in an incomplete UTF-8 sequence)."""
+
+    def __init__(self, gen: Generator, body: dict[str, Any], model_name: str) -> None:
+        prompt, self.max_tokens, self.ignore_eos = gen.parse(body)
+        self.gen = gen
+        self.prompt = prompt
+        self.job = Job(prompt, self.max_tokens, self.ignore_eos, asyncio.get_running_loop())
+        self.rid, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.model = str(body.get("model") or model_name)
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.tokens: list[int] = []
+        self.sent_text = ""
+
+    async def next_piece(self) -> tuple[list[int], str] | None:
+        """The next token and the text it adds; None at the end."""
+        item = await self.job.out.get()
+        if item is DONE:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        self.tokens.append(item)
+        text = str(self.gen.tokenizer.decode(self.tokens, skip_special_tokens=False))
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+            return [item], ""
+        piece, self.sent_text = text[len(self.sent_text) :], text
+        return [item], piece
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": len(self.tokens),
+            "total_tokens": len(self.prompt) + len(self.tokens),
+        }
+
+    def chunk(self, choices: list[Any]) -> dict[str, Any]:
+        return _chunk(self.rid, self.created, self.model, choices)
+
+    async def reply(self) -> web.Response:
+        while await self.next_piece() is not None:
+            pass
+        choice = {
+            "index": 0,
+            "text": self.sent_text,
+            "token_ids": self.tokens,
+            "logprobs": None,
+            "finish_reason": self.job.finish_reason,
+        }
+        return web.json_response(self.chunk([choice]) | {"usage": self.usage()})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp.headers["Cache-Control"] = "no-cache"
+        await resp.prepare(request)
+        while (got := await self.next_piece()) is not None:
+            ids, piece = got
+            stop = not self.ignore_eos and ids[0] in self.gen.eos_ids
+            last = stop or len(self.tokens) >= self.max_tokens
+            choice = {
+                "index": 0,
+                "text": piece,
+                "token_ids": ids,
+                "logprobs": None,
+                "finish_reason": ("stop" if stop else "length") if last else None,
+            }
+            chunk = self.chunk([choice])
+            if self.include_usage:
+                chunk["usage"] = None
+            await resp.write(_sse(chunk))
+        if self.include_usage:
+            await resp.write(_sse(self.chunk([]) | {"usage": self.usage()}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
 
 def make_app(gen: Generator, model_name: str) -> web.Application:
@@ -214,75 +296,12 @@ def make_app(gen: Generator, model_name: str) -> web.Application:
             body = await request.json()
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
-            prompt, max_tokens, ignore_eos = gen.parse(body)
+            completion = _Completion(gen, body, model_name)
         except (BadRequest, json.JSONDecodeError) as exc:
             err = {"message": str(exc), "type": "invalid_request_error", "code": 400}
             return web.json_response({"error": err}, status=400)
-        job = Job(prompt, max_tokens, ignore_eos, asyncio.get_running_loop())
-        gen.jobs.put(job)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        model = str(body.get("model") or model_name)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        tokens: list[int] = []
-        sent_text = ""
-
-        async def next_piece() -> tuple[list[int], str] | None:
-            nonlocal sent_text
-            item = await job.out.get()
-            if item is DONE:
-                return None
-            if isinstance(item, Exception):
-                raise item
-            tokens.append(item)
-            text = str(gen.tokenizer.decode(tokens, skip_special_tokens=False))
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-                return [item], ""
-            piece, sent_text = text[len(sent_text) :], text
-            return [item], piece
-
-        def usage() -> dict[str, Any]:
-            return {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(tokens),
-                "total_tokens": len(prompt) + len(tokens),
-            }
-
-        if not body.get("stream"):
-            while await next_piece() is not None:
-                pass
-            choice = {
-                "index": 0,
-                "text": sent_text,
-                "token_ids": tokens,
-                "logprobs": None,
-                "finish_reason": job.finish_reason,
-            }
-            reply = _chunk(rid, created, model, [choice]) | {"usage": usage()}
-            return web.json_response(reply)
-
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        resp.headers["Cache-Control"] = "no-cache"
-        await resp.prepare(request)
-        while (got := await next_piece()) is not None:
-            ids, piece = got
-            stop = not ignore_eos and ids[0] in gen.eos_ids
-            last = stop or len(tokens) >= max_tokens
-            choice = {
-                "index": 0,
-                "text": piece,
-                "token_ids": ids,
-                "logprobs": None,
-                "finish_reason": ("stop" if stop else "length") if last else None,
-            }
-            chunk = _chunk(rid, created, model, [choice])
-            if include_usage:
-                chunk["usage"] = None
-            await resp.write(_sse(chunk))
-        if include_usage:
-            await resp.write(_sse(_chunk(rid, created, model, []) | {"usage": usage()}))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        gen.jobs.put(completion.job)
+        return await (completion.stream(request) if body.get("stream") else completion.reply())
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_get("/health", health)

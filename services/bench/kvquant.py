@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 import torch
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 from kvserve.shared.config import CacheConfig, EngineConfig, default_model_path
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype

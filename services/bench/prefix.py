@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.services.bench.engine import WorkloadSpec, make_requests, random_prompt
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_model_path
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.model.loader import LoadedWeights, load_weights

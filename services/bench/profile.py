@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 
 COMPONENTS = ("linear", "attention", "norm", "other model", "engine")
 # `kvserve bench serve` options that only an HTTP client has.
@@ -43,8 +43,8 @@ CLIENT_OPTIONS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvserve.services import serve as serve_cli
     from kvserve.services.bench import serve
+    from kvserve.services.engine_options import add_engine_arguments
 
     tmp = argparse.ArgumentParser(add_help=False)
     serve.add_arguments(tmp)
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default="memory://", help="prefix store URL, or none")
     p.add_argument("--store-format", default="native")
     p.add_argument("--out", default=None, metavar="DIR", help="write DIR/profile.json")
-    serve_cli.add_engine_arguments(p)
+    add_engine_arguments(p)
 
 
 @dataclass
@@ -124,14 +124,14 @@ def instrument(engine: Any, timer: StepTimer) -> None:
 
 
 def _engine(args: argparse.Namespace) -> Any:
-    from kvserve.services import serve as serve_cli
+    from kvserve.services.engine_options import engine_config
     from kvserve.shared.config import default_model_path
     from kvserve.shared.engine.engine import Engine
 
     args.model = args.model or str(default_model_path())
     if not Path(args.model).is_file():
         raise CliError(f"--model: no such file {args.model}")
-    return Engine(serve_cli.engine_config(args))
+    return Engine(engine_config(args))
 
 
 def run_workload(engine: Any, sessions: list[Any], timer: StepTimer) -> list[StepTiming]:

@@ -26,12 +26,13 @@ import math
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvserve.services.bench import workloads as wl
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 
 SUMMARY_KEYS = (
     "num_requests", "completed", "failed", "duration_s", "request_throughput",
@@ -75,6 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="short random requests sent first, not measured")  # fmt: skip
     p.add_argument("--no-plots", action="store_true")
+    _add_workload_arguments(p)
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """Each workload's own options, a group each."""
     g = p.add_argument_group("random")
     g.add_argument("--input-len", type=int, default=256)
     g.add_argument("--output-len", type=int, default=64, help="also shared-prefix, multi-round")
@@ -229,6 +235,75 @@ class RequestResult:
     text: str = ""
 
 
+async def _sse_chunks(content: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a server-sent event stream, up to `data: [DONE]`."""
+    async for raw in content:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+class _StreamedCompletion:
+    """One streamed completion's chunks as they arrive, timed into `res` (TTFT at the first
+    chunk with a token, ITL between such chunks; a bare finish_reason chunk is not a token)."""
+
+    def __init__(self, res: RequestResult, t0: float) -> None:
+        self.res = res
+        self.t0 = self.last = t0
+        self.chunks = 0
+        self.token_ids: list[int] = []
+        self.have_ids = False
+        self.text: list[str] = []
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not choices:
+            return
+        c = choices[0]
+        if c.get("token_ids") is not None:
+            self.have_ids = True
+            self.token_ids += c["token_ids"]
+        if not c.get("text") and not c.get("token_ids") and c.get("finish_reason"):
+            return  # a bare finish_reason chunk (an empty text is a token too)
+        now = time.perf_counter()
+        if self.chunks == 0:
+            self.res.ttft_s = now - self.t0
+        else:
+            self.res.itl_s.append(now - self.last)
+        self.last = now
+        self.chunks += 1
+        self.text.append(c.get("text") or "")
+
+    def finish(self) -> list[int] | None:
+        """Fill in the rest of `res` at the stream's end; the answer's token ids when the
+        server sent them."""
+        res = self.res
+        res.e2e_s = time.perf_counter() - self.t0
+        res.text = "".join(self.text)
+        if self.usage:
+            res.output_tokens = int(self.usage.get("completion_tokens") or 0)
+            res.prompt_tokens = self.usage.get("prompt_tokens")
+            details = self.usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                res.cached_tokens = int(details["cached_tokens"])
+        if not res.output_tokens:
+            res.output_tokens = len(self.token_ids) if self.have_ids else self.chunks
+        if res.ttft_s is None:
+            res.error = "no token received"
+            return None
+        if res.output_tokens > 1:
+            res.tpot_s = (res.e2e_s - res.ttft_s) / (res.output_tokens - 1)
+        res.success = True
+        return self.token_ids if self.have_ids else None
+
+
 class Client:
     def __init__(self, args: argparse.Namespace, model: str, session: Any) -> None:
         self.url = args.base_url.rstrip("/")
@@ -249,13 +324,7 @@ class Client:
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
         }
-        token_ids: list[int] = []
-        have_ids = False
-        t0 = time.perf_counter()
-        last = t0
-        chunks = 0
-        text: list[str] = []
-        usage: dict[str, Any] | None = None
+        stream = _StreamedCompletion(res, time.perf_counter())
         try:
             async with self.http.post(
                 self.url + "/v1/completions", json=body, headers=self.headers
@@ -263,57 +332,15 @@ class Client:
                 if resp.status != 200:
                     res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                     return None
-                async for raw in resp.content:
-                    line = raw.decode("utf-8", "replace").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
+                async for chunk in _sse_chunks(resp.content):
                     if "error" in chunk:
                         res.error = str(chunk["error"])[:300]
                         return None
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    choices = chunk.get("choices") or []
-                    if not choices:
-                        continue
-                    c = choices[0]
-                    if c.get("token_ids") is not None:
-                        have_ids = True
-                        token_ids += c["token_ids"]
-                    if not c.get("text") and not c.get("token_ids") and c.get("finish_reason"):
-                        continue  # a bare finish_reason chunk (an empty text is a token too)
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        res.ttft_s = now - t0
-                    else:
-                        res.itl_s.append(now - last)
-                    last = now
-                    chunks += 1
-                    text.append(c.get("text") or "")
+                    stream.add(chunk)
         except (TimeoutError, OSError, ValueError) as e:  # aiohttp errors are OSErrors
             res.error = f"{type(e).__name__}: {e}"[:300]
             return None
-        end = time.perf_counter()
-        res.e2e_s = end - t0
-        res.text = "".join(text)
-        if usage:
-            res.output_tokens = int(usage.get("completion_tokens") or 0)
-            res.prompt_tokens = usage.get("prompt_tokens")
-            details = usage.get("prompt_tokens_details") or {}
-            if details.get("cached_tokens") is not None:
-                res.cached_tokens = int(details["cached_tokens"])
-        if not res.output_tokens:
-            res.output_tokens = len(token_ids) if have_ids else chunks
-        if res.ttft_s is None:
-            res.error = "no token received"
-            return None
-        if res.output_tokens > 1:
-            res.tpot_s = (res.e2e_s - res.ttft_s) / (res.output_tokens - 1)
-        res.success = True
-        return token_ids if have_ids else None
+        return stream.finish()
 
     async def tokenize(self, text: str) -> list[int] | None:
         try:
@@ -354,56 +381,87 @@ async def run_once(
     rate: float | None,
     vocab_size: int,
 ) -> tuple[list[RequestResult], float]:
+    """Every session started at its arrival time (at `rate`); the results in start order and
+    the run's duration in seconds."""
     from tqdm import tqdm
 
     total = sum(s.num_requests for s in sessions)
     bar = tqdm(total=total, desc=f"rate {rate}", unit="req", disable=not sys.stderr.isatty())
-    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     starts = arrival_times(sessions, rate, args.seed)
-    results: list[RequestResult] = []
-    t_start = time.perf_counter()
+    run = _SessionRunner(args, client, rate, vocab_size, bar.update)
+    await asyncio.gather(
+        *(run.session(k, s, at) for k, (s, at) in enumerate(zip(sessions, starts, strict=True)))
+    )
+    duration = time.perf_counter() - run.t_start
+    bar.close()
+    return run.results, duration
 
-    async def one(prompt: list[int], res: RequestResult) -> list[int] | None:
-        if sem is not None:
-            async with sem:
-                res.start_s = time.perf_counter() - t_start
-                return await client.complete(prompt, res)
-        res.start_s = time.perf_counter() - t_start
-        return await client.complete(prompt, res)
 
-    async def session_task(k: int, s: wl.Session, at: float) -> None:
-        delay = at - (time.perf_counter() - t_start)
+class _SessionRunner:
+    """One run's sessions: each waits for its start time, then sends its turns in order (a
+    multi-round one carries its history: the prompt plus the answer's token ids, from the
+    server, else re-tokenized, else stand-ins of the same count). At most --max-concurrency
+    requests are in flight."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        client: Client,
+        rate: float | None,
+        vocab_size: int,
+        progress: Any,
+    ) -> None:
+        self.seed = args.seed
+        self.client = client
+        self.rate = rate
+        self.vocab_size = vocab_size
+        self.progress = progress  # progress(n): n more requests done
+        self.sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        self.results: list[RequestResult] = []
+        self.t_start = time.perf_counter()
+
+    async def request(self, prompt: list[int], res: RequestResult) -> list[int] | None:
+        if self.sem is None:
+            res.start_s = time.perf_counter() - self.t_start
+            return await self.client.complete(prompt, res)
+        async with self.sem:
+            res.start_s = time.perf_counter() - self.t_start
+            return await self.client.complete(prompt, res)
+
+    async def session(self, k: int, s: wl.Session, at: float) -> None:
+        delay = at - (time.perf_counter() - self.t_start)
         if delay > 0:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # the session's arrival time
         history: list[int] = []
         for j, turn in enumerate(s.turns):
             prompt = history + turn.tokens if s.carry_history else turn.tokens
-            res = RequestResult(k, s.tag, j, rate, len(prompt), turn.output_len)
-            results.append(res)
-            ids = await one(prompt, res)
-            bar.update(1)
+            res = RequestResult(k, s.tag, j, self.rate, len(prompt), turn.output_len)
+            self.results.append(res)
+            ids = await self.request(prompt, res)
+            self.progress(1)
             if not s.carry_history:
                 continue
             if not res.success:
-                for rest in s.turns[j + 1 :]:  # the conversation cannot go on
-                    skipped = RequestResult(k, s.tag, j + 1, rate, 0, rest.output_len)
-                    skipped.error = "skipped: an earlier round failed"
-                    results.append(skipped)
-                    bar.update(1)
+                self._skip_rest(k, s, j)  # the conversation cannot go on
                 break
-            if ids is None:
-                ids = await client.tokenize(res.text)
-            if ids is None:  # no ids from the server: stand-ins of the same count
-                rng = random.Random(f"answer:{args.seed}:{k}:{j}")
-                ids = wl.random_tokens(rng, res.output_tokens, vocab_size)
-            history = prompt + ids
+            history = prompt + await self._answer_ids(ids, res, k, j)
 
-    await asyncio.gather(
-        *(session_task(k, s, at) for k, (s, at) in enumerate(zip(sessions, starts, strict=True)))
-    )
-    duration = time.perf_counter() - t_start
-    bar.close()
-    return results, duration
+    def _skip_rest(self, k: int, s: wl.Session, j: int) -> None:
+        for rest in s.turns[j + 1 :]:
+            skipped = RequestResult(k, s.tag, j + 1, self.rate, 0, rest.output_len)
+            skipped.error = "skipped: an earlier round failed"
+            self.results.append(skipped)
+            self.progress(1)
+
+    async def _answer_ids(
+        self, ids: list[int] | None, res: RequestResult, k: int, j: int
+    ) -> list[int]:
+        if ids is None:
+            ids = await self.client.tokenize(res.text)
+        if ids is None:  # no ids from the server: stand-ins of the same count
+            rng = random.Random(f"answer:{self.seed}:{k}:{j}")
+            ids = wl.random_tokens(rng, res.output_tokens, self.vocab_size)
+        return ids
 
 
 async def warmup(args: argparse.Namespace, client: Client, vocab_size: int) -> None:
@@ -580,20 +638,46 @@ async def _main(
         client = Client(args, model, http)
         if args.warmup_requests:
             await warmup(args, client, vocab)
-        runs: list[tuple[dict[str, Any], list[RequestResult]]] = []
-        with open(out / "requests.jsonl", "w") as f:
-            for i, rate in enumerate(rates):
-                if i:
-                    sessions = build_workload(args, vocab, run=i)
-                results, duration = await run_once(args, client, sessions, rate, vocab)
-                summary = summarize(results, duration, slo, rate)
-                runs.append((summary, results))
-                for r in results:
-                    row = asdict(r)
-                    row["run"] = i
-                    row["request_rate"] = summary["request_rate"]
-                    f.write(json.dumps(row) + "\n")
-                print(table(summary), flush=True)
+        runs = await _run_rates(args, client, sessions, rates, slo, vocab, out)
+    return _write_summary(args, model, runs, out)
+
+
+async def _run_rates(
+    args: argparse.Namespace,
+    client: Client,
+    sessions: list[wl.Session],
+    rates: list[float | None],
+    slo: dict[str, float],
+    vocab: int,
+    out: Path,
+) -> list[tuple[dict[str, Any], list[RequestResult]]]:
+    """One run per rate (a fresh workload for each after the first): (summary, results) of
+    each, every request a line of out/requests.jsonl, every summary a table on stdout."""
+    runs: list[tuple[dict[str, Any], list[RequestResult]]] = []
+    with open(out / "requests.jsonl", "w") as f:
+        for i, rate in enumerate(rates):
+            if i:
+                sessions = build_workload(args, vocab, run=i)
+            results, duration = await run_once(args, client, sessions, rate, vocab)
+            summary = summarize(results, duration, slo, rate)
+            runs.append((summary, results))
+            for r in results:
+                row = asdict(r)
+                row["run"] = i
+                row["request_rate"] = summary["request_rate"]
+                f.write(json.dumps(row) + "\n")
+            print(table(summary), flush=True)
+    return runs
+
+
+def _write_summary(
+    args: argparse.Namespace,
+    model: str,
+    runs: list[tuple[dict[str, Any], list[RequestResult]]],
+    out: Path,
+) -> dict[str, Any]:
+    """out/summary.json: the last run's summary, the settings, every run's (when several),
+    the plots; returned as well."""
     final = dict(runs[-1][0])
     final |= {"workload": args.workload, "model": model, "base_url": args.base_url}
     final["seed"] = args.seed

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvserve.services.bench.arms import _kvserve_exe, free_port
 from kvserve.services.bench.host import describe_cpu
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 from kvserve.shared.config import default_model_path
 
 TARGETS_S = {"generate": 5.0, "serve": 10.0}

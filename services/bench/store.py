@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvserve.services.cli import CliError
+from kvserve.services.cli_support import CliError
 from kvserve.shared.config import (
     STORE_FORMATS,
     CacheConfig,

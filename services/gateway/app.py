@@ -18,8 +18,8 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -27,6 +27,7 @@ from aiohttp import web
 from kvserve.services.gateway.admission import Admission
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.errors import APIError, bad_request, from_worker, sse_error
+from kvserve.services.gateway.generation import BusGeneration
 from kvserve.services.gateway.openapi import (
     CHAT_REQUEST,
     COMPLETION_REQUEST,
@@ -34,6 +35,7 @@ from kvserve.services.gateway.openapi import (
     RouteDoc,
     build_openapi,
 )
+from kvserve.services.gateway.prefixes import check_prefix, prefix_ids
 from kvserve.services.gateway.ratelimit import RateLimiter
 from kvserve.services.gateway.responses import SSE_DONE, ResponseBuilder, sse
 from kvserve.services.gateway.schema import (
@@ -44,11 +46,10 @@ from kvserve.services.gateway.schema import (
     parse_chat,
     parse_completion,
 )
-from kvserve.services.warmup import check_prefix, prefix_ids
-from kvserve.shared.bus import Bus, BusUnavailableError, EventStream
+from kvserve.services.gateway.warmup_jobs import WARMUP_REQUEST, WarmupJob, WarmupJobs
+from kvserve.shared.bus import Bus, BusUnavailableError
 from kvserve.shared.model.tokenizer import ChatTemplateError
-from kvserve.shared.protocol import AdminRequest, GenerateRequest, TokenEvent
-from kvserve.shared.tasks import cancel_all
+from kvserve.shared.protocol import AdminRequest, TokenEvent
 from kvserve.shared.telemetry import (
     GEN_AI_CACHED_TOKENS,
     GEN_AI_CHOICE_COUNT,
@@ -107,7 +108,7 @@ class Gateway:
         self.keys = ApiKeys(config.api_keys, config.allow_client_cache_salt)
         self.started_at = int(time.time())
         self.limiter = RateLimiter(config.rate_limit) if config.rate_limit > 0 else None
-        self.warmups: dict[str, _WarmupJob] = {}
+        self.warmups = WarmupJobs(config.max_warmup_jobs)
         self.app = web.Application(
             client_max_size=config.max_body_bytes, middlewares=[self._errors, self._auth]
         )
@@ -243,7 +244,7 @@ class Gateway:
         salt = self.keys.effective_salt(request.get(TENANT_SALT), plan.cache_salt)
         await self._require_worker()
         with self.admission.admit():
-            return await self._traced(request, plan, salt)
+            return await self._handle_generation(request, plan, salt)
 
     async def _readiness(self) -> str:
         """ready, starting (no live worker) or bus_unavailable (Redis down: nobody can tell)."""
@@ -267,33 +268,27 @@ class Gateway:
                 headers={"Retry-After": str(self.config.retry_after_s)},
             )
 
-    async def _traced(
+    async def _handle_generation(
         self, request: web.Request, plan: GenerationPlan, salt: str | None
     ) -> web.StreamResponse:
-        chat = plan.kind == "chat"
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        op = "chat" if chat else "text_completion"
-        parent = context_from_traceparent(request.headers.get("traceparent"))
-        p = plan.params
-        attrs: dict[str, AttributeValue] = {
-            GEN_AI_OPERATION: op,
-            GEN_AI_SYSTEM: "kvserve",
-            GEN_AI_REQUEST_MODEL: plan.model,
-            GEN_AI_MAX_TOKENS: p.max_tokens,
-            GEN_AI_TEMPERATURE: p.temperature,
-            GEN_AI_TOP_P: p.top_p,
-            GEN_AI_CHOICE_COUNT: p.n,
-            KVSERVE_REQUEST_ID: rid,
-        }
-        if p.seed is not None:
-            attrs[GEN_AI_SEED] = p.seed
+        """The whole life of an admitted generation request: its server span and log context,
+        the bus requests, the response (JSON or SSE), then cancels, metrics and the span's
+        usage attributes, whatever way it ends."""
+        op = "chat" if plan.kind == "chat" else "text_completion"
+        rid = ("chatcmpl-" if plan.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         with (
             tracer.start_as_current_span(
-                f"{op} {plan.model}", context=parent, kind=SpanKind.SERVER, attributes=attrs
+                f"{op} {plan.model}",
+                context=context_from_traceparent(request.headers.get("traceparent")),
+                kind=SpanKind.SERVER,
+                attributes=_request_attributes(op, plan, rid),
             ) as span,
             structlog.contextvars.bound_contextvars(request_id=rid),
         ):
-            call = _Call(self, plan, rid, salt)
+            call = BusGeneration(
+                self.bus, plan, rid, salt, self.config.request_timeout_s, self.metrics,
+                self.model.name,
+            )  # fmt: skip
             builder = ResponseBuilder(plan, rid, self.model.tokenizer, plan.model)
             status = "error"
             try:
@@ -312,7 +307,7 @@ class Gateway:
                 await call.close()
                 self._finish(span, call, builder, status)
 
-    async def _complete(self, call: _Call, builder: ResponseBuilder) -> web.Response:
+    async def _complete(self, call: BusGeneration, builder: ResponseBuilder) -> web.Response:
         try:
             async with asyncio.timeout_at(call.deadline), contextlib.aclosing(call.events()) as ev:
                 async for p, event in ev:
@@ -324,7 +319,7 @@ class Gateway:
         return web.json_response(builder.final())
 
     async def _stream(
-        self, request: web.Request, call: _Call, builder: ResponseBuilder
+        self, request: web.Request, call: BusGeneration, builder: ResponseBuilder
     ) -> web.StreamResponse:
         async with contextlib.aclosing(call.events()) as events:
             # Wait for the first event before answering 200: an error up to here is a plain
@@ -354,7 +349,7 @@ class Gateway:
     async def _stream_rest(
         self,
         resp: web.StreamResponse,
-        call: _Call,
+        call: BusGeneration,
         builder: ResponseBuilder,
         events: AsyncIterator[tuple[int, TokenEvent]],
     ) -> None:
@@ -371,7 +366,9 @@ class Gateway:
         if builder.plan.include_usage:
             await resp.write(sse(builder.usage_chunk()))
 
-    def _finish(self, span: Span, call: _Call, builder: ResponseBuilder, status: str) -> None:
+    def _finish(
+        self, span: Span, call: BusGeneration, builder: ResponseBuilder, status: str
+    ) -> None:
         usage = builder.usage()
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         span.set_attribute(GEN_AI_RESPONSE_ID, builder.id)
@@ -469,47 +466,17 @@ class Gateway:
                 raise bad_request(f"prefixes[{i}]: {e}", "prefixes") from e
             items.append({"token_ids": ids, "cache_salt": salt})
         await self._require_worker()
-        job = _WarmupJob("warmup-" + uuid.uuid4().hex, len(items))
+        job = WarmupJob("warmup-" + uuid.uuid4().hex, len(items))
         msg = AdminRequest(job.id, "warmup", items, traceparent=current_traceparent())
-        stream = await self.bus.submit(msg)
-        job.task = asyncio.create_task(self._follow_warmup(job, stream), name=job.id)
-        self._remember(job)
+        self.warmups.start(job, await self.bus.submit(msg))
         log.info("warm-up job started", job=job.id, prefixes=len(items))
         return web.json_response(
             {"id": job.id, "object": "cache.warmup", "status": job.status, "total": job.total},
             status=202,
         )
 
-    def _remember(self, job: _WarmupJob) -> None:
-        self.warmups[job.id] = job
-        done = [j for j in self.warmups.values() if j.status != "running"]
-        for old in done[: max(0, len(done) - self.config.max_warmup_jobs)]:
-            del self.warmups[old.id]
-
-    async def _follow_warmup(self, job: _WarmupJob, stream: EventStream) -> None:
-        try:
-            async with stream:
-                async for ev in stream:
-                    if ev.error is not None:
-                        job.fail(ev.error.message)
-                        return
-                    if ev.info:
-                        job.counts.update({k: int(ev.info[k]) for k in job.counts if k in ev.info})
-            if job.counts["done"] >= job.total:
-                job.status = "completed"
-            else:
-                job.fail("the job ended early")
-        except asyncio.CancelledError:
-            job.fail("the gateway stopped")
-            raise
-        except Exception as e:
-            log.exception("warm-up job failed", job=job.id)
-            job.fail(f"{type(e).__name__}: {e}")
-        finally:
-            log.info("warm-up job finished", job=job.id, status=job.status, **job.counts)
-
     async def _cancel_warmups(self, app: web.Application) -> None:
-        await cancel_all(j.task for j in self.warmups.values() if j.task is not None)
+        await self.warmups.cancel()
 
     async def cache_warmup_status(self, request: web.Request) -> web.Response:
         job = self.warmups.get(request.match_info["id"])
@@ -600,175 +567,27 @@ class Gateway:
         log.info("draining", in_flight=self.admission.in_flight)
 
 
+def _request_attributes(op: str, plan: GenerationPlan, rid: str) -> dict[str, AttributeValue]:
+    """The server span's GenAI request attributes."""
+    p = plan.params
+    attrs: dict[str, AttributeValue] = {
+        GEN_AI_OPERATION: op,
+        GEN_AI_SYSTEM: "kvserve",
+        GEN_AI_REQUEST_MODEL: plan.model,
+        GEN_AI_MAX_TOKENS: p.max_tokens,
+        GEN_AI_TEMPERATURE: p.temperature,
+        GEN_AI_TOP_P: p.top_p,
+        GEN_AI_CHOICE_COUNT: p.n,
+        KVSERVE_REQUEST_ID: rid,
+    }
+    if p.seed is not None:
+        attrs[GEN_AI_SEED] = p.seed
+    return attrs
+
+
 _REJECT_REASON = {
     401: "unauthorized",
     413: "body_too_large",
     429: "rate_limited",
     503: "unavailable",
 }
-WARMUP_REQUEST: dict[str, Any] = {
-    "type": "object",
-    "required": ["prefixes"],
-    "properties": {
-        "prefixes": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "description": "exactly one of system, text, messages; optional cache_salt",
-                "properties": {
-                    "system": {"type": "string"},
-                    "text": {"type": "string"},
-                    "messages": {"type": "array", "items": {"type": "object"}},
-                    "cache_salt": {"type": "string"},
-                },
-            },
-        }
-    },
-}
-
-
-@dataclass
-class _WarmupJob:
-    id: str
-    total: int
-    status: str = "running"  # running | completed | failed
-    error: str | None = None
-    counts: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(
-            ("done", "blocks", "computed", "skipped", "published"), 0
-        )
-    )
-    task: asyncio.Task[None] | None = None
-
-    def fail(self, message: str) -> None:
-        self.status = "failed"
-        self.error = message
-
-    def view(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": self.id,
-            "object": "cache.warmup",
-            "status": self.status,
-            "total": self.total,
-            **self.counts,
-        }
-        if self.error is not None:
-            out["error"] = self.error
-        return out
-
-
-@dataclass
-class _Call:
-    """One HTTP generation request on the bus: a bus request per prompt, their events merged
-    in arrival order, a deadline, and the cancels for whatever is left at the end."""
-
-    gw: Gateway
-    plan: GenerationPlan
-    request_id: str
-    salt: str | None
-    t0: float = field(default_factory=time.monotonic)
-    deadline: float = 0.0  # on the event loop's clock
-    streams: list[EventStream] = field(default_factory=list)
-    first_token_at: float | None = None
-    error_type: str | None = None  # of the error event that ended the request, if one did
-    _last_token: float | None = None
-
-    def _sub_id(self, p: int) -> str:
-        return self.request_id if len(self.plan.prompts) == 1 else f"{self.request_id}-{p}"
-
-    async def submit(self) -> None:
-        timeout = self.gw.config.request_timeout_s
-        self.deadline = asyncio.get_running_loop().time() + timeout
-        deadline = time.time() + timeout
-        sampling = {k: list(v) if isinstance(v, tuple) else v
-                    for k, v in self.plan.params.__dict__.items()}  # fmt: skip
-        traceparent = current_traceparent()
-        for p, prompt in enumerate(self.plan.prompts):
-            req = GenerateRequest(
-                request_id=self._sub_id(p),
-                prompt_token_ids=prompt,
-                sampling=sampling,
-                cache_salt=self.salt,
-                traceparent=traceparent,
-                deadline=deadline,
-            )
-            self.streams.append(await self.gw.bus.submit(req))
-
-    @property
-    def all_done(self) -> bool:
-        return all(s.done for s in self.streams)
-
-    def timeout_error(self) -> APIError:
-        timeout = self.gw.config.request_timeout_s
-        return APIError(
-            504, f"request exceeded the timeout of {timeout:g} s", "timeout", None, "timeout"
-        )
-
-    async def events(self) -> AsyncGenerator[tuple[int, TokenEvent], None]:
-        """(prompt index, event) until every stream ended (the caller bounds the wait by
-        `deadline`: a timeout scope must not span a generator's yields)."""
-        async for item in self._merged():
-            if item[1].error is not None:
-                self.error_type = item[1].error.type
-            self._observe(item[1])
-            yield item
-
-    async def _merged(self) -> AsyncIterator[tuple[int, TokenEvent]]:
-        if len(self.streams) == 1:
-            async for ev in self.streams[0]:
-                yield 0, ev
-            return
-        queue: asyncio.Queue[tuple[int, TokenEvent] | None] = asyncio.Queue()
-
-        async def pump(p: int, stream: EventStream) -> None:
-            try:
-                async for ev in stream:
-                    await queue.put((p, ev))
-            finally:
-                await queue.put(None)
-
-        tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(self.streams)]
-        try:
-            live = len(tasks)
-            while live:
-                item = await queue.get()
-                if item is None:
-                    live -= 1
-                    continue
-                yield item
-                if item[1].error is not None:
-                    return
-        finally:
-            await cancel_all(tasks)
-
-    def _observe(self, event: TokenEvent) -> None:
-        if not event.token_ids:
-            return
-        now = time.monotonic()
-        m, name = self.gw.metrics, self.gw.model.name
-        if self.first_token_at is None:
-            self.first_token_at = now - self.t0
-            m.ttft.labels(name).observe(self.first_token_at)
-        elif self._last_token is not None:
-            gap = (now - self._last_token) / len(event.token_ids)
-            for _ in event.token_ids:
-                m.itl.labels(name).observe(gap)
-        self._last_token = now
-
-    async def close(self) -> None:
-        """Cancel every sub-request that has not ended; release the event streams. Shielded:
-        this runs while the handler is being cancelled (client gone)."""
-        pending = [(p, s) for p, s in enumerate(self.streams) if not s.done]
-        work = self._cancel_and_close(pending)
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(work)
-
-    async def _cancel_and_close(self, pending: list[tuple[int, EventStream]]) -> None:
-        for p, _ in pending:
-            with contextlib.suppress(Exception):
-                await self.gw.bus.cancel(self._sub_id(p), "client")
-        if pending:
-            log.info("cancelled", sub_requests=len(pending))
-        for s in self.streams:
-            with contextlib.suppress(Exception):
-                await s.close()

@@ -1,6 +1,8 @@
 """`kvserve gateway`: the OpenAI-compatible gateway on the Redis bus, with no engine in the
 process (it never imports torch). Requests go to the `kvserve:prefill` consumer group; /ready
-is 200 while any worker is alive. SIGTERM/SIGINT: drain like `kvserve serve`, then exit 0."""
+is 200 while any worker is alive. SIGTERM/SIGINT: drain like `kvserve serve`, then exit 0.
+
+Also the gateway options and start-up that `kvserve serve` shares."""
 
 from __future__ import annotations
 
@@ -8,19 +10,43 @@ import argparse
 import asyncio
 from typing import Any
 
-from kvserve.services.cli import CliError, stop_on_signals
+from kvserve.services.cli_support import (
+    CliError,
+    check_at_least_one,
+    check_bus_url,
+    check_port,
+    check_positive,
+    run_service,
+    stop_on_signals,
+)
 from kvserve.shared.config import default_model_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gateway", help="the OpenAI-compatible gateway on the Redis bus (no engine)")
     p.add_argument("--bus", required=True, help="redis://HOST:PORT/DB of the request bus")
+    p.add_argument("--model", default=str(default_model_path()), help="for the tokenizer only")
+    add_gateway_arguments(p)
+    p.add_argument("--log-level", default=None)
+    p.set_defaults(handler=run)
+
+
+def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
+    """The HTTP front's options `serve` and `gateway` share."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
-    p.add_argument("--model", default=str(default_model_path()), help="for the tokenizer only")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send")
-    p.add_argument("--api-key", action="append", default=[], help="repeatable; see serve")
-    p.add_argument("--allow-client-cache-salt", action="store_true")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require `Authorization: Bearer KEY` on /v1 (repeatable; one tenant per key)",
+    )
+    p.add_argument(
+        "--allow-client-cache-salt",
+        action="store_true",
+        help="let clients narrow their key's cache partition with `cache_salt`",
+    )
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 503")
     p.add_argument(
         "--rate-limit",
@@ -32,35 +58,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
-    p.add_argument("--log-level", default=None)
-    p.set_defaults(handler=run)
 
 
-def _check(args: argparse.Namespace) -> None:
-    if not args.bus.startswith(("redis://", "rediss://", "unix://")):
-        raise CliError(f"--bus must be a redis:// URL, got {args.bus!r}")
-    if not 0 <= args.port <= 65535:
-        raise CliError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_queue < 1 or args.max_body_bytes < 1:
-        raise CliError("--max-queue and --max-body-bytes must be >= 1")
-    if args.request_timeout <= 0 or args.drain_timeout <= 0:
-        raise CliError("--request-timeout and --drain-timeout must be > 0")
+def check_gateway_arguments(args: argparse.Namespace) -> None:
+    check_port("--port", args.port)
+    check_at_least_one(args, ("max_queue", "max_body_bytes"))
+    check_positive(args, ("request_timeout", "drain_timeout"))
     if any(not k for k in args.api_key):
         raise CliError("--api-key must not be empty")
     rate_limit(args.rate_limit)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.shared.telemetry import configure_logging, configure_tracing, shutdown_tracing
-
-    _check(args)
-    configure_logging(args.log_level)
-    configure_tracing("kvserve-gateway")
-    try:
-        asyncio.run(_serve(args))
-    finally:
-        shutdown_tracing()
-    return 0
+    check_bus_url(args.bus)
+    check_gateway_arguments(args)
+    return run_service(args, "gateway", _serve)
 
 
 async def _serve(args: argparse.Namespace) -> None:

@@ -39,7 +39,7 @@ class _Abort:
 
 
 @dataclass(frozen=True)
-class _Call:
+class _EngineCall:
     fn: Callable[[], Any]
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
@@ -48,7 +48,7 @@ class _Call:
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _EngineCall | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -125,7 +125,7 @@ class AsyncEngine:
         self.start()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._inbox.put(_Call(fn, future, loop))
+        self._inbox.put(_EngineCall(fn, future, loop))
         return await future
 
     @property
@@ -207,7 +207,7 @@ class AsyncEngine:
                 self.engine.abort_request(cmd.request_id)
                 self._sinks.pop(cmd.request_id, None)
                 continue
-            if isinstance(cmd, _Call):
+            if isinstance(cmd, _EngineCall):
                 self._call(cmd)
                 continue
             try:
@@ -224,7 +224,7 @@ class AsyncEngine:
                 continue
             self._sinks[cmd.request_id] = cmd
 
-    def _call(self, cmd: _Call) -> None:
+    def _call(self, cmd: _EngineCall) -> None:
         engine_step = self.engine.step
 
         def step() -> list[RequestOutput]:
@@ -244,7 +244,7 @@ class AsyncEngine:
             vars(self.engine).pop("step", None)  # back to the class's method
 
     @staticmethod
-    def _settle(cmd: _Call, result: Any, error: BaseException | None) -> None:
+    def _settle(cmd: _EngineCall, result: Any, error: BaseException | None) -> None:
         def settle() -> None:
             if cmd.future.done():
                 return

@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from kvserve.shared.bus import Bus, BusUnavailableError, InProcessBus, RedisBus, RedisBusConfig
 from kvserve.shared.protocol import Cancel, ErrorInfo, GenerateRequest, TokenEvent
+from kvserve.shared.sampling_params import SamplingParams
 
 from tests.redis_servers import free_port
 
@@ -66,7 +67,7 @@ async def rbus() -> AsyncIterator[RedisBus]:
 
 
 def request(rid: str = "r1", n: int = 1) -> GenerateRequest:
-    return GenerateRequest(rid, [1, 2, 3], {"max_tokens": 4, "n": n}, cache_salt="t")
+    return GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=4, n=n), cache_salt="t")
 
 
 def event(seq: int, index: int = 0, finish: str | None = None, rid: str = "r1") -> TokenEvent:

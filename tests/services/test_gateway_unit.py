@@ -1,11 +1,13 @@
 """The gateway alone, over the in-process bus with a scripted worker (no engine): stream
 failures mid-way, deadlines, readiness (also over a Redis bus with no Redis behind it), auth
-salts, admission."""
+salts, admission; and the gateway side of the code never imports torch."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -191,3 +193,16 @@ async def test_admission_bound_and_drain() -> None:
     with pytest.raises(APIError) as e, adm.admit():
         pass
     assert e.value.code == "shutting_down"
+
+
+def test_gateway_side_never_imports_torch() -> None:
+    """The gateway, the bus and the messages, and the CLI modules of `serve` and `gateway`
+    (which load the engine lazily)."""
+    code = (
+        "import sys\n"
+        "import kvserve.services.gateway.app, kvserve.shared.bus, kvserve.shared.protocol\n"
+        "import kvserve.shared.telemetry, kvserve.services.serve, kvserve.services.gateway.main\n"
+        "import kvserve.services.cli_support, kvserve.services.engine_options\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

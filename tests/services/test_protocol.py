@@ -1,33 +1,40 @@
-"""Bus messages: msgpack round trips, and every malformed message rejected at decode."""
+"""Bus messages: msgpack round trips, and every malformed message rejected at decode; the
+SamplingParams of a generate request as their own versioned map."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
 import pytest
 from kvserve.shared.protocol import (
     PROTOCOL_VERSION,
+    SAMPLING_FIELDS,
+    SAMPLING_VERSION,
     Cancel,
     ErrorInfo,
     GenerateRequest,
     ProtocolError,
     TokenEvent,
     decode,
+    decode_sampling,
     encode,
+    encode_sampling,
 )
+from kvserve.shared.sampling_params import SamplingParams
 
 MESSAGES = [
     GenerateRequest(
         request_id="cmpl-1",
         prompt_token_ids=[1, 2, 3],
-        sampling={"max_tokens": 4, "temperature": 0.5, "stop": ["\n"], "seed": None},
+        sampling=SamplingParams(max_tokens=4, temperature=0.5, stop=("\n",), seed=None),
         cache_salt="key-abc",
         traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         deadline=1.5e9,
         submitted_at=1.4e9,
     ),
-    GenerateRequest("r", [0], {}),
+    GenerateRequest("r", [0], SamplingParams()),
     TokenEvent(
         request_id="cmpl-1",
         seq=3,
@@ -84,7 +91,7 @@ def _token(**over: Any) -> bytes:
                 v=PROTOCOL_VERSION,
                 request_id="r",
                 prompt_token_ids=[1.5],
-                sampling={},
+                sampling=encode_sampling(SamplingParams()),
             ),
             "prompt_token_ids",
         ),
@@ -96,5 +103,72 @@ def test_malformed_messages_are_rejected(data: bytes, message: str) -> None:
 
 
 def test_generate_request_n_from_sampling() -> None:
-    assert GenerateRequest("r", [1], {"n": 3}).n == 3
-    assert GenerateRequest("r", [1], {}).n == 1
+    assert GenerateRequest("r", [1], SamplingParams(n=3)).n == 3
+    assert GenerateRequest("r", [1], SamplingParams()).n == 1
+
+
+# ---- SamplingParams on the bus ---------------------------------------------------------------
+
+EVERY_FIELD_SET = SamplingParams(
+    max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=11, n=3, stop=("a", "bc"),
+    stop_token_ids=(2, 5), ignore_eos=True, logprobs=True, top_logprobs=4, beam_width=1,
+    length_penalty=0.5, early_stopping=True, skip_special_tokens=False,
+)  # fmt: skip
+
+
+def test_sampling_fields_are_every_field_of_sampling_params() -> None:
+    assert set(SAMPLING_FIELDS) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), EVERY_FIELD_SET, SamplingParams(beam_width=3, max_tokens=2)]
+)
+def test_sampling_params_round_trip_typed(params: SamplingParams) -> None:
+    body = encode_sampling(params)
+    assert body["v"] == SAMPLING_VERSION and set(body) == {"v", *SAMPLING_FIELDS}
+    assert body["stop"] == list(params.stop)  # msgpack-able: lists, not tuples
+    back = decode_sampling(msgpack.unpackb(msgpack.packb(body), raw=False))
+    assert back == params
+    assert isinstance(back.stop, tuple) and isinstance(back.stop_token_ids, tuple)
+    assert isinstance(back.temperature, float)
+    req = decode(encode(GenerateRequest("r", [1, 2], params)))
+    assert isinstance(req, GenerateRequest) and req.sampling == params
+
+
+def _sampling(**over: Any) -> dict[str, Any]:
+    return {**encode_sampling(SamplingParams()), **over}
+
+
+def _without(name: str) -> dict[str, Any]:
+    body = encode_sampling(SamplingParams())
+    del body[name]
+    return body
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ([1, 2], "sampling must be a map"),
+        (_without("v"), "unsupported sampling version"),
+        (_sampling(v=SAMPLING_VERSION + 1), "unsupported sampling version"),
+        (_without("top_k"), r"missing \['top_k'\]"),
+        (_sampling(bogus=1), r"unknown \['bogus'\]"),
+        (_sampling(max_tokens="ten"), "'max_tokens' has type str"),
+        (_sampling(max_tokens=True), "'max_tokens' has type bool"),
+        (_sampling(temperature=None), "'temperature' has type NoneType"),
+        (_sampling(ignore_eos=1), "'ignore_eos' has type int"),
+        (_sampling(stop="x"), "'stop' has type str"),
+        (_sampling(stop=["x", 3]), "'stop' must hold strings"),
+        (_sampling(stop_token_ids=[1, 2.0]), "'stop_token_ids' must hold ints"),
+        (_sampling(max_tokens=0), "sampling field 'max_tokens': max_tokens must be >= 1"),
+        (_sampling(top_p=1.5), "sampling field 'top_p'"),
+        (_sampling(beam_width=2, n=2), "sampling field 'beam_width'"),
+    ],
+)
+def test_malformed_sampling_is_a_protocol_error(body: Any, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        decode_sampling(body)
+    raw = _raw(kind="generate", v=PROTOCOL_VERSION, request_id="r", prompt_token_ids=[1],
+               sampling=body)  # fmt: skip
+    with pytest.raises(ProtocolError, match="sampling"):
+        decode(raw)

@@ -16,7 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-from kvserve.services.warmup import prefix_ids
+from kvserve.services.gateway.prefixes import prefix_ids
 from kvserve.shared.model.tokenizer import KVTokenizer
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -50,7 +50,7 @@ def test_bad_values_one_line_error(capsys, argv: list[str], message: str) -> Non
 
 
 def test_threads_reach_the_engine_config() -> None:
-    from kvserve.services.serve import engine_config
+    from kvserve.services.engine_options import engine_config
 
     for argv in (["serve", "--threads", "2"], ["decode", "--bus", "redis://h:1/0",
                  "--store", "redis://h:1/0", "--threads", "2"]):  # fmt: skip

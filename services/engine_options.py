@@ -1,0 +1,90 @@
+"""The engine's command-line options, shared by `kvserve serve`, `prefill`, `decode` and
+`bench profile`: the flags, their checks, and the EngineConfig they make. torch is imported only
+when an engine is loaded."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvserve.services.cli_support import CliError, check_at_least_one
+from kvserve.shared.config import KV_DTYPES, MATMUL_DTYPES, MODEL_DTYPES, POPULATE_MODES
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine options `serve`, `prefill` and `decode` share."""
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    p.add_argument(
+        "--kv-populate",
+        choices=POPULATE_MODES,
+        default="background",
+        help="when the KV cache's memory becomes resident: before the engine serves (eager), "
+        "while it serves (background), or as blocks are written (lazy)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--attention-backend", choices=("auto", "torch", "cpu", "triton"), default="auto"
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32")
+    p.add_argument(
+        "--matmul-dtype",
+        choices=MATMUL_DTYPES,
+        default="auto",
+        help="dtype of the linear layers' matmuls alone (auto: --dtype); bfloat16 with "
+        "--dtype float32 uses the CPU's bf16 instructions, the KV cache stays float32",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the engine's compute (default: one per core)",
+    )
+    p.add_argument("--log-level", default=None)
+
+
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    check_at_least_one(args, ("block_size", "max_num_seqs", "num_blocks", "threads"))
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """The EngineConfig the options describe (with --model, --store and --store-format);
+    CliError for a combination the config refuses."""
+    from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
+
+    store = None if args.store == "none" else args.store
+    try:
+        return EngineConfig(
+            model_path=args.model,
+            dtype=args.dtype,
+            matmul_dtype=args.matmul_dtype,
+            device=args.device,
+            attention_backend=args.attention_backend,
+            num_threads=args.threads,
+            cache=CacheConfig(
+                block_size=args.block_size,
+                num_blocks=args.num_blocks,
+                kv_dtype=args.kv_dtype,
+                enable_prefix_caching=not args.no_prefix_caching,
+                populate=args.kv_populate,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+            ),
+            store=StoreConfig(url=store, format=args.store_format),
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
+def load_engine(config: Any, tokenizer: Any = None) -> Any:
+    """An AsyncEngine over a new Engine (blocking: loads the model; run it in a thread)."""
+    from kvserve.shared.engine.async_engine import AsyncEngine
+    from kvserve.shared.engine.engine import Engine
+
+    return AsyncEngine(Engine(config, tokenizer=tokenizer))

@@ -1,0 +1,43 @@
+"""Warm-up prefixes: what one is, how it is checked, and its token ids. Shared by the gateway's
+POST /v1/cache/warmup and the `kvserve warmup FILE` job (which reads them from JSON lines).
+
+A prefix is a map with exactly one of
+    {"text": "..."}                                       raw text (few-shot examples, a document)
+    {"system": "..."}                                     a system prompt, through the chat template
+    {"messages": [{"role": ..., "content": ...}, ...]}    a chat prefix, through the template
+and optionally "cache_salt" (a string).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KINDS = ("text", "system", "messages")
+
+
+def check_prefix(obj: Any) -> str | None:
+    """Why `obj` (one parsed prefix) is malformed, or None when it is fine."""
+    kinds = [k for k in KINDS if isinstance(obj, dict) and k in obj]
+    if len(kinds) != 1:
+        return f"needs exactly one of {', '.join(KINDS)}"
+    value = obj[kinds[0]]
+    if kinds[0] == "messages":
+        ok = isinstance(value, list) and all(
+            isinstance(m, dict) and {"role", "content"} <= set(m) for m in value
+        )
+    else:
+        ok = isinstance(value, str)
+    if not ok or not value:
+        return f"{kinds[0]!r} must be a non-empty string or message list"
+    if not isinstance(obj.get("cache_salt"), str | None):
+        return "'cache_salt' must be a string"
+    return None
+
+
+def prefix_ids(tokenizer: Any, prefix: dict[str, Any]) -> list[int]:
+    """Token ids of one (checked) prefix, exactly as a later request starting with it
+    tokenizes."""
+    if "text" in prefix:
+        return list(tokenizer.encode(prefix["text"]))
+    messages = prefix.get("messages") or [{"role": "system", "content": prefix["system"]}]
+    return list(tokenizer.encode(tokenizer.apply_chat_template(messages, False)))

@@ -1,0 +1,61 @@
+"""DecodeWorker: the decode side of the disaggregated topology (DESIGN.md section 2).
+
+It reads the decode stream, fetches the request's tail from the store, and runs the full
+request with it (`kv_tail`): the engine loads the full blocks from the store and computes only
+the last prompt token; without the tail (a redelivery: the tail is deleted on read) or without
+the blocks (evicted, or the store was down) it recomputes what the store lacks. Token events go
+out exactly as from an EngineWorker; the cached-token count the client sees is the one the
+prefill worker found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator
+
+from kvserve.services.workers.engine_worker import EngineWorker
+from kvserve.shared.engine.engine import RequestOutput
+from kvserve.shared.protocol import GenerateRequest
+from kvserve.shared.store.tiers import KVTail
+from kvserve.shared.telemetry import KVSERVE_REQUEST_ID, get_tracer
+
+tracer = get_tracer("kvserve.disagg")
+
+
+class DecodeWorker(EngineWorker):
+    """Decode side: an EngineWorker with the prefilled tail fetched from the store."""
+
+    def _generate(self, req: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
+        return self._with_tail(req)
+
+    async def _with_tail(self, req: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
+        prompt = list(req.prompt_token_ids)
+        tail = await self._fetch_tail(req)
+        stream = self.engine.generate(
+            req.request_id, prompt, req.sampling, cache_salt=req.cache_salt, kv_tail=tail
+        )
+        reported = req.num_cached_tokens  # what prefill found cached: what the client sees
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                if reported is not None:
+                    out = dataclasses.replace(out, num_cached_tokens=min(reported, len(prompt)))
+                yield out
+
+    async def _fetch_tail(self, req: GenerateRequest) -> KVTail | None:
+        """The `kvserve.store_fetch` span: the prompt's partial last block before its last
+        token, as the prefill worker stored it; None when there is none to fetch or the
+        store does not have it."""
+        eng = self.engine.engine
+        head = len(req.prompt_token_ids) - 1
+        full = head // eng.block_size * eng.block_size
+        if eng.connector is None or full >= head:
+            return None
+        with tracer.start_as_current_span("kvserve.store_fetch") as fetch:
+            fetch.set_attribute(KVSERVE_REQUEST_ID, req.request_id)
+            fetch.set_attribute("kvserve.tail_tokens", head - full)
+            tail_ids = list(req.prompt_token_ids[full:head])
+            tail = await asyncio.wrap_future(eng.connector.get_tail(req.request_id, tail_ids))
+            fetch.set_attribute("kvserve.tail_found", tail is not None)
+        return tail

@@ -1,0 +1,253 @@
+"""EngineWorker: takes requests off the bus, runs them on an AsyncEngine, puts token events back.
+
+One asyncio task per request. A cancel (client gone, deadline, shutdown) cancels that task; the
+AsyncEngine generator's cleanup then aborts the request in the engine, which frees its blocks.
+
+Invariants:
+- Every delivery is acked exactly once, after its request finished, failed or was cancelled
+  (so a worker that dies mid-request leaves the request pending for another worker).
+- A request's events carry seq 0, 1, 2, ... in order; one event per completion delta that has
+  tokens, text or a finish reason; an error event is the last one.
+- A request id runs at most once at a time on this worker (a redelivery of a request still
+  running here is dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.services.workers.admin_jobs import run_admin_job
+from kvserve.services.workers.spans import record_queue_span, set_cached_tokens
+from kvserve.services.workers.token_events import TokenEmitter
+from kvserve.shared.bus import Delivery, WorkerPort
+from kvserve.shared.engine.async_engine import AsyncEngine
+from kvserve.shared.engine.engine import RequestOutput
+from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest
+from kvserve.shared.sampling_params import InvalidRequestError
+from kvserve.shared.tasks import cancel_all, cancel_and_wait
+from kvserve.shared.telemetry import (
+    GEN_AI_INPUT_TOKENS,
+    GEN_AI_OPERATION,
+    GEN_AI_OUTPUT_TOKENS,
+    GEN_AI_REQUEST_MODEL,
+    KVSERVE_REQUEST_ID,
+    context_from_traceparent,
+    get_logger,
+    get_tracer,
+)
+
+log = get_logger("kvserve.worker")
+tracer = get_tracer("kvserve.worker")
+
+Fail = Callable[[ErrorInfo], Awaitable[None]]
+
+
+@dataclass
+class _Running:
+    delivery: Delivery
+    task: asyncio.Task[None]
+
+
+class EngineWorker:
+    model_name: str | None = None  # for the spans' gen_ai.request.model
+
+    def __init__(
+        self,
+        port: WorkerPort,
+        engine: AsyncEngine,
+        max_receive: int = 64,
+        poll_s: float = 1.0,
+    ) -> None:
+        self.port = port
+        self.engine = engine
+        self.max_receive = max_receive
+        self.poll_s = poll_s
+        self._running: dict[str, _Running] = {}
+        self._accepting = True
+        self._loops: list[asyncio.Task[None]] = []
+        self._cancelling: set[asyncio.Task[None]] = set()  # cancel_and_wait of cancelled requests
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "worker_requests": len(self._running)}
+
+    async def start(self) -> None:
+        await self.port.start(self.stats)
+        self._loops = [
+            asyncio.create_task(self._receive_loop(), name="worker-receive"),
+            asyncio.create_task(self._cancel_loop(), name="worker-cancels"),
+        ]
+        log.info("worker started", worker=self.port.name)
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Stop taking requests, let running ones finish (at most `drain_timeout` seconds),
+        cancel the rest, deregister."""
+        self._accepting = False
+        if self._loops:
+            await cancel_and_wait(self._loops[0])  # receive
+        tasks = [r.task for r in self._running.values()]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=drain_timeout)
+            await cancel_all(pending)
+        await cancel_all(self._loops[1:])
+        await asyncio.gather(*self._cancelling)  # their requests have ended by now
+        await self.port.close()
+        log.info("worker stopped", worker=self.port.name)
+
+    # ---- loops ----------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while self._accepting:
+            try:
+                deliveries = await self.port.receive(self.max_receive, self.poll_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("bus receive failed")
+                await asyncio.sleep(self.poll_s)  # back off before retrying the bus
+                continue
+            for d in deliveries:
+                self._admit(d)
+
+    async def _cancel_loop(self) -> None:
+        while True:
+            try:
+                cancels = await self.port.cancels(self.poll_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("bus cancel read failed")
+                await asyncio.sleep(self.poll_s)
+                continue
+            for c in cancels:
+                running = self._running.get(c.request_id)
+                if running is not None:
+                    log.info("cancelling request", request_id=c.request_id, reason=c.reason)
+                    self._cancel(running.task)
+
+    def _cancel(self, task: asyncio.Task[None]) -> None:
+        """Cancel a request's task without waiting for it (the cancel loop reads on)."""
+        stopping = asyncio.create_task(cancel_and_wait(task))
+        self._cancelling.add(stopping)
+        stopping.add_done_callback(self._cancelling.discard)
+
+    def _admit(self, d: Delivery) -> None:
+        rid = d.request.request_id
+        if rid in self._running:
+            log.warning("dropping a redelivery of a running request", request_id=rid)
+            return
+        work = self._admin(d) if isinstance(d.request, AdminRequest) else self._serve(d)
+        task = asyncio.create_task(work, name=f"request-{rid}")
+        self._running[rid] = _Running(d, task)
+
+        def forget(_task: asyncio.Task[None]) -> None:
+            self._running.pop(rid, None)
+
+        task.add_done_callback(forget)
+
+    async def _ack(self, d: Delivery) -> None:
+        """The delivery is done with (finished, failed or cancelled); a bus error here leaves
+        it pending, to be claimed again."""
+        with contextlib.suppress(Exception):
+            await self.port.ack(d)
+
+    async def _admin(self, d: Delivery) -> None:
+        """A warm-up or flush job (services/workers/admin_jobs.py)."""
+        assert isinstance(d.request, AdminRequest)
+        try:
+            await run_admin_job(self.port, self.engine, d.request)
+        finally:
+            await self._ack(d)
+
+    async def _admissible(self, req: GenerateRequest, fail: Fail) -> bool:
+        """Should the request run? Not when it was cancelled before it got here (it ends
+        silently) or its deadline has passed (it fails with a timeout)."""
+        if await self.port.is_cancelled(req.request_id):
+            return False
+        if req.deadline is not None and time.time() > req.deadline:
+            await fail(ErrorInfo("request deadline passed before it ran", "timeout"))
+            return False
+        return True
+
+    # ---- one request ----------------------------------------------------------------------
+
+    async def _serve(self, d: Delivery) -> None:
+        """The request under its `kvserve.worker.generate` span; acked at the end."""
+        req = d.request
+        assert isinstance(req, GenerateRequest)
+        received = time.time()
+        try:
+            with tracer.start_as_current_span(
+                "kvserve.worker.generate",
+                context=context_from_traceparent(req.traceparent),
+                attributes={KVSERVE_REQUEST_ID: req.request_id, GEN_AI_OPERATION: "generate"},
+            ) as span:
+                if self.model_name:
+                    span.set_attribute(GEN_AI_REQUEST_MODEL, self.model_name)
+                record_queue_span(tracer, req.submitted_at, received)
+                emitted = await self._run(req)
+                span.set_attribute(GEN_AI_INPUT_TOKENS, len(req.prompt_token_ids))
+                span.set_attribute(GEN_AI_OUTPUT_TOKENS, emitted.output_tokens)
+                set_cached_tokens(span, emitted.cached_tokens)
+        finally:
+            await self._ack(d)
+
+    async def _run(self, req: GenerateRequest) -> TokenEmitter:
+        """Run the request to its end: its outputs, or its error, as events."""
+        out = TokenEmitter(self.port, req.request_id, len(req.prompt_token_ids))
+        if not await self._admissible(req, out.error):
+            return out
+        try:
+            await self._emit_outputs(req, out)
+        except InvalidRequestError as e:
+            await out.error(ErrorInfo(str(e), "invalid_request_error", e.param))
+        except asyncio.CancelledError:
+            # Cancelled by a Cancel message or shutdown: the engine generator's cleanup has
+            # aborted the request. Tell a reader that may still listen, then stop quietly.
+            with contextlib.suppress(Exception):
+                await out.error(ErrorInfo("request cancelled", "cancelled"))
+        except Exception as e:
+            log.exception("request failed", request_id=req.request_id)
+            await out.error(ErrorInfo(f"internal error: {type(e).__name__}", "server_error"))
+            await self._leave_if_engine_failed()
+        return out
+
+    async def _emit_outputs(self, req: GenerateRequest, out: TokenEmitter) -> None:
+        """The engine's outputs as token events, under a `kvserve.prefill` span until the
+        first output and a `kvserve.decode` span after it."""
+        stream = self._generate(req)
+        prefill = tracer.start_span("kvserve.prefill")
+        decode = None
+        try:
+            # aclosing: a cancel lands here and must abort the request in the engine now
+            # (the generator's cleanup), not whenever the generator is collected.
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    if decode is None:
+                        prefill.end()
+                        decode = tracer.start_span("kvserve.decode")
+                    await out.deltas(output)
+        finally:
+            (prefill if decode is None else decode).end()
+
+    async def _leave_if_engine_failed(self) -> None:
+        """The engine thread is dead: leave the bus so /ready says so and no new request is
+        sent here."""
+        if not self.engine.healthy and self._accepting:
+            log.error("engine failed; the worker stops taking requests")
+            self._accepting = False
+            await self.port.close()
+
+    def _generate(self, req: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs from the engine (a decode worker adds the handoff's tail)."""
+        return self.engine.generate(
+            req.request_id, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt
+        )
