@@ -1,7 +1,7 @@
 """The CPU prefill attention against the torch reference, on the Triton tests' matrix of dtypes
-and layouts: fp32 takes the C++ kernel, fp16/bf16 torch's flash kernel (causal chunk + unmasked
-prefix merged by log-sum-exp), quantized caches the reference. Then the C++ kernel's
-independence of chunking and batching."""
+and layouts: fp32 takes the C++ kernel, fp16/bf16 and quantized caches torch's flash kernel
+(causal chunk + unmasked prefix merged by log-sum-exp, quantized blocks dequantized as they are
+gathered). Then the C++ kernel's independence of chunking and batching."""
 
 from __future__ import annotations
 
