@@ -51,15 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--model",
-        metavar="PATH",
-        help="a .gguf file or a Hugging Face directory with config.json "
-        "(default: the default model file)",
-    )
-    src.add_argument("--config", metavar="CONFIG_JSON", help="a Hugging Face config.json")
-    src.add_argument("--preset", metavar="NAME", help=f"a named architecture: {', '.join(PRESETS)}")
+    _add_model_source(p)
     # Numbers are parsed in run() so that bad values give one-line CliErrors, not argparse usage.
     p.add_argument("--batch", default="1", metavar="B", help="sequences in the batch (default 1)")
     p.add_argument(
@@ -92,6 +84,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
     p.set_defaults(handler=run)
+
+
+def _add_model_source(p: argparse.ArgumentParser) -> None:
+    """--model, --config or --preset: where the architecture comes from (one at most)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a .gguf file or a Hugging Face directory with config.json "
+        "(default: the default model file)",
+    )
+    src.add_argument("--config", metavar="CONFIG_JSON", help="a Hugging Face config.json")
+    src.add_argument("--preset", metavar="NAME", help=f"a named architecture: {', '.join(PRESETS)}")
 
 
 def _positive_int(value: str, flag: str) -> int:
@@ -193,6 +198,21 @@ def _print_table(
         )
     print(f"  batch {first.batch} x seq_len {first.seq_len}; {budget}; block_size {fit.block_size}")
     print()
+    _print_dtype_rows(reports)
+    print()
+    scales = kv_scale_bytes_per_token(config, "int8")
+    print(
+        f"int8/fp8 include float32 scales per (token, KV head) for K and V: "
+        f"2 x {config.num_layers} layers x {config.num_kv_heads} KV heads x 4 B "
+        f"= {scales:,} B/token."
+    )
+    if fit.available_bytes <= 0:
+        print("warning: the weights take the whole memory budget; no KV cache fits.")
+
+
+def _print_dtype_rows(reports: list[CapacityReport]) -> None:
+    """One row per KV dtype: its sizes, what fits, and the same cache under MHA."""
+    first = reports[0]
     cache_col = f"cache {first.batch}x{first.seq_len}"
     header = (
         f"{'KV dtype':<8} {'bytes/token':>12} {cache_col:>16} {'tokens fit':>14} "
@@ -207,15 +227,6 @@ def _print_table(
             f"{r.fit.tokens:>14,} {r.fit.sequences:>10,} {r.mha_bytes_per_token:>14,} "
             f"{format_size(r.mha_cache_bytes):>12} {r.kv_saving:>8.2f}x"
         )
-    print()
-    scales = kv_scale_bytes_per_token(config, "int8")
-    print(
-        f"int8/fp8 include float32 scales per (token, KV head) for K and V: "
-        f"2 x {config.num_layers} layers x {config.num_kv_heads} KV heads x 4 B "
-        f"= {scales:,} B/token."
-    )
-    if fit.available_bytes <= 0:
-        print("warning: the weights take the whole memory budget; no KV cache fits.")
 
 
 def _list_presets(as_json: bool) -> int:
@@ -242,15 +253,7 @@ def run(args: argparse.Namespace) -> int:
         return _list_presets(args.json)
     batch = _positive_int(args.batch, "--batch")
     block_size = _positive_int(args.block_size, "--block-size")
-    if args.memory is None:
-        memory = DEFAULT_MEMORY_BYTES
-    else:
-        try:
-            memory = parse_size(args.memory)
-        except ValueError as e:
-            raise CliError(f"--memory: {e}") from None
-        if memory < 1:
-            raise CliError(f"--memory: must be positive, got {args.memory!r}")
+    memory = _memory(args.memory)
     if args.weights_dtype is not None and args.weights_dtype not in KV_DTYPE_BYTES:
         raise CliError(
             f"--weights-dtype: unknown dtype {args.weights_dtype!r} "
@@ -273,20 +276,39 @@ def run(args: argparse.Namespace) -> int:
         for dtype in REPORT_KV_DTYPES
     ]
     if args.json:
-        fit = reports[0].fit
-        assert fit is not None
-        out = {
-            "model": _model_dict(source, config),
-            "batch": batch,
-            "seq_len": seq_len,
-            "block_size": block_size,
-            "memory_bytes": memory,
-            "weights_dtype": args.weights_dtype,
-            "weights_bytes": fit.weights_bytes,
-            "available_bytes": fit.available_bytes,
-            "kv_dtypes": {r.kv_dtype: dataclasses.asdict(r) for r in reports},
-        }
-        print(json.dumps(out))
+        print(json.dumps(_json_report(source, config, reports, args.weights_dtype)))
     else:
         _print_table(source, config, reports, args)
     return 0
+
+
+def _memory(text: str | None) -> int:
+    """--memory in bytes (default: the engine's KV-cache budget)."""
+    if text is None:
+        return DEFAULT_MEMORY_BYTES
+    try:
+        memory = parse_size(text)
+    except ValueError as e:
+        raise CliError(f"--memory: {e}") from None
+    if memory < 1:
+        raise CliError(f"--memory: must be positive, got {text!r}")
+    return memory
+
+
+def _json_report(
+    source: str, config: ModelConfig, reports: list[CapacityReport], weights_dtype: str | None
+) -> dict[str, Any]:
+    first = reports[0]
+    fit = first.fit
+    assert fit is not None
+    return {
+        "model": _model_dict(source, config),
+        "batch": first.batch,
+        "seq_len": first.seq_len,
+        "block_size": fit.block_size,
+        "memory_bytes": fit.memory_bytes,
+        "weights_dtype": weights_dtype,
+        "weights_bytes": fit.weights_bytes,
+        "available_bytes": fit.available_bytes,
+        "kv_dtypes": {r.kv_dtype: dataclasses.asdict(r) for r in reports},
+    }

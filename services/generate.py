@@ -62,30 +62,11 @@ def run(args: argparse.Namespace) -> int:
     started_at = time.time()
     t0 = time.perf_counter()
     from kvserve.shared.engine.engine import Engine
-    from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
-    from kvserve.shared.store.base import check_store_url
 
     if not args.prompt:
         raise CliError("prompt must not be empty")
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            beam_width=args.beam_width,
-            length_penalty=args.length_penalty,
-            stop=tuple(args.stop),
-        )
-    except InvalidRequestError as e:
-        raise CliError(f"--{e.param.replace('_', '-')}: {e}") from e
-    store = None if args.store == "none" else args.store
-    if store is not None and store != DEFAULT_STORE:
-        try:
-            check_store_url(store)
-        except ValueError as e:
-            raise CliError(f"--store: {e}") from e
+    params = _sampling_params(args)
+    store = _store_url(args.store)
     imports_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = Engine(
@@ -110,6 +91,37 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps({"timings": timings}), file=sys.stderr)
     return 0
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
+
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            beam_width=args.beam_width,
+            length_penalty=args.length_penalty,
+            stop=tuple(args.stop),
+        )
+    except InvalidRequestError as e:
+        raise CliError(f"--{e.param.replace('_', '-')}: {e}") from e
+
+
+def _store_url(url: str) -> str | None:
+    """--store as the engine takes it (None: no store); CliError for a URL it cannot open."""
+    from kvserve.shared.store.base import check_store_url
+
+    store = None if url == "none" else url
+    if store is not None and store != DEFAULT_STORE:
+        try:
+            check_store_url(store)
+        except ValueError as e:
+            raise CliError(f"--store: {e}") from e
+    return store
 
 
 def _generate(

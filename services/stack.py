@@ -64,16 +64,7 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.prefill < 1 or args.decode < 1:
-        raise CliError("--prefill and --decode must be >= 1")
-    if not args.redis.startswith(("redis://", "rediss://")):
-        raise CliError(f"--redis must be a redis:// URL, got {args.redis!r}")
-    if args.request_timeout <= 0:
-        raise CliError("--request-timeout must be > 0")
-    if args.grace < 0:
-        raise CliError("--grace must be >= 0")
-    if args.threads_per_worker is not None and args.threads_per_worker < 1:
-        raise CliError("--threads-per-worker must be >= 1")
+    _check(args)
     stopping = False
 
     def stop(_sig: int, _frame: object) -> None:
@@ -95,16 +86,35 @@ def run(args: argparse.Namespace) -> int:
                 print("kvserve stack: a process exited; stopping the others", file=sys.stderr)
                 status = 1
                 break
-            time.sleep(0.5)
+            time.sleep(0.5)  # polling the children and the stop flag the signals set
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + args.grace
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop_all(procs, args.grace)
     return status
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.prefill < 1 or args.decode < 1:
+        raise CliError("--prefill and --decode must be >= 1")
+    if not args.redis.startswith(("redis://", "rediss://")):
+        raise CliError(f"--redis must be a redis:// URL, got {args.redis!r}")
+    if args.request_timeout <= 0:
+        raise CliError("--request-timeout must be > 0")
+    if args.grace < 0:
+        raise CliError("--grace must be >= 0")
+    if args.threads_per_worker is not None and args.threads_per_worker < 1:
+        raise CliError("--threads-per-worker must be >= 1")
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM to every process still running, SIGKILL to those still running `grace`
+    seconds later."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

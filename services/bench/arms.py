@@ -85,6 +85,28 @@ def _run(cmd: list[str], cwd: Path | None, log: Path) -> None:
         )
 
 
+def _extract_vendored_llama_cpp(version: str, root: Path, log: Path) -> None:
+    """Download the llama-cpp-python sdist of `version` (pip) and extract the llama.cpp it
+    vendors into `root`."""
+    with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as tmp:
+        tmpdir = Path(tmp)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        _run([*pip, "-d", str(tmpdir), f"llama-cpp-python=={version}"], None, log)
+        sdists = list(tmpdir.glob("llama_cpp_python-*.tar.gz")) + list(
+            tmpdir.glob("llama-cpp-python-*.tar.gz")
+        )
+        if not sdists:
+            raise ArmSetupError(f"pip download left no llama-cpp-python sdist in {tmpdir}")
+        with tarfile.open(sdists[0]) as tar:
+            prefix = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            if not members:
+                raise ArmSetupError(f"{sdists[0].name} has no vendor/llama.cpp")
+            for m in members:
+                m.name = m.name[len(prefix) :]
+            tar.extractall(root, members=[m for m in members if m.name], filter="data")
+
+
 def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> Path:
     """Path of a llama-server binary, building it into `llama_cpp_dir()` if not there yet.
 
@@ -108,37 +130,7 @@ def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) 
     root.mkdir()
     log = root / "build.log"
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-") as tmp:
-        tmpdir = Path(tmp)
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                "-d",
-                str(tmpdir),
-                f"llama-cpp-python=={version}",
-            ],
-            None,
-            log,
-        )
-        sdists = list(tmpdir.glob("llama_cpp_python-*.tar.gz")) + list(
-            tmpdir.glob("llama-cpp-python-*.tar.gz")
-        )
-        if not sdists:
-            raise ArmSetupError(f"pip download left no llama-cpp-python sdist in {tmpdir}")
-        with tarfile.open(sdists[0]) as tar:
-            prefix = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-            if not members:
-                raise ArmSetupError(f"{sdists[0].name} has no vendor/llama.cpp")
-            for m in members:
-                m.name = m.name[len(prefix) :]
-            tar.extractall(root, members=[m for m in members if m.name], filter="data")
+    _extract_vendored_llama_cpp(version, root, log)
     _run(["cmake", "-B", "build", *_BUILD_FLAGS], root, log)
     _run(["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)], root, log)
     if not binary.is_file():
@@ -369,6 +361,25 @@ ARMS = ("kvserve", "kvserve-bf16", "kvserve-disagg", "llama-server", "hf")
 DISAGG_REDIS_MAXMEMORY = "2gb"  # compose.yaml's default
 
 
+def _stack_cmd(redis_url: str, model: Path, port: int, threads: int) -> list[str]:
+    """`kvserve stack` with 2 prefill and 1 decode worker, the arm's threads divided among
+    them."""
+    cmd = [
+        _kvserve_exe(),
+        "stack",
+        "--redis",
+        redis_url,
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+    ]
+    workers = {"--prefill": 2, "--decode": 1}
+    cmd += [str(x) for flag, n in workers.items() for x in (flag, n)]
+    cmd += ["--threads-per-worker", str(max(1, threads // sum(workers.values())))]
+    return cmd
+
+
 def make_server(
     arm: str,
     model: Path,
@@ -396,12 +407,7 @@ def make_server(
     if arm == "kvserve-disagg":
         own = None if redis_url else OwnRedis(free_port(), redis_maxmemory, log_dir / "redis.log")
         url = own.url if own is not None else str(redis_url)
-        cmd = [_kvserve_exe(), "stack", "--redis", url, "--model", str(model), "--port", str(port)]
-        # The arm's threads divided among the stack's 2 prefill + 1 decode workers.
-        workers = {"--prefill": 2, "--decode": 1}
-        cmd += [str(x) for flag, n in workers.items() for x in (flag, n)]
-        cmd += ["--threads-per-worker", str(max(1, threads // sum(workers.values())))]
-        cmd += timeout
+        cmd = [*_stack_cmd(url, model, port, threads), *timeout]
         return ServerProcess(arm, cmd, port, "/ready", log, threads_env, redis=own)
     if arm == "llama-server":
         cmd = llama_server_cmd(ensure_llama_server(), model, port, threads)

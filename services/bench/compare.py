@@ -105,57 +105,76 @@ def run_arm(
 ) -> dict[str, Any]:
     """One arm's repeats; {"runs": [summary, ...]} or {"error": why} (with any runs made)."""
     runs: list[dict[str, Any]] = []
-    kvserve = arms._kvserve_exe()
     for r in range(args.repeats):
-        run_dir = out / arm / f"repeat-{r}"
         try:
-            server = arms.make_server(
-                arm,
-                model,
-                arms.free_port(),
-                out / arm,
-                args.threads,
-                args.redis,
-                args.redis_maxmemory,
-                args.timeout + 60,  # the client's limit is the one that applies
-            )
-            t0 = time.monotonic()
-            server.start(args.ready_timeout)
+            server = _start_server(arm, args, model, out, r)
         except arms.ArmSetupError as e:
             return {"error": str(e), "runs": runs}
-        print(
-            f"[{arm}] repeat {r + 1}/{args.repeats}: ready in {time.monotonic() - t0:.0f} s",
-            flush=True,
-        )
         try:
-            cmd = [kvserve, "bench", "serve", "--base-url", server.base_url, *serve_argv(args)]
-            cmd += ["--vocab-size", str(vocab), "--out", str(run_dir)]
-            cmd += ["--warmup-requests", str(args.warmup_requests)]
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=args.run_timeout, check=False
-            )
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
-            lines = proc.stdout.strip().splitlines()
-            if proc.returncode != 0 or not lines:
-                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-                return {
-                    "error": f"bench serve exited with {proc.returncode}:\n{tail}",
-                    "runs": runs,
-                }
-            summary = json.loads(lines[-1])
-            if (why := failed_run(summary)) is not None:
-                return {"error": why, "runs": runs}
-            runs.append(summary)
-            print(
-                f"[{arm}] repeat {r + 1}: " + ", ".join(f"{k}={summary.get(k)}" for k in KEYS),
-                flush=True,
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"bench serve ran past {args.run_timeout:.0f} s", "runs": runs}
+            summary = _bench_serve(args, server.base_url, vocab, out / arm / f"repeat-{r}")
+        except _RunFailed as e:
+            return {"error": str(e), "runs": runs}
         finally:
             server.stop()
+        runs.append(summary)
+        print(
+            f"[{arm}] repeat {r + 1}: " + ", ".join(f"{k}={summary.get(k)}" for k in KEYS),
+            flush=True,
+        )
     return {"runs": runs}
+
+
+class _RunFailed(Exception):
+    """Why a repeat does not count."""
+
+
+def _start_server(
+    arm: str, args: argparse.Namespace, model: Path, out: Path, r: int
+) -> arms.ServerProcess:
+    """The arm's server for repeat `r`, ready; ArmSetupError when it cannot start."""
+    server = arms.make_server(
+        arm,
+        model,
+        arms.free_port(),
+        out / arm,
+        args.threads,
+        args.redis,
+        args.redis_maxmemory,
+        args.timeout + 60,  # the client's limit is the one that applies
+    )
+    t0 = time.monotonic()
+    server.start(args.ready_timeout)
+    print(
+        f"[{arm}] repeat {r + 1}/{args.repeats}: ready in {time.monotonic() - t0:.0f} s",
+        flush=True,
+    )
+    return server
+
+
+def _bench_serve(
+    args: argparse.Namespace, base_url: str, vocab: int, run_dir: Path
+) -> dict[str, Any]:
+    """`kvserve bench serve` against the server: its summary (its output in
+    run_dir/stdout.txt); _RunFailed when it fails, times out, or a request failed."""
+    cmd = [arms._kvserve_exe(), "bench", "serve", "--base-url", base_url, *serve_argv(args)]
+    cmd += ["--vocab-size", str(vocab), "--out", str(run_dir)]
+    cmd += ["--warmup-requests", str(args.warmup_requests)]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.run_timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise _RunFailed(f"bench serve ran past {args.run_timeout:.0f} s") from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise _RunFailed(f"bench serve exited with {proc.returncode}:\n{tail}")
+    summary: dict[str, Any] = json.loads(lines[-1])
+    if (why := failed_run(summary)) is not None:
+        raise _RunFailed(why)
+    return summary
 
 
 def failed_run(summary: dict[str, Any]) -> str | None:

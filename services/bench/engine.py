@@ -296,18 +296,11 @@ def _count_tokens(outputs: list[RequestOutput], emitted: dict[str, int]) -> None
             emitted[out.request_id] += sum(len(c.token_ids) for c in out.completions)
 
 
-def decode_step(
-    engine: Engine,
-    batch: int,
-    context: int,
-    steps: int,
-    seed: int,
-    paired: Mapping[str, Callable[[], object]] | None = None,
-) -> DecodeProbe:
-    """Median time of `steps` pure decode steps of `batch` sequences whose prompts are
-    `context` tokens, after every prompt is prefilled and a few untimed decode steps.
-    `paired` (machine measurements the step is compared with) are timed after each timed step,
-    outside it, so that both see the machine in the same state."""
+def _start_decoding(
+    engine: Engine, batch: int, context: int, steps: int, seed: int
+) -> dict[str, int]:
+    """`batch` probe requests of `context`-token random prompts, prefilled and past a few
+    untimed decode steps; their tokens emitted so far, by request id."""
     rng = random.Random(seed)
     budget = engine.scheduler.config.max_num_batched_tokens
     params = SamplingParams(
@@ -320,6 +313,22 @@ def decode_step(
         _count_tokens(engine.step(), emitted)
     for _ in range(PROBE_WARMUP_STEPS):
         _count_tokens(engine.step(), emitted)
+    return emitted
+
+
+def decode_step(
+    engine: Engine,
+    batch: int,
+    context: int,
+    steps: int,
+    seed: int,
+    paired: Mapping[str, Callable[[], object]] | None = None,
+) -> DecodeProbe:
+    """Median time of `steps` pure decode steps of `batch` sequences whose prompts are
+    `context` tokens, after every prompt is prefilled and a few untimed decode steps.
+    `paired` (machine measurements the step is compared with) are timed after each timed step,
+    outside it, so that both see the machine in the same state."""
+    emitted = _start_decoding(engine, batch, context, steps, seed)
     contexts: list[float] = []
     paired_s: dict[str, list[float]] = {name: [] for name in paired or {}}
     with timed_steps(engine) as records:
@@ -470,6 +479,8 @@ def _verdict(value: float | None, target: float) -> str:
 
 
 def print_report(summary: dict[str, Any]) -> None:
+    """The run in words (the setting and machine, the measurements, the verdicts), then the
+    summary as one JSON line."""
     s = summary
     print(
         f"workload W1: {s['num_requests']} requests, prompts {s['min_prompt']}..{s['max_prompt']}"
@@ -480,6 +491,19 @@ def print_report(summary: dict[str, Any]) -> None:
         f"machine: read bandwidth {s['bandwidth_gb_s']:.1f} GB/s, "
         f"fp32 matmul {s['matmul_gflop_s']:.1f} GFLOP/s"
     )
+    _print_measurements(s)
+    print(f"ratio kvserve/hf = {_verdict(s['ratio'], TARGET_RATIO)}")
+    print(f"roofline_b1 = {_verdict(s['roofline_b1'], TARGET_ROOFLINE_B1)}")
+    print(
+        f"linear_roofline_b1 = {s['linear_roofline_b1']:.3f} "
+        "(the linear kernels alone: the ceiling of roofline_b1 with these kernels)"
+    )
+    print(f"linear_share_b32 = {_verdict(s['linear_share_b32'], TARGET_LINEAR_SHARE_B32)}")
+    print(f"flop_frac_b32 = {s['flop_frac_b32']:.3f}")
+    print(json.dumps(s, sort_keys=True))
+
+
+def _print_measurements(s: dict[str, Any]) -> None:
     print(
         f"bare linear layers ({s['linear_params'] / 1e6:.1f}M params): "
         f"b1 {s['bare_linear_b1_ms']:.2f} ms, b32 {s['bare_linear_b32_ms']:.2f} ms"
@@ -502,15 +526,6 @@ def print_report(summary: dict[str, Any]) -> None:
             f"hf: {s['hf_useful_tokens']} useful tokens ({s['hf_generated_tokens']} generated) "
             f"in {s['hf_wall_s']:.2f} s = {s['hf_tok_s']:.1f} tok/s"
         )
-    print(f"ratio kvserve/hf = {_verdict(s['ratio'], TARGET_RATIO)}")
-    print(f"roofline_b1 = {_verdict(s['roofline_b1'], TARGET_ROOFLINE_B1)}")
-    print(
-        f"linear_roofline_b1 = {s['linear_roofline_b1']:.3f} "
-        "(the linear kernels alone: the ceiling of roofline_b1 with these kernels)"
-    )
-    print(f"linear_share_b32 = {_verdict(s['linear_share_b32'], TARGET_LINEAR_SHARE_B32)}")
-    print(f"flop_frac_b32 = {s['flop_frac_b32']:.3f}")
-    print(json.dumps(s, sort_keys=True))
 
 
 def save_plot(path: Path, summary: dict[str, Any], steps: list[StepRecord]) -> None:

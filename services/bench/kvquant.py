@@ -120,36 +120,48 @@ def run(args: argparse.Namespace) -> int:
         "text_tokens": len(ids),
         "gen_tokens": args.gen_tokens,
         "num_prompts": len(prompts),
-        "bytes_per_token": {},
-        "tokens_in_budget": {},
+        **_sizes(weights.config, budget),
         "budget_bytes": budget,
     }
-    for kv in ("auto", *DTYPES):
-        dtype = resolve_kv_dtype(kv, torch.float32)
-        name = "fp32" if kv == "auto" else kv
-        bpt = kv_bytes_per_token(weights.config, dtype)
-        summary["bytes_per_token"][name] = bpt
-        summary["tokens_in_budget"][name] = budget // bpt
     for kv in DTYPES:
         e = engine(kv)
         m = text_metrics(ref_logits, e.score(ids), ids)
-        a = agreement(e, prompts, refs)
-        summary |= {
-            f"kld_{kv}": m["kld"],
-            f"ppl_delta_{kv}": m["ppl_delta"],
-            f"ppl_{kv}": m["ppl"],
-            f"agree_{kv}": a["agree"],
-            f"free_prefix_{kv}": a["free_prefix_mean"],
-        }
-        summary["ppl_fp32"] = m["ppl_ref"]
-        print(
-            f"{kv}: {summary['bytes_per_token'][kv]} B/token "
-            f"({summary['bytes_per_token'][kv] / summary['bytes_per_token']['fp32']:.3f}x fp32), "
-            f"perplexity {m['ppl']:.4f} vs {m['ppl_ref']:.4f} ({m['ppl_delta']:+.3%}), "
-            f"KLD {m['kld']:.5f}, greedy agreement {a['agree']:.2%} (teacher-forced), "
-            f"identical free-running prefix {a['free_prefix_mean']:.0f}/{args.gen_tokens}"
-        )
+        summary |= _quality(kv, m, agreement(e, prompts, refs), summary, args.gen_tokens)
     for name, n in summary["tokens_in_budget"].items():
         print(f"{name}: {summary['bytes_per_token'][name]} B/token, {n} tokens in {args.budget}")
     print(json.dumps(summary))
     return 0
+
+
+def _sizes(config: Any, budget: int) -> dict[str, dict[str, int]]:
+    """Bytes per token of the KV cache in fp32 and each quantized dtype, and how many tokens
+    fit in `budget` bytes."""
+    out: dict[str, dict[str, int]] = {"bytes_per_token": {}, "tokens_in_budget": {}}
+    for kv in ("auto", *DTYPES):
+        name = "fp32" if kv == "auto" else kv
+        bpt = kv_bytes_per_token(config, resolve_kv_dtype(kv, torch.float32))
+        out["bytes_per_token"][name] = bpt
+        out["tokens_in_budget"][name] = budget // bpt
+    return out
+
+
+def _quality(
+    kv: str, m: dict[str, float], a: dict[str, float], summary: dict[str, Any], gen_tokens: int
+) -> dict[str, float]:
+    """One KV dtype's quality against fp32 (text metrics `m`, greedy agreement `a`) as summary
+    entries, printed as a line."""
+    size = summary["bytes_per_token"]
+    print(
+        f"{kv}: {size[kv]} B/token ({size[kv] / size['fp32']:.3f}x fp32), "
+        f"perplexity {m['ppl']:.4f} vs {m['ppl_ref']:.4f} ({m['ppl_delta']:+.3%}), "
+        f"KLD {m['kld']:.5f}, greedy agreement {a['agree']:.2%} (teacher-forced), "
+        f"identical free-running prefix {a['free_prefix_mean']:.0f}/{gen_tokens}"
+    )
+    return {
+        f"kld_{kv}": m["kld"],
+        f"ppl_delta_{kv}": m["ppl_delta"],
+        f"ppl_{kv}": m["ppl"],
+        f"agree_{kv}": a["agree"],
+        f"free_prefix_{kv}": a["free_prefix_mean"],
+        "ppl_fp32": m["ppl_ref"],
+    }

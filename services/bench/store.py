@@ -171,13 +171,16 @@ def _first_token_s(engine: Any, rid: str, ids: list[int]) -> float:
 
 
 def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Engine A computes a long prefix and publishes it to Redis; then, each repeat, a fresh
+    engine B answers a question after that prefix with the prefix loaded from the store, and
+    a fresh store-less engine C recomputes it. Medians of both TTFTs."""
     from kvserve.services.bench.kvquant import reference_text
 
     ns = f"bench-{uuid.uuid4().hex[:12]}"
     url = f"{args.redis}?namespace={ns}&timeout=5"
     store = StoreConfig(url=url, format=args.format, host_tier_bytes=2 << 30)
-    blocks = args.prefix_tokens // 16 + 8
-    a = make(store, num_blocks=blocks + 16)
+    num_blocks = args.prefix_tokens // 16 + 8 + 16
+    a = make(store, num_blocks=num_blocks)
     prefix = reference_text(a.tokenizer, args.prefix_tokens)
     questions = [list(a.tokenizer.encode(q)) for q in QUESTIONS]
     t0 = time.perf_counter()
@@ -189,19 +192,8 @@ def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
     loads, recomputes, rows = [], [], []
     for r in range(args.repeats):
         ids = prefix + questions[(r + 1) % len(questions)]
-        b = make(store, num_blocks=blocks + 16)
-        _first_token_s(b, "warm", warm)
-        t_load = _first_token_s(b, "q", ids)
-        f = b.last_fetch
-        cached = b.prefix_cache_stats["hits_tokens_store"]
-        row = {
-            "ttft_s": t_load,
-            "cached_tokens": cached,
-            **(f.timings if f is not None else {}),
-            "copy_in_s": b.copy_in_s,
-        }
-        b.close()
-        c = make(None, num_blocks=blocks + 16)
+        t_load, row = _ttft_from_store(make(store, num_blocks=num_blocks), warm, ids)
+        c = make(None, num_blocks=num_blocks)
         _first_token_s(c, "warm", warm)
         t_re = _first_token_s(c, "q", ids)
         del c
@@ -209,11 +201,36 @@ def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
         recomputes.append(t_re)
         rows.append(row)
         print(
-            f"repeat {r}: store {t_load:.3f}s ({cached} tokens from Redis) vs recompute "
-            f"{t_re:.3f}s; breakdown "
+            f"repeat {r}: store {t_load:.3f}s ({row['cached_tokens']} tokens from Redis) vs "
+            f"recompute {t_re:.3f}s; breakdown "
             + ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k.endswith("_s")),
             flush=True,
         )
+    return _ttft_summary(loads, recomputes, rows, args.format, len(prefix))
+
+
+def _ttft_from_store(b: Any, warm: list[int], ids: list[int]) -> tuple[float, dict[str, Any]]:
+    """Engine B's TTFT for `ids` after a warm-up request, and where the time went; closes B."""
+    _first_token_s(b, "warm", warm)
+    t_load = _first_token_s(b, "q", ids)
+    f = b.last_fetch
+    row = {
+        "ttft_s": t_load,
+        "cached_tokens": b.prefix_cache_stats["hits_tokens_store"],
+        **(f.timings if f is not None else {}),
+        "copy_in_s": b.copy_in_s,
+    }
+    b.close()
+    return t_load, row
+
+
+def _ttft_summary(
+    loads: list[float],
+    recomputes: list[float],
+    rows: list[dict[str, Any]],
+    fmt: str,
+    prefix_tokens: int,
+) -> dict[str, Any]:
     med_l, med_r = statistics.median(loads), statistics.median(recomputes)
     print(f"TTFT median: store {med_l:.3f}s, recompute {med_r:.3f}s, speedup {med_r / med_l:.1f}x")
     return {
@@ -223,8 +240,8 @@ def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
         "ttft_store_range_s": [min(loads), max(loads)],
         "ttft_recompute_range_s": [min(recomputes), max(recomputes)],
         "ttft_breakdown": rows,
-        "ttft_format": args.format,
-        "prefix_tokens": len(prefix),
+        "ttft_format": fmt,
+        "prefix_tokens": prefix_tokens,
     }
 
 
@@ -232,53 +249,11 @@ def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _throughput(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from kvserve.services.bench.kvquant import reference_text
-    from kvserve.shared.sampling_params import SamplingParams
-    from kvserve.shared.store.base import open_store
-    from kvserve.shared.store.codec import encode_block
-    from kvserve.shared.store.hashing import BlockHash, block_hashes
-
-    # Real blocks: the K/V of a prefill, encoded in the chosen format.
-    n_tokens = 16 * min(args.blocks, 256)
-    ids = reference_text(engine.tokenizer, n_tokens + 1)
-    engine.generate([ids], SamplingParams(max_tokens=1))
-    meta, root = engine.block_meta, engine.root_hash()
-    hashes = block_hashes(root, ids[:n_tokens], 16)
-    assert engine.pool.index is not None
-    blocks = [engine.pool.index.block_of(h) for h in hashes]
-    data = engine.runner.cache.read_blocks([b for b in blocks if b is not None])
-    frames = []
-    for i, (h, d) in enumerate(zip(hashes, data, strict=True)):
-        k, v = d.to_float()
-        parent = hashes[i - 1] if i else root
-        toks = ids[i * 16 : (i + 1) * 16]
-        frames.append((h, encode_block(meta, toks, k, v, args.format, parent)))
-    # Repeat the real frames under fresh keys up to --blocks.
-    items = [
-        (BlockHash(uuid.uuid4().bytes + uuid.uuid4().bytes), frames[i % len(frames)][1])
-        for i in range(args.blocks)
-    ]
-    ns = f"bench-{uuid.uuid4().hex[:12]}"
+    """Put and get rates of --blocks real frames (the K/V of a prefill in --format, repeated
+    under fresh keys) against Redis in batches of --batch."""
+    items = _real_frames(engine, args)
     nbytes = sum(len(v) for _, v in items)
-
-    async def go() -> tuple[float, float, int]:
-        store = open_store(f"{args.redis}?namespace={ns}&timeout=10")
-        try:
-            t0 = time.perf_counter()
-            for i in range(0, len(items), args.batch):
-                await store.put_many(items[i : i + args.batch])
-            t1 = time.perf_counter()
-            got = 0
-            for i in range(0, len(items), args.batch):
-                vals = await store.get_many([h for h, _ in items[i : i + args.batch]])
-                got += sum(v is not None for v in vals)
-            t2 = time.perf_counter()
-            await store.delete([h for h, _ in items])
-            return t1 - t0, t2 - t1, got
-        finally:
-            await store.close()
-
-    put_s, get_s, got = asyncio.run(go())
+    put_s, get_s, got = asyncio.run(_put_then_get(args, items))
     if got != len(items):
         raise RuntimeError(f"get_many returned {got} of {len(items)} blocks")
     mb = nbytes / 1e6
@@ -296,6 +271,59 @@ def _throughput(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
         f"MB/s, get {out['get_blocks_per_s']:.0f} blocks/s {out['get_mb_per_s']:.0f} MB/s"
     )
     return out
+
+
+def _real_frames(engine: Any, args: argparse.Namespace) -> list[tuple[Any, bytes]]:
+    """--blocks (hash, frame) pairs: the encoded blocks of a real prefill (at most 256),
+    repeated under fresh random keys."""
+    from kvserve.services.bench.kvquant import reference_text
+    from kvserve.shared.sampling_params import SamplingParams
+    from kvserve.shared.store.codec import encode_block
+    from kvserve.shared.store.hashing import BlockHash, block_hashes
+
+    n_tokens = 16 * min(args.blocks, 256)
+    ids = reference_text(engine.tokenizer, n_tokens + 1)
+    engine.generate([ids], SamplingParams(max_tokens=1))
+    meta, root = engine.block_meta, engine.root_hash()
+    hashes = block_hashes(root, ids[:n_tokens], 16)
+    assert engine.pool.index is not None
+    blocks = [engine.pool.index.block_of(h) for h in hashes]
+    data = engine.runner.cache.read_blocks([b for b in blocks if b is not None])
+    frames = []
+    for i, (_, d) in enumerate(zip(hashes, data, strict=True)):  # every block is cached
+        k, v = d.to_float()
+        parent = hashes[i - 1] if i else root
+        toks = ids[i * 16 : (i + 1) * 16]
+        frames.append(encode_block(meta, toks, k, v, args.format, parent))
+    return [
+        (BlockHash(uuid.uuid4().bytes + uuid.uuid4().bytes), frames[i % len(frames)])
+        for i in range(args.blocks)
+    ]
+
+
+async def _put_then_get(
+    args: argparse.Namespace, items: list[tuple[Any, bytes]]
+) -> tuple[float, float, int]:
+    """(seconds to put all, seconds to get all, how many came back), in --batch batches, in a
+    namespace of their own that is deleted at the end."""
+    from kvserve.shared.store.base import open_store
+
+    ns = f"bench-{uuid.uuid4().hex[:12]}"
+    store = open_store(f"{args.redis}?namespace={ns}&timeout=10")
+    try:
+        t0 = time.perf_counter()
+        for i in range(0, len(items), args.batch):
+            await store.put_many(items[i : i + args.batch])
+        t1 = time.perf_counter()
+        got = 0
+        for i in range(0, len(items), args.batch):
+            vals = await store.get_many([h for h, _ in items[i : i + args.batch]])
+            got += sum(v is not None for v in vals)
+        t2 = time.perf_counter()
+        await store.delete([h for h, _ in items])
+        return t1 - t0, t2 - t1, got
+    finally:
+        await store.close()
 
 
 def save_plot(path: Path, result: dict[str, Any]) -> None:

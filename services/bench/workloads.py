@@ -169,8 +169,22 @@ def mooncake_workload(
         raise ValueError(f"scale must divide {MOONCAKE_BLOCK}, got {scale}")
     if time_scale <= 0:
         raise ValueError(f"time scale must be > 0, got {time_scale}")
+    rows = _trace_rows(path, *window)
+    t0 = rows[0][1]["timestamp"]
     block = MOONCAKE_BLOCK // scale
-    start, count = window
+    out = []
+    for i, row in rows:
+        n_out = min(max(1, round(row["output_length"] / scale)), max_context // 2)
+        n_in = min(max(1, math.ceil(row["input_length"] / scale)), max_context - n_out)
+        tokens, used = _trace_prompt(row["hash_ids"], n_in, block, vocab_size, seed, i)
+        arrival = (row["timestamp"] - t0) / 1000.0 / time_scale
+        out.append(Session([Turn(tokens, n_out)], arrival_s=arrival, tag=f"t{i}", hash_ids=used))
+    return out
+
+
+def _trace_rows(path: Path, start: int, count: int) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, request) of the trace's window (count -1: to the end); ValueError when
+    it selects nothing."""
     rows: list[tuple[int, dict[str, Any]]] = []
     with open(path) as f:
         for i, line in enumerate(f):
@@ -182,23 +196,24 @@ def mooncake_workload(
                 rows.append((i, json.loads(line)))
     if not rows:
         raise ValueError(f"the window {start}:{count} selects no request of {path}")
-    t0 = rows[0][1]["timestamp"]
-    out = []
-    for i, row in rows:
-        n_out = min(max(1, round(row["output_length"] / scale)), max_context // 2)
-        n_in = min(max(1, math.ceil(row["input_length"] / scale)), max_context - n_out)
-        tokens: list[int] = []
-        used = []
-        for h in row["hash_ids"]:
-            if len(tokens) >= n_in:
-                break
-            tokens += block_tokens(h, block, vocab_size, seed)
-            used.append(h)
-        tokens = tokens[:n_in]
-        if len(tokens) < n_in:  # a trace row with fewer blocks than its length (not expected)
-            tokens += random_tokens(
-                random.Random(f"mooncake-tail:{seed}:{i}"), n_in - len(tokens), vocab_size
-            )
-        arrival = (row["timestamp"] - t0) / 1000.0 / time_scale
-        out.append(Session([Turn(tokens, n_out)], arrival_s=arrival, tag=f"t{i}", hash_ids=used))
-    return out
+    return rows
+
+
+def _trace_prompt(
+    hash_ids: list[int], n_in: int, block: int, vocab_size: int, seed: int, i: int
+) -> tuple[list[int], list[int]]:
+    """A prompt of `n_in` tokens: the blocks of the row's hash ids (the same id, the same
+    tokens), cut to length; and the ids it used."""
+    tokens: list[int] = []
+    used = []
+    for h in hash_ids:
+        if len(tokens) >= n_in:
+            break
+        tokens += block_tokens(h, block, vocab_size, seed)
+        used.append(h)
+    tokens = tokens[:n_in]
+    if len(tokens) < n_in:  # a trace row with fewer blocks than its length (not expected)
+        tokens += random_tokens(
+            random.Random(f"mooncake-tail:{seed}:{i}"), n_in - len(tokens), vocab_size
+        )
+    return tokens, used

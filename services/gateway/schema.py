@@ -189,14 +189,11 @@ def _client_salt(body: dict[str, Any]) -> str | None:
     return v
 
 
-def _sampling(
-    body: dict[str, Any],
-    prompts: list[list[int]],
-    info: ModelInfo,
-    max_tokens: int | None,
-    logprobs: bool,
-    top_logprobs: int = 0,
-) -> SamplingParams:
+def _max_tokens(
+    body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, max_tokens: int | None
+) -> int:
+    """max_tokens as asked, or the room the longest prompt leaves in the context window;
+    a 400 when the prompt, or the prompt plus max_tokens, does not fit."""
     longest = max(len(p) for p in prompts)
     room = info.max_model_len - longest
     if room < 1:
@@ -207,14 +204,26 @@ def _sampling(
             "context_length_exceeded",
         )
     if max_tokens is None:
-        max_tokens = room
-    elif longest + max_tokens > info.max_model_len:
+        return room
+    if longest + max_tokens > info.max_model_len:
         raise bad_request(
             f"prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceeds the context "
             f"window of {info.max_model_len} tokens",
             "max_tokens",
             "context_length_exceeded",
         )
+    return max_tokens
+
+
+def _sampling(
+    body: dict[str, Any],
+    prompts: list[list[int]],
+    info: ModelInfo,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int = 0,
+) -> SamplingParams:
+    max_tokens = _max_tokens(body, prompts, info, max_tokens)
     stop_ids = _get(body, "stop_token_ids")
     if stop_ids is not None and not isinstance(stop_ids, list):
         raise bad_request("'stop_token_ids' must be a list", "stop_token_ids", "invalid_type")

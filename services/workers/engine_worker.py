@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.services.workers.admin_jobs import run_admin_job
-from kvserve.services.workers.spans import record_queue_span, set_cached_tokens
+from kvserve.services.workers.spans import request_span, set_cached_tokens
 from kvserve.services.workers.token_events import TokenEmitter
 from kvserve.shared.bus import Delivery, WorkerPort
 from kvserve.shared.engine.async_engine import AsyncEngine
@@ -31,12 +31,7 @@ from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest
 from kvserve.shared.sampling_params import InvalidRequestError
 from kvserve.shared.tasks import cancel_all, cancel_and_wait
 from kvserve.shared.telemetry import (
-    GEN_AI_INPUT_TOKENS,
-    GEN_AI_OPERATION,
     GEN_AI_OUTPUT_TOKENS,
-    GEN_AI_REQUEST_MODEL,
-    KVSERVE_REQUEST_ID,
-    context_from_traceparent,
     get_logger,
     get_tracer,
 )
@@ -183,18 +178,9 @@ class EngineWorker:
         """The request under its `kvserve.worker.generate` span; acked at the end."""
         req = d.request
         assert isinstance(req, GenerateRequest)
-        received = time.time()
         try:
-            with tracer.start_as_current_span(
-                "kvserve.worker.generate",
-                context=context_from_traceparent(req.traceparent),
-                attributes={KVSERVE_REQUEST_ID: req.request_id, GEN_AI_OPERATION: "generate"},
-            ) as span:
-                if self.model_name:
-                    span.set_attribute(GEN_AI_REQUEST_MODEL, self.model_name)
-                record_queue_span(tracer, req.submitted_at, received)
+            with request_span(tracer, "kvserve.worker.generate", req, self.model_name) as span:
                 emitted = await self._run(req)
-                span.set_attribute(GEN_AI_INPUT_TOKENS, len(req.prompt_token_ids))
                 span.set_attribute(GEN_AI_OUTPUT_TOKENS, emitted.output_tokens)
                 set_cached_tokens(span, emitted.cached_tokens)
         finally:

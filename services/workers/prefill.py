@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvserve.services.workers.engine_worker import EngineWorker
-from kvserve.services.workers.spans import record_queue_span, set_cached_tokens
+from kvserve.services.workers.spans import request_span, set_cached_tokens
 from kvserve.shared.bus import Delivery, WorkerPort, error_event
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.engine import RequestOutput
@@ -28,11 +28,7 @@ from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.store.hashing import block_hashes
 from kvserve.shared.store.tiers import KVTail
 from kvserve.shared.telemetry import (
-    GEN_AI_INPUT_TOKENS,
-    GEN_AI_OPERATION,
-    GEN_AI_REQUEST_MODEL,
     KVSERVE_REQUEST_ID,
-    context_from_traceparent,
     current_traceparent,
     get_logger,
     get_tracer,
@@ -57,19 +53,8 @@ class PrefillWorker(EngineWorker):
         """The request under its `kvserve.prefill.request` span; acked at the end."""
         req = d.request
         assert isinstance(req, GenerateRequest)
-        received = time.time()
         try:
-            with tracer.start_as_current_span(
-                "kvserve.prefill.request",
-                context=context_from_traceparent(req.traceparent),
-                attributes={
-                    KVSERVE_REQUEST_ID: req.request_id,
-                    GEN_AI_OPERATION: "generate",
-                    GEN_AI_INPUT_TOKENS: len(req.prompt_token_ids),
-                    GEN_AI_REQUEST_MODEL: self.model_name or "",
-                },
-            ):
-                record_queue_span(tracer, req.submitted_at, received)
+            with request_span(tracer, "kvserve.prefill.request", req, self.model_name):
                 cached = await self._prefill(req)
                 if cached is not None:
                     await self._forward(req, cached)

@@ -1,4 +1,5 @@
-"""`kvserve serve` as a real subprocess for the service tests, and small HTTP helpers.
+"""`kvserve serve` as a real subprocess for the service tests, and small HTTP helpers (plain
+calls, the cache stats, polling a condition).
 
 `ServeProcess` starts `kvserve serve --port 0 ...`, reads its JSON log lines on a thread, and
 waits (under a deadline) for the `ready` event, which carries the bound URL: no sleeping, no
@@ -145,6 +146,22 @@ class Http:
 
     def post(self, path: str, json: Any = None, **kw: Any) -> Reply:
         return self.request("POST", path, json_body=json, **kw)
+
+
+def cache_totals(http: Http) -> dict[str, Any]:
+    """The workers' summed engine counters (GET /v1/cache/stats `totals`)."""
+    r = http.get("/v1/cache/stats")
+    assert r.status_code == 200, r.text
+    return dict(r.json()["totals"])
+
+
+def idle(http: Http) -> dict[str, Any] | None:
+    """The cache totals once nothing runs or waits, no block is referenced and the gateway has
+    nothing in flight; None before."""
+    stats = http.get("/v1/cache/stats").json()
+    t = stats["totals"]
+    quiet = not (t["num_requests_running"] or t["num_requests_waiting"] or t["num_used_blocks"])
+    return dict(t) if quiet and stats["gateway"]["in_flight"] == 0 else None
 
 
 def poll_until(check: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:

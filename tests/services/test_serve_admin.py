@@ -20,7 +20,7 @@ from kvserve.services.gateway.prefixes import prefix_ids
 from kvserve.shared.model.tokenizer import KVTokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services.kvserve_process import Http, ServeProcess, poll_until
+from tests.services.kvserve_process import Http, ServeProcess, idle, poll_until
 
 MODEL = "kvtest-admin"
 BLOCK = 16
@@ -53,13 +53,6 @@ def http_for(server: ServeProcess, key: str) -> Http:
 
 def client_for(server: ServeProcess, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
-
-
-def idle(http: Http) -> bool:
-    stats = http.get("/v1/cache/stats").json()
-    t = stats["totals"]
-    busy = t["num_requests_running"] or t["num_requests_waiting"] or t["num_used_blocks"]
-    return not busy and stats["gateway"]["in_flight"] == 0
 
 
 def finished_job(http: Http, job_id: str) -> dict[str, Any] | None:

@@ -1,7 +1,9 @@
 """The disaggregated stack end to end: a throwaway redis-server (bus and prefix store), the real
 `kvserve gateway`, `kvserve prefill` and `kvserve decode` processes, the official `openai`
-client. One stack for the module (the model loads once per worker); the decode worker is killed
-last, and the traces of every process are checked for one trace per request."""
+client. One stack for the module (the model loads once per worker). The OpenAI API suite
+(tests/services/openai_suite.py, shared with `kvserve serve`) runs on it first; then the
+traces of every process are checked for one trace per request, a warm-up job and a flush run
+on a prefill worker, and a decode worker is killed last."""
 
 from __future__ import annotations
 
@@ -21,11 +23,11 @@ from kvserve.shared.sampling_params import SamplingParams
 
 from tests.redis_servers import RedisServer, free_port, redis_binaries_present
 from tests.services.kvserve_process import Http, ServeProcess, poll_until
+from tests.services.openai_suite import MODEL, NUM_BLOCKS, OpenAIApiSuite
 
 pytestmark = pytest.mark.redis
 
-MODEL = "kvtest-smol"
-WORKER_FLAGS = ("--num-blocks", "256", "--claim-idle", "3", "--drain-timeout", "5")
+WORKER_FLAGS = ("--num-blocks", str(NUM_BLOCKS), "--claim-idle", "3", "--drain-timeout", "5")
 
 
 class Stack:
@@ -94,121 +96,11 @@ def spans(traces: Path) -> list[dict[str, Any]]:
     return out
 
 
-def idle(http: Http) -> dict[str, Any] | None:
-    stats = http.get("/v1/cache/stats").json()
-    t = stats["totals"]
-    quiet = not (t["num_requests_running"] or t["num_requests_waiting"] or t["num_used_blocks"])
-    return t if quiet and stats["gateway"]["in_flight"] == 0 else None
+class TestOpenAIApi(OpenAIApiSuite):
+    """The OpenAI API suite on the disaggregated stack."""
 
 
-def test_greedy_completion_matches_engine(
-    client: openai.OpenAI, services_engine: Any, tokenizer: KVTokenizer
-) -> None:
-    prompt = "The history of paper making began in China, where"
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-    tokens = services_engine.generate([tokenizer.encode(prompt)], SamplingParams(max_tokens=12))
-    assert r.choices[0].text == tokenizer.decode(tokens[0][0])
-    assert r.usage is not None and r.usage.prompt_tokens == len(tokenizer.encode(prompt))
-    assert r.usage.completion_tokens == len(tokens[0][0])
-
-
-def test_greedy_chat_and_stream_with_usage(
-    client: openai.OpenAI, services_engine: Any, tokenizer: KVTokenizer
-) -> None:
-    messages: Any = [{"role": "user", "content": "Name two planets."}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
-    ids = tokenizer.encode_chat(messages)
-    tokens = services_engine.generate([ids], SamplingParams(max_tokens=16))[0][0]
-    assert r.choices[0].message.content == tokenizer.decode(tokens)
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            max_tokens=16,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == r.choices[0].message.content
-    usage = chunks[-1].usage
-    assert usage is not None and r.usage is not None
-    assert usage.prompt_tokens == r.usage.prompt_tokens
-    assert usage.completion_tokens == r.usage.completion_tokens
-
-
-def test_n2_seed_and_stop(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
-    a = client.completions.create(**kw, n=2, temperature=0.9, seed=1234)
-    b = client.completions.create(**kw, n=2, temperature=0.9, seed=1234)
-    assert len(a.choices) == 2 and {c.index for c in a.choices} == {0, 1}
-    assert [c.text for c in a.choices] == [c.text for c in b.choices]
-    assert a.usage is not None and a.usage.completion_tokens == 16
-    full = client.completions.create(**kw, temperature=0).choices[0].text
-    stop = full.strip().split()[1] if len(full.split()) > 1 else full[1:3]
-    r = client.completions.create(**kw, temperature=0, stop=[stop])
-    assert stop not in r.choices[0].text and r.choices[0].finish_reason == "stop"
-    assert full.startswith(r.choices[0].text)
-
-
-def test_shared_system_prompt_is_cached(client: openai.OpenAI) -> None:
-    system = f"[{uuid.uuid4().hex}] " + "You are a careful assistant who answers briefly. " * 8
-    cached = []
-    for q in ("What is the capital of Italy?", "What is the capital of Spain?"):
-        r = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
-            max_tokens=2,
-            temperature=0,
-        )
-        assert r.usage is not None and r.usage.prompt_tokens_details is not None
-        cached.append(r.usage.prompt_tokens_details.cached_tokens)
-    assert cached[0] == 0
-    assert cached[1] is not None and cached[1] >= 64
-
-
-def test_cancelled_stream(client: openai.OpenAI, http: Http) -> None:
-    poll_until(lambda: idle(http), timeout=30)
-    stream = client.completions.create(
-        model=MODEL,
-        prompt="Count from one to a thousand: one, two,",
-        max_tokens=1000,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    it = iter(stream)
-    next(it)
-    next(it)
-    stream.close()
-    after = poll_until(lambda: idle(http), timeout=30)
-    assert after["num_used_blocks"] == 0
-    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
-    assert r.choices[0].finish_reason == "length"
-
-
-def test_bad_requests_get_4xx_and_the_stack_keeps_serving(
-    client: openai.OpenAI, http: Http
-) -> None:
-    keys = {"message", "type", "param", "code"}
-    r = http.post(
-        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
-    )
-    assert r.status_code == 400 and set(r.json()["error"]) == keys
-    for body, param in (
-        ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
-        ({"model": MODEL, "prompt": [10**9]}, "prompt"),
-        ({"model": MODEL, "prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
-        # Beyond a worker's KV cache (--num-blocks 256 x 16 tokens).
-        ({"model": MODEL, "prompt": "hi", "max_tokens": 256 * 16 + 100}, "max_tokens"),
-    ):
-        r = http.post("/v1/completions", json=body)
-        assert 400 <= r.status_code < 500, r.text
-        err = r.json()["error"]
-        assert set(err) == keys and err["param"] == param
-    ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
-    assert ok.choices[0].finish_reason == "length"
+# ---- the stack's own -------------------------------------------------------------------------
 
 
 def test_one_trace_across_gateway_prefill_decode(client: openai.OpenAI, stack: Stack) -> None:
