@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -718,7 +718,3 @@ class _RedisPort(WorkerPort):
             pipe.zrem(self._bus.workers_key, self.name)
             pipe.hdel(self._bus.stats_key, self.name)
             await pipe.execute()
-
-    @property
-    def held(self) -> Sequence[str]:
-        return list(self._held)

@@ -34,15 +34,6 @@ from typing import Any
 from kvserve.services.bench import workloads as wl
 from kvserve.services.cli_support import CliError
 
-SUMMARY_KEYS = (
-    "num_requests", "completed", "failed", "duration_s", "request_throughput",
-    "output_tok_s", "total_tok_s", "goodput", "goodput_fraction", "prompt_tokens_total",
-    "output_tokens_total", "cached_tokens_total", "cached_fraction", "ttft_mean_s",
-    "ttft_median_s", "ttft_p99_s", "tpot_mean_s", "tpot_median_s", "tpot_p99_s", "itl_mean_s",
-    "itl_median_s", "itl_p99_s", "e2e_mean_s", "e2e_median_s", "e2e_p99_s",
-)  # fmt: skip
-
-
 NOT_RATES = ("inf", "trace")
 
 

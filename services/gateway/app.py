@@ -513,7 +513,7 @@ class Gateway:
         check_model(body, self.model)
         tok = self.model.tokenizer
         if "messages" in body:
-            ids = chat_prompt(body, self.model)[1]
+            ids = chat_prompt(body, self.model)
         elif isinstance(body.get("prompt"), str):
             ids = tok.encode(body["prompt"])
         else:

@@ -9,7 +9,7 @@ silently ignored; unknown extra fields are ignored, as vLLM does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,6 @@ class GenerationPlan:
     include_usage: bool = False
     logprobs: bool = False
     cache_salt: str | None = None  # what the client asked for (combined with the key's later)
-    prompt_texts: list[str] = field(default_factory=list)
 
 
 # ---- field readers ---------------------------------------------------------------------------
@@ -253,7 +252,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
         raise unsupported("echo", "'echo' is not supported")
     if _get(body, "suffix") is not None:
         raise unsupported("suffix", "'suffix' (insertion) is not supported")
-    prompts, texts = _completion_prompts(body.get("prompt"), info)
+    prompts = _completion_prompts(body.get("prompt"), info)
     lp = _int(body, "logprobs", None, 0, 5)  # N: the N most likely alternatives per token
     stream, include_usage = _stream_flags(body)
     max_tokens = _int(body, "max_tokens", 16, 1)
@@ -267,12 +266,11 @@ def parse_completion(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
         include_usage,
         lp is not None,
         _client_salt(body),
-        texts,
     )
 
 
-def _completion_prompts(v: Any, info: ModelInfo) -> tuple[list[list[int]], list[str]]:
-    """str | list[str] | list[int] | list[list[int]] -> token ids per prompt (and texts)."""
+def _completion_prompts(v: Any, info: ModelInfo) -> list[list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> token ids per prompt."""
     tok = info.tokenizer
     if v is None:
         raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
@@ -284,20 +282,18 @@ def _completion_prompts(v: Any, info: ModelInfo) -> tuple[list[list[int]], list[
         items = v
     else:
         raise bad_request("'prompt' must be a non-empty string or list", "prompt")
-    prompts, texts = [], []
+    prompts = []
     for item in items:
         if isinstance(item, str):
             ids = tok.encode(item)
-            texts.append(item)
         elif isinstance(item, list):
             ids = _token_list(item, "prompt", info.vocab_size)
-            texts.append(tok.decode(ids, skip_special_tokens=False))
         else:
             raise bad_request("'prompt' items must be strings or token id lists", "prompt")
         if not ids:
             raise bad_request("'prompt' must not be empty", "prompt")
         prompts.append(ids)
-    return prompts, texts
+    return prompts
 
 
 def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
@@ -308,7 +304,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
     rf = _get(body, "response_format")
     if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
         raise unsupported("response_format", "only response_format {'type': 'text'}")
-    text, ids = chat_prompt(body, info)
+    ids = chat_prompt(body, info)
     logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, 0, 20)
     if top is not None and not logprobs:
@@ -319,19 +315,19 @@ def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [ids], info, max_tokens, logprobs, top or 0)
     return GenerationPlan(
-        "chat", model, [ids], params, stream, include_usage, logprobs, _client_salt(body), [text]
+        "chat", model, [ids], params, stream, include_usage, logprobs, _client_salt(body)
     )
 
 
-def chat_prompt(body: dict[str, Any], info: ModelInfo) -> tuple[str, list[int]]:
-    """The rendered chat template and its token ids."""
+def chat_prompt(body: dict[str, Any], info: ModelInfo) -> list[int]:
+    """The token ids of the messages through the chat template."""
     messages = _messages(body.get("messages"))
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
     try:
         text = info.tokenizer.apply_chat_template(messages, add_generation_prompt)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
-    return text, info.tokenizer.encode(text)
+    return list(info.tokenizer.encode(text))
 
 
 def _messages(v: Any) -> list[dict[str, Any]]:
