@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,12 @@ def client(server: ServeProcess) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def http(server: ServeProcess) -> Http:
     return make_http(server)
+
+
+@pytest.fixture(scope="module")
+def engine_totals(http: Http) -> Callable[[], dict[str, Any]]:
+    """The in-process engine's numbers: the gateway reads them from the worker at once."""
+    return lambda: cache_totals(http)
 
 
 class TestOpenAIApi(OpenAIApiSuite):
@@ -124,6 +131,13 @@ def test_openapi_lists_every_route(http: Http, tokenizer) -> None:
 
 def test_metrics_names(http: Http, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    poll_until(lambda: idle(http))
+    running = {
+        s.name: s.value
+        for f in text_string_to_metric_families(http.get("/metrics").text)
+        for s in f.samples
+    }["kvserve:num_requests_running"]
+    assert running == 0
     samples = [
         s for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples
     ]

@@ -12,7 +12,7 @@ import re
 import signal
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import openai
 import pytest
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.redis_servers import RedisServer, free_port, redis_binaries_present
 from tests.services.kvserve_process import Http, ServeProcess, poll_until
@@ -87,6 +88,32 @@ def client(stack: Stack) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def http(stack: Stack) -> Http:
     return Http(stack.procs["gateway"].url)
+
+
+@pytest.fixture(scope="module")
+def engine_totals(stack: Stack) -> Callable[[], dict[str, int]]:
+    """The live workers' numbers, summed, from each worker's own /metrics (the gateway's view
+    of them waits for the workers' next heartbeat)."""
+    names = {
+        "kvserve:num_requests_running": "num_requests_running",
+        "kvserve:num_requests_waiting": "num_requests_waiting",
+        "kvserve:kv_cache_used_blocks": "num_used_blocks",
+    }
+
+    def totals() -> dict[str, int]:
+        out = dict.fromkeys(names.values(), 0)
+        for name, p in stack.procs.items():
+            if name == "gateway" or p.proc.poll() is not None:
+                continue
+            with urllib.request.urlopen(p.url, timeout=5) as resp:
+                text = resp.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in names:
+                        out[names[sample.name]] += int(sample.value)
+        return out
+
+    return totals
 
 
 def spans(traces: Path) -> list[dict[str, Any]]:
