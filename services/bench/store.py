@@ -213,12 +213,12 @@ def _ttft_from_store(b: Any, warm: list[int], ids: list[int]) -> tuple[float, di
     """Engine B's TTFT for `ids` after a warm-up request, and where the time went; closes B."""
     _first_token_s(b, "warm", warm)
     t_load = _first_token_s(b, "q", ids)
-    f = b.last_fetch
+    f = b.kv.last_fetch
     row = {
         "ttft_s": t_load,
         "cached_tokens": b.prefix_cache_stats["hits_tokens_store"],
         **(f.timings if f is not None else {}),
-        "copy_in_s": b.copy_in_s,
+        "copy_in_s": b.kv.copy_in_s,
     }
     b.close()
     return t_load, row
@@ -284,10 +284,10 @@ def _real_frames(engine: Any, args: argparse.Namespace) -> list[tuple[Any, bytes
     n_tokens = 16 * min(args.blocks, 256)
     ids = reference_text(engine.tokenizer, n_tokens + 1)
     engine.generate([ids], SamplingParams(max_tokens=1))
-    meta, root = engine.block_meta, engine.root_hash()
+    meta, root = engine.kv.identity.meta, engine.root_hash()
     hashes = block_hashes(root, ids[:n_tokens], 16)
-    assert engine.pool.index is not None
-    blocks = [engine.pool.index.block_of(h) for h in hashes]
+    assert engine.kv.pool.index is not None
+    blocks = [engine.kv.pool.index.block_of(h) for h in hashes]
     data = engine.runner.cache.read_blocks([b for b in blocks if b is not None])
     frames = []
     for i, (_, d) in enumerate(zip(hashes, data, strict=True)):  # every block is cached

@@ -47,7 +47,7 @@ class CodecStats:
 
 def codec_round_trip(engine: Engine, fmt: str, stats: CodecStats) -> RoundTrip:
     """A RoundTrip through encode_block / decode_block in `fmt`, recording sizes and times."""
-    meta, root = engine.block_meta, engine.root_hash()
+    meta, root = engine.kv.identity.meta, engine.root_hash()
 
     def rt(
         i: int, tokens: list[int], parent: BlockHash, k: torch.Tensor, v: torch.Tensor
@@ -110,7 +110,7 @@ def blockwise_logits(
     seq = Sequence(
         SeqId(-1), "store-quality", 0, list(token_ids), len(token_ids), SamplingParams(), -1
     )
-    blocks = engine.pool.allocate(seq.blocks_needed(len(token_ids), bs))
+    blocks = engine.kv.allocate_blocks(seq.blocks_needed(len(token_ids), bs))
     if blocks is None:
         raise RuntimeError("not enough free KV blocks for this sequence")
     seq.block_table = blocks
@@ -128,7 +128,7 @@ def blockwise_logits(
                 _write_block(engine, blocks[i], k2, v2)
             parent = chain_hash(parent, tokens)
     finally:
-        engine.pool.free(reversed(blocks))
+        engine.kv.free_blocks(blocks)
     return torch.cat(out)
 
 

@@ -141,12 +141,14 @@ class AsyncEngine:
         sched = eng.scheduler
         running = len({s.request_id for s in list(sched.running)})
         prefix = eng.prefix_cache_stats
+        kv = eng.kv.stats()
+        connector = eng.kv.connector
         return {
             "num_requests_running": running,
             "num_requests_waiting": max(0, eng.num_requests - running),
-            "num_blocks": eng.pool.num_blocks,
-            "num_used_blocks": eng.pool.num_used,
-            "kv_cache_usage_perc": eng.pool.usage,
+            "num_blocks": kv["num_blocks"],
+            "num_used_blocks": kv["num_used_blocks"],
+            "kv_cache_usage_perc": kv["kv_cache_usage_perc"],
             "block_size": eng.block_size,
             "max_model_len": eng.max_model_len,
             "prefix_cache_queries": prefix["queries_tokens"],
@@ -162,9 +164,8 @@ class AsyncEngine:
             "num_steps": eng.num_steps,
             "healthy": self.healthy,
             "store": self._store_stats(),
-            "store_latency": (
-                eng.connector.latency.snapshot() if eng.connector is not None else {}
-            ),
+            "kv_tier_events": kv["tier_events"],
+            "store_latency": connector.latency.snapshot() if connector is not None else {},
         }
 
     def _store_stats(self) -> dict[str, Any]:

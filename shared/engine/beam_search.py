@@ -7,15 +7,18 @@ the best `width` unfinished candidates are the next live beams. The search stops
 beam can beat the worst kept hypothesis (HF's heuristic), when all hypotheses are in and
 `early_stopping` is True, or when every candidate hits a stopping criterion.
 
-This class holds only scores and token lists; the Engine maps beams to Sequences, which share
-their common blocks copy-on-write and fork on divergence.
+`BeamSearch` holds only scores and token lists. `BeamGroup` maps its beams to Sequences, which
+share their common blocks copy-on-write and fork on divergence; the Engine gives it the two
+operations that touch blocks and the scheduler (fork a sequence, drop one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+from kvserve.shared.engine.sequence import SeqId, Sequence
 
 _NEG = -1.0e9
 
@@ -109,3 +112,52 @@ class BeamSearch:
 
     def best(self) -> Hypothesis:
         return self.hyps[0]
+
+
+@dataclass
+class BeamGroup:
+    """The live beams of one beam-search request as Sequences, in beam order.
+
+    Each step every live beam's log-softmax row is stashed (`stash`); a preempted beam makes
+    its siblings wait, computed, for its row. When all rows are in, `advance` runs one search
+    step: a parent chosen by several candidates is forked for all but the first (blocks shared
+    until a beam writes), unchosen beams are dropped, and every kept beam appends its token.
+    """
+
+    search: BeamSearch
+    seqs: list[Sequence]
+    rows: dict[SeqId, torch.Tensor] = field(default_factory=dict)
+
+    def stash(self, seq: Sequence, row: torch.Tensor) -> bool:
+        """Keep the beam's row for this step; True when every live beam has one."""
+        self.rows[seq.seq_id] = row
+        return len(self.rows) == len(self.seqs)
+
+    def advance(
+        self, fork: Callable[[Sequence], Sequence], drop: Callable[[Sequence], None]
+    ) -> bool:
+        """One search step over the stashed rows; True when the search is over (every live
+        beam dropped; `search.best()` is the answer)."""
+        rows = torch.stack([self.rows.pop(s.seq_id) for s in self.seqs])
+        cands = self.search.step(rows)
+        if self.search.done:
+            for seq in self.seqs:
+                drop(seq)
+            self.seqs = []
+            return True
+        chosen: list[Sequence] = []
+        taken: set[int] = set()
+        for c in cands:  # fork before any parent appends its token
+            if c.parent in taken:
+                chosen.append(fork(self.seqs[c.parent]))
+            else:
+                taken.add(c.parent)
+                chosen.append(self.seqs[c.parent])
+        for i, seq in enumerate(self.seqs):
+            if i not in taken:
+                drop(seq)
+        for seq, c in zip(chosen, cands, strict=True):
+            seq.token_ids.append(c.token)
+            seq.cumulative_logprob = c.score
+        self.seqs = chosen
+        return False

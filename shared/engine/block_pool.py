@@ -15,24 +15,15 @@ Invariants (checked by `check()` and a hypothesis state machine in the tests):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from kvserve.shared.engine.prefix_index import PrefixIndex
 from kvserve.shared.engine.sequence import BlockId
 from kvserve.shared.store.hashing import BlockHash
 
-# Called with (block id, hash) of cached blocks just evicted, before anyone writes into them
-# (the engine copies them to its host tier).
-EvictionHook = Callable[[list[tuple[BlockId, BlockHash]]], None]
-
 
 class BlockPool:
-    def __init__(
-        self,
-        num_blocks: int,
-        enable_caching: bool = False,
-        on_evict: EvictionHook | None = None,
-    ) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
@@ -42,7 +33,8 @@ class BlockPool:
         )
         self.index: PrefixIndex | None = PrefixIndex() if enable_caching else None
         self.num_evicted = 0
-        self.on_evict = on_evict
+        # (block id, hash) of cached blocks `allocate` evicted, until `take_evicted`.
+        self._evicted: list[tuple[BlockId, BlockHash]] = []
 
     @property
     def num_free(self) -> int:
@@ -63,7 +55,8 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[BlockId] | None:
         """Take `n` free blocks (reference count 1 each), or None, changing nothing, if fewer
-        than `n` are free. Plain free blocks go first; then cached blocks are evicted."""
+        than `n` are free. Plain free blocks go first; then cached blocks are evicted (their
+        ids and hashes wait in `take_evicted` for the caller, who may still read them)."""
         if n > self.num_free:
             return None
         blocks = [self._free.popitem(last=False)[0] for _ in range(min(n, len(self._free)))]
@@ -71,12 +64,16 @@ class BlockPool:
             assert self.index is not None
             evicted = self.index.evict(n - len(blocks))
             self.num_evicted += len(evicted)
-            if self.on_evict is not None:
-                self.on_evict(evicted)
+            self._evicted += evicted
             blocks += [b for b, _ in evicted]
         for b in blocks:
             self.ref_counts[b] = 1
         return blocks
+
+    def take_evicted(self) -> list[tuple[BlockId, BlockHash]]:
+        """The cached blocks evicted since the last call, as (block id, hash)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     # ---- prefix caching -------------------------------------------------------------------
 
@@ -99,12 +96,12 @@ class BlockPool:
             self.ref_counts[b] += 1
         return blocks
 
-    def drop_cached(self) -> int:
-        """Forget every evictable cached block (no eviction hook: nothing is offloaded); they
-        become plain free blocks. Cached blocks that requests hold stay. Returns the count."""
+    def drop_cached(self) -> list[tuple[BlockId, BlockHash]]:
+        """Forget every evictable cached block (not reported by `take_evicted`); they become
+        plain free blocks. Cached blocks that requests hold stay. Returns the dropped ones."""
         if self.index is None:
-            return 0
-        dropped = 0
+            return []
+        dropped: list[tuple[BlockId, BlockHash]] = []
         while self.index.num_evictable:
             try:
                 evicted = self.index.evict(1)
@@ -112,7 +109,7 @@ class BlockPool:
                 break
             for b, _ in evicted:
                 self._free[b] = None
-            dropped += len(evicted)
+            dropped += evicted
         return dropped
 
     def share(self, blocks: Iterable[BlockId]) -> None:

@@ -70,6 +70,8 @@ class PrefixIndex:
             if child is None:
                 break
             child.last_access = now
+            if child.evictable:  # its heap entry went stale with the touch: a fresh one
+                self._push_if_leaf(child)
             assert child.block is not None
             blocks.append(child.block)
             node = child

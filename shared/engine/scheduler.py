@@ -7,18 +7,18 @@ running sequence is preempted: its blocks are freed, `num_computed_tokens` drops
 back to the front of the waiting queue to be recomputed (prompt and tokens generated so far).
 No waiting sequence is admitted in a step that preempted.
 
-Owns: the waiting queue and the running list. Mutates: sequences' block tables,
-`num_computed_tokens` (only on preemption) and status; the BlockPool's reference counts.
+Owns: the waiting queue and the running list. Mutates: sequences' `num_computed_tokens` (only on
+preemption) and status. Blocks come from the KVCacheManager and go back to it: `match_prefix` at
+admission, `allocate_slots` for each step's tokens, `free` on preemption and finish.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.shared.config import SchedulerConfig
-from kvserve.shared.engine.block_pool import BlockPool
+from kvserve.shared.engine.kv_cache_manager import KVCacheManager
 from kvserve.shared.engine.sequence import (
     BlockId,
     FinishReason,
@@ -55,25 +55,12 @@ class Batch:
         return bool(self.scheduled)
 
 
-# Called on admission of a waiting sequence with no computed tokens: may attach cached prefix
-# blocks and advance num_computed_tokens (prefix caching); returns nothing.
-PrefixMatcher = Callable[[Sequence], None]
-
-
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        pool: BlockPool,
-        block_size: int,
-        prefix_matcher: PrefixMatcher | None = None,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
-        self.pool = pool
-        self.block_size = block_size
+        self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.prefix_matcher = prefix_matcher
         self.num_preemptions = 0
         # Prefix-cache accounting in tokens, counted at a request's first admission.
         self.prefix_query_tokens = 0
@@ -123,12 +110,12 @@ class Scheduler:
         prefix caching, a sequence whose next uncached block is being computed right now by a
         running sequence waits for it (in-batch prefix sharing) instead of computing it twice;
         later arrivals may go ahead of it."""
-        inflight = self._inflight_hashes() if self.prefix_matcher else set()
+        inflight = self._inflight_hashes() if self.kv.caching else set()
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            if seq.num_computed_tokens == 0 and self.prefix_matcher is not None:
-                self.prefix_matcher(seq)
+            if seq.num_computed_tokens == 0 and self.kv.caching:
+                self.kv.match_prefix(seq)
                 nxt = len(seq.block_table)
                 if nxt < len(seq.block_hashes) and seq.block_hashes[nxt] in inflight:
                     self._unmatch(seq)
@@ -161,44 +148,29 @@ class Scheduler:
 
     def _unmatch(self, seq: Sequence) -> None:
         if seq.block_table:
-            self._release(seq)
+            self.kv.free(seq)
             seq.num_computed_tokens = 0
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         return min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.max_prefill_chunk)
 
     def _reserve(self, seq: Sequence, n: int, batch: Batch) -> bool:
-        """Give `seq` the blocks to write tokens [num_computed, num_computed + n): new blocks,
-        plus a private copy of the block it writes first if that one is shared. All or nothing."""
-        bs = self.block_size
-        first = seq.num_computed_tokens // bs
-        cow = first < len(seq.block_table) and self.pool.is_shared(seq.block_table[first])
-        need = seq.blocks_needed(seq.num_computed_tokens + n, bs) + int(cow)
-        new = self.pool.allocate(need)
-        if new is None:
+        """Blocks for `seq`'s next `n` tokens (all or nothing); copy-on-write copies go on the
+        batch."""
+        copies = self.kv.allocate_slots(seq, n)
+        if copies is None:
             return False
-        if cow:
-            src = seq.block_table[first]
-            dst = new.pop()
-            batch.block_copies.append((src, dst))
-            seq.block_table[first] = dst
-            self.pool.free([src])
-        seq.block_table.extend(new)
+        batch.block_copies += copies
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-
-    def _release(self, seq: Sequence) -> None:
-        self.pool.free(reversed(seq.block_table))
-        seq.block_table = []
-        seq.num_published = 0
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish (or abort) a sequence wherever it is; its blocks are freed at once."""
@@ -206,6 +178,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

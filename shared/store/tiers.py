@@ -144,26 +144,31 @@ class HostTier:
             self.bytes -= old.data.nbytes
         self._pinned[h] = _HostEntry(data, source)
 
-    def put(self, h: BlockHash, data: BlockData, source: str) -> None:
+    def put(self, h: BlockHash, data: BlockData, source: str) -> list[BlockHash]:
+        """Keep the block (most recently used); returns the hashes evicted to make room.
+        A block larger than the whole tier, or pinned already, is not taken."""
         if data.nbytes > self.max_bytes or h in self._pinned:
-            return
+            return []
         old = self._entries.pop(h, None)
         if old is not None:
             self.bytes -= old.data.nbytes
         self._entries[h] = _HostEntry(data, source)
         self.bytes += data.nbytes
+        evicted = []
         while self.bytes > self.max_bytes:
-            _, gone = self._entries.popitem(last=False)
+            gone_hash, gone = self._entries.popitem(last=False)
             self.bytes -= gone.data.nbytes
             self.evictions += 1
+            evicted.append(gone_hash)
+        return evicted
 
-    def clear(self) -> int:
-        """Drop every block, pinned ones too (a cache flush). Returns how many there were."""
-        n = len(self)
+    def clear(self) -> list[BlockHash]:
+        """Drop every block, pinned ones too (a cache flush). Returns their hashes."""
+        hashes = [*self._entries, *self._pinned]
         self._entries.clear()
         self._pinned.clear()
         self.bytes = 0
-        return n
+        return hashes
 
     def get(self, h: BlockHash) -> tuple[BlockData, str] | None:
         """The block and its source, touched as most recently used; None if absent."""

@@ -43,7 +43,7 @@ async def test_consumer_that_stops_aborts_and_frees_blocks(make_engine, chat_pro
     finally:
         engine.stop()
     assert not inner.has_unfinished_requests()
-    assert inner.pool.num_free == inner.pool.num_blocks
+    assert inner.kv.pool.num_free == inner.kv.pool.num_blocks
 
 
 async def test_invalid_request_raises_before_streaming(make_engine) -> None:  # type: ignore[no-untyped-def]

@@ -33,7 +33,7 @@ def run(path: Path, backend: str, kv_dtype: str = "auto") -> list[list[int]]:
     )
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 33)]  # 1 partial, 2 full blocks
     out = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
     return [c[0] for c in out]
 
 

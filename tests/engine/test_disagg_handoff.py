@@ -32,18 +32,18 @@ def test_handoff_through_store(make_engine, tokenizer, tmp_path: Path) -> None: 
         tail = outs[-1].kv_tail
         assert outs[-1].finished and tail is not None
         assert tail.token_ids == head[full:]
-        assert pre.connector is not None and pre.connector.put_tail("r1", tail)
-        assert pre.connector.flush()
+        assert pre.kv.connector is not None and pre.kv.connector.put_tail("r1", tail)
+        assert pre.kv.connector.flush()
     finally:
         pre.close()
 
     dec = make_engine(store=store)
     try:
-        assert dec.connector is not None
-        got = dec.connector.get_tail("r1", head[full:]).result(timeout=10)
+        assert dec.kv.connector is not None
+        got = dec.kv.connector.get_tail("r1", head[full:]).result(timeout=10)
         assert got is not None
-        assert dec.connector.get_tail("r1", head[full:]).result(timeout=10) is None  # deleted
-        assert dec.connector.get_tail("r2", head[full:]).result(timeout=10) is None
+        assert dec.kv.connector.get_tail("r1", head[full:]).result(timeout=10) is None  # deleted
+        assert dec.kv.connector.get_tail("r2", head[full:]).result(timeout=10) is None
         dec.add_request("r1", prompt, GREEDY, kv_tail=got)
         tokens: list[int] = []
         while dec.has_unfinished_requests():

@@ -108,8 +108,8 @@ def run_one(engine: Engine, ids: list[int], params: SamplingParams) -> list[Comp
 def assert_no_leak(engine: Engine) -> None:
     assert not engine.has_unfinished_requests()
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.pool.num_free == engine.pool.num_blocks
-    engine.pool.check()
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    engine.kv.pool.check()
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:
@@ -177,7 +177,7 @@ def test_batched_with_preemption_equals_alone(
     make_engine: MakeEngine, prompts: list[list[int]], alone: list[list[int]]
 ) -> None:
     engine = make_engine(num_blocks=32, max_num_batched_tokens=64, max_prefill_chunk=32)
-    results = run(engine, staggered(prompts), on_step=engine.pool.check)
+    results = run(engine, staggered(prompts), on_step=engine.kv.pool.check)
     got = [results[f"r{i}"][0].tokens for i in range(len(prompts))]
     assert engine.scheduler.num_preemptions > 0
     assert got == alone
@@ -200,28 +200,28 @@ def test_abort_frees_blocks_at_once(make_engine: MakeEngine, prompts: list[list[
     assert 0 < pre.num_computed_tokens < pre.num_prompt_tokens
 
     for seq in (pre, dec):
-        free, held = engine.pool.num_free, len(seq.block_table)
+        free, held = engine.kv.pool.num_free, len(seq.block_table)
         assert held > 0
         assert engine.abort_request(seq.request_id) is True
-        assert engine.pool.num_free == free + held
+        assert engine.kv.pool.num_free == free + held
         assert seq.block_table == [] and seq.is_finished
         assert seq.finish_reason is not None and seq.finish_reason.value == "abort"
-        engine.pool.check()
+        engine.kv.pool.check()
     assert engine.abort_request("decoding") is False
     assert engine.abort_request("never-added") is False
 
     # Not yet admitted: nothing to free, and it is gone from the queue.
     engine.add_request("queued", prompts[3], greedy(4))
-    free = engine.pool.num_free
+    free = engine.kv.pool.num_free
     assert engine.abort_request("queued") is True
-    assert engine.pool.num_free == free
+    assert engine.kv.pool.num_free == free
     assert not seqs_of(engine, "queued")
 
     # n > 1 after the fork: siblings share the prompt's blocks; aborting frees them all.
     engine.add_request("forked", prompts[4], SamplingParams(max_tokens=20, n=3, seed=1, **SAMPLED))
     while len(seqs_of(engine, "forked")) < 3:
         engine.step()
-    assert engine.pool.is_shared(seqs_of(engine, "forked")[0].block_table[0])
+    assert engine.kv.pool.is_shared(seqs_of(engine, "forked")[0].block_table[0])
     assert engine.abort_request("forked") is True
 
     seen: set[str] = set()
@@ -247,7 +247,7 @@ def test_no_leak_after_mixed_requests_finish(
         1: [("c", prompts[5], greedy(3, stop_token_ids=(13,)))],
         2: [("d", prompts[6], SamplingParams(max_tokens=4, seed=9, logprobs=True, **SAMPLED))],
     }
-    results = run(engine, arrivals, on_step=engine.pool.check)
+    results = run(engine, arrivals, on_step=engine.kv.pool.check)
     assert [len(c.tokens) for c in results["a"]] == [5]
     assert [len(c.tokens) for c in results["b"]] == [6, 6]
     assert len(results["d"][0].logprobs) == len(results["d"][0].tokens)
@@ -367,8 +367,8 @@ def test_n3_shares_the_prompt_and_copies_the_partial_block(
     assert len(prompt) == 21
     tables = [s.block_table for s in sibs]
     assert tables[0] == tables[1] == tables[2] and len(tables[0]) == 2
-    assert [engine.pool.ref_counts[b] for b in tables[0]] == [3, 3]
-    assert engine.pool.num_used == 2
+    assert [engine.kv.pool.ref_counts[b] for b in tables[0]] == [3, 3]
+    assert engine.kv.pool.num_used == 2
     assert [len(d.token_ids) for d in outs[0].completions] == [1, 1, 1]
     full, partial = tables[0]
 
@@ -379,8 +379,8 @@ def test_n3_shares_the_prompt_and_copies_the_partial_block(
     tables = [s.block_table for s in sibs]
     assert [t[0] for t in tables] == [full, full, full]
     assert len({t[1] for t in tables}) == 3
-    assert engine.pool.ref_counts[full] == 3
-    assert all(engine.pool.ref_counts[t[1]] == 1 for t in tables)
+    assert engine.kv.pool.ref_counts[full] == 3
+    assert all(engine.kv.pool.ref_counts[t[1]] == 1 for t in tables)
 
     while engine.has_unfinished_requests():
         outs += engine.step()
@@ -477,7 +477,7 @@ def test_bad_requests_are_refused_by_field_and_the_engine_keeps_serving(
             call()
         assert (err.value.param, words in str(err.value)) == (param, True), str(err.value)
         assert engine.num_requests == 0
-        assert engine.pool.num_free == engine.pool.num_blocks
+        assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
 
     # Exactly at the limits is fine: prompt + max_tokens == 8 * 16 tokens of cache.
     engine.validate(prompt, greedy(8 * 16 - 21))

@@ -54,9 +54,9 @@ def test_reset_prefix_cache(make_engine, tokenizer) -> None:  # type: ignore[no-
     engine.warmup(long_ids(tokenizer, 3)[:40], None, "w")  # pins 2 blocks in the host tier
     got = engine.reset_prefix_cache()
     assert got["device_blocks"] >= 4 and got["host_blocks"] >= 2
-    assert engine.pool.index is not None and len(engine.pool.index) == 0
-    assert engine.host_tier is not None and len(engine.host_tier) == 0
-    engine.pool.check()
+    assert engine.kv.pool.index is not None and len(engine.kv.pool.index) == 0
+    assert engine.kv.host_tier is not None and len(engine.kv.host_tier) == 0
+    engine.kv.pool.check()
     assert engine.reset_prefix_cache() == {"device_blocks": 0, "host_blocks": 0}
     engine.close()
 

@@ -12,7 +12,7 @@ from kvserve.shared.sampling_params import SamplingParams
 
 def _seq(engine, i: int, tokens: list[int], computed: int) -> Sequence:  # type: ignore[no-untyped-def]
     seq = Sequence(SeqId(100 + i), f"r{i}", 0, tokens, len(tokens), SamplingParams(), arrival=i)
-    blocks = engine.pool.allocate(seq.blocks_needed(len(tokens), engine.block_size))
+    blocks = engine.kv.pool.allocate(seq.blocks_needed(len(tokens), engine.block_size))
     assert blocks is not None
     seq.block_table = blocks
     seq.num_computed_tokens = computed

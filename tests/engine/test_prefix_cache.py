@@ -87,8 +87,8 @@ def test_eviction_pressure_keeps_outputs_exact(make_engine, prompts, cold) -> No
             assert tokens == cold[i]
     assert engine.prefix_cache_stats["evicted_blocks"] > 0
     assert engine.prefix_cache_stats["hits_tokens"] > 0
-    assert engine.pool.num_free == engine.pool.num_blocks
-    engine.pool.check()
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    engine.kv.pool.check()
 
 
 def test_concurrent_batch_with_shared_prefix(make_engine, prompts, cold) -> None:  # type: ignore[no-untyped-def]
@@ -96,7 +96,7 @@ def test_concurrent_batch_with_shared_prefix(make_engine, prompts, cold) -> None
     run_one(engine, "warm", prompts[3])
     out = engine.generate(prompts, GREEDY)
     assert [o[0] for o in out] == cold
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
 
 
 def test_step_with_only_a_prompt_chunk(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -108,4 +108,4 @@ def test_step_with_only_a_prompt_chunk(make_engine, tokenizer) -> None:  # type:
     assert engine.step() == []
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks

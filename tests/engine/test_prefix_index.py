@@ -73,6 +73,19 @@ def test_touched_prefix_evicted_later() -> None:
     assert index.eviction_order() == [3, 2, 1, 0]
 
 
+def test_a_lookup_does_not_hide_a_leaf_from_eviction() -> None:
+    """A match that takes no reference (a lookup: how much is cached locally) touches the
+    blocks; they stay evictable and `evict(num_evictable)` still finds every one."""
+    index = PrefixIndex()
+    a = hashes([1, 1, 2, 2])
+    insert_chain(index, a, 0)
+    for blk in (1, 0):
+        index.release(BlockId(blk))
+    assert index.match(a) == [0, 1]
+    assert index.num_evictable == 2
+    assert [b for b, _ in index.evict(2)] == [1, 0]
+
+
 class IndexModel(RuleBasedStateMachine):
     """The index against a dict {hash chain prefix: block}, with explicit evictability.
 
@@ -118,6 +131,18 @@ class IndexModel(RuleBasedStateMachine):
         for b in expected:  # the caller takes a reference on each hit
             self.index.acquire(b)
             self.evictable.discard(b)
+
+    @rule(tokens=tokens)
+    def look(self, tokens: list[int]) -> None:
+        """A match that takes no reference (a lookup)."""
+        hs = hashes(tokens)
+        expected = []
+        for i in range(len(hs)):
+            key = tuple(hs[: i + 1])
+            if key not in self.model:
+                break
+            expected.append(self.model[key])
+        assert self.index.match(hs) == expected
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:

@@ -1,4 +1,5 @@
-"""Scheduler on its own: a BlockPool, hand-made Sequences, no model.
+"""Scheduler on its own: a KVCacheManager over a one-layer cache (prefix caching off), hand-made
+Sequences, no model.
 
 A step is simulated as the Engine does it: every scheduled sequence advances
 `num_computed_tokens` by its `num_new_tokens`, and those whose `samples` was true get a token.
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvserve.shared.config import SchedulerConfig
-from kvserve.shared.engine.block_pool import BlockPool
+from kvserve.shared.config import ModelConfig, SchedulerConfig
+from kvserve.shared.engine.kv_cache import KVCache
+from kvserve.shared.engine.kv_cache_manager import KVCacheManager, KVIdentity
 from kvserve.shared.engine.scheduler import Batch, Scheduler
 from kvserve.shared.engine.sequence import (
     BlockId,
@@ -22,6 +25,7 @@ from kvserve.shared.engine.sequence import (
     SequenceStatus,
 )
 from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.store.codec import BlockMeta
 
 NEXT_TOKEN = 7
 
@@ -50,7 +54,18 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_prefill_chunk=max_prefill_chunk,
     )
-    return Scheduler(cfg, BlockPool(num_blocks), block_size)
+    model = ModelConfig(
+        vocab_size=32,
+        hidden_size=4,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=4,
+    )
+    cache = KVCache(model, num_blocks, block_size, torch.float32)
+    identity = KVIdentity(BlockMeta("test-model", "float32", block_size, 1, 1, 4), "test-tok")
+    return Scheduler(cfg, KVCacheManager(cache, identity, enable_caching=False))
 
 
 def plan(batch: Batch) -> list[tuple[int, int]]:
@@ -81,7 +96,7 @@ def fork(sched: Scheduler, parent: Sequence, seq_id: int) -> Sequence:
     child.token_ids = list(parent.token_ids)
     child.num_computed_tokens = parent.num_computed_tokens
     child.block_table = list(parent.block_table)
-    sched.pool.share(child.block_table)
+    sched.kv.pool.share(child.block_table)
     sched.add_running(child)
     return child
 
@@ -104,7 +119,7 @@ def test_admission_in_arrival_order() -> None:
     assert sched.running == [a, bb, c]
     assert not sched.waiting
     assert all(s.status is SequenceStatus.RUNNING for s in (a, bb, c))
-    assert sched.pool.free_block_ids() == b(5, 6, 7)
+    assert sched.kv.pool.free_block_ids() == b(5, 6, 7)
     assert batch.block_copies == [] and batch.preempted == []
 
 
@@ -227,8 +242,8 @@ def test_no_admission_when_blocks_are_short() -> None:
     assert a.block_table == b(0, 1, 2)
     assert list(sched.waiting) == [bb, c]
     assert bb.block_table == [] and c.block_table == []
-    assert sched.pool.free_block_ids() == b(3)
-    assert sched.pool.ref_counts == [1, 1, 1, 0]
+    assert sched.kv.pool.free_block_ids() == b(3)
+    assert sched.kv.pool.ref_counts == [1, 1, 1, 0]
     # Once a is done its blocks come back and bb and c fit.
     sched.finish(a, FinishReason.STOP)
     batch = step(sched)
@@ -246,7 +261,7 @@ def test_preemption_takes_the_newest_and_admits_nothing() -> None:
     assert (a.block_table, bb.block_table) == (b(0), b(1))
     assert plan(step(sched)) == [(0, 1), (1, 4)]
     assert (a.block_table, bb.block_table) == (b(0), b(1, 2))
-    assert sched.pool.num_free == 0
+    assert sched.kv.pool.num_free == 0
     c = make_seq(2, 1)
     sched.add(c)
     # a (older) writes position 4 and needs a block: bb, the newest, is preempted.
@@ -263,7 +278,7 @@ def test_preemption_takes_the_newest_and_admits_nothing() -> None:
     assert list(sched.waiting) == [bb, c]
     assert sched.running == [a]
     # Block 1 is free, and bb's first chunk would fit, but nothing is admitted this step.
-    assert sched.pool.free_block_ids() == b(1)
+    assert sched.kv.pool.free_block_ids() == b(1)
     simulate(batch)
     batch = step(sched)
     assert plan(batch) == [(0, 1), (1, 4)]
@@ -284,7 +299,7 @@ def test_preemption_victim_is_the_newest_of_several() -> None:
     assert plan(step(sched)) == [(0, 1), (1, 1), (2, 1)]
     assert a.block_table == b(0, 3)
     assert list(sched.waiting) == [d]
-    assert sched.pool.num_free == 0
+    assert sched.kv.pool.num_free == 0
     # bb and c write position 4: bb needs a block, c (newest running) is preempted for it.
     batch = sched.schedule()
     assert batch.preempted == [c]
@@ -306,7 +321,7 @@ def test_preempting_itself_when_it_is_the_newest() -> None:
     assert batch.preempted == [bb]
     assert sched.running == [a]
     assert list(sched.waiting) == [bb]
-    assert sched.pool.free_block_ids() == b(1)
+    assert sched.kv.pool.free_block_ids() == b(1)
 
 
 def test_copy_on_write_of_a_shared_partial_block() -> None:
@@ -321,7 +336,7 @@ def test_copy_on_write_of_a_shared_partial_block() -> None:
     parent.token_ids.append(11)
     child.token_ids.append(12)
     assert parent.block_table == child.block_table == b(0, 1)
-    assert sched.pool.ref_counts[:2] == [2, 2]
+    assert sched.kv.pool.ref_counts[:2] == [2, 2]
     batch = sched.schedule()
     assert plan(batch) == [(0, 1), (1, 1)]
     # The parent writes position 6 into shared block 1: it gets a private copy (block 2).
@@ -329,7 +344,7 @@ def test_copy_on_write_of_a_shared_partial_block() -> None:
     assert batch.block_copies == [(BlockId(1), BlockId(2))]
     assert parent.block_table == b(0, 2)
     assert child.block_table == b(0, 1)
-    assert sched.pool.ref_counts[:3] == [2, 1, 1]
+    assert sched.kv.pool.ref_counts[:3] == [2, 1, 1]
     simulate(batch)
     # The shared full block 0 is never written again: no more copies.
     batch = sched.schedule()
@@ -346,11 +361,11 @@ def test_copy_on_write_with_three_holders() -> None:
     kids = [fork(sched, parent, 1), fork(sched, parent, 2)]
     for s in (parent, *kids):
         s.token_ids.append(NEXT_TOKEN)
-    assert sched.pool.ref_counts[:2] == [3, 3]
+    assert sched.kv.pool.ref_counts[:2] == [3, 3]
     batch = sched.schedule()
     assert batch.block_copies == [(BlockId(1), BlockId(2)), (BlockId(1), BlockId(3))]
     assert [s.block_table for s in (parent, *kids)] == [b(0, 2), b(0, 3), b(0, 1)]
-    assert sched.pool.ref_counts[:4] == [3, 1, 1, 1]
+    assert sched.kv.pool.ref_counts[:4] == [3, 1, 1, 1]
 
 
 def test_no_copy_when_the_shared_block_is_full() -> None:
@@ -366,7 +381,7 @@ def test_no_copy_when_the_shared_block_is_full() -> None:
     assert batch.block_copies == []
     assert parent.block_table == b(0, 1, 2)
     assert child.block_table == b(0, 1, 3)
-    assert sched.pool.ref_counts[:4] == [2, 2, 1, 1]
+    assert sched.kv.pool.ref_counts[:4] == [2, 2, 1, 1]
 
 
 def test_finish_frees_blocks_at_once() -> None:
@@ -381,8 +396,8 @@ def test_finish_frees_blocks_at_once() -> None:
     assert a.finish_reason is FinishReason.STOP
     assert a.block_table == []
     assert sched.running == [bb]
-    assert sched.pool.free_block_ids() == b(4, 5, 2, 1, 0)
-    sched.pool.check()
+    assert sched.kv.pool.free_block_ids() == b(4, 5, 2, 1, 0)
+    sched.kv.pool.check()
 
 
 def test_finish_a_waiting_sequence() -> None:
@@ -395,9 +410,9 @@ def test_finish_a_waiting_sequence() -> None:
     sched.finish(bb, FinishReason.ABORT)
     assert list(sched.waiting) == [c]
     assert bb.finish_reason is FinishReason.ABORT
-    assert sched.pool.num_free == 0
+    assert sched.kv.pool.num_free == 0
     sched.finish(a, FinishReason.ABORT)
-    assert sched.pool.free_block_ids() == b(1, 0)
+    assert sched.kv.pool.free_block_ids() == b(1, 0)
     assert plan(step(sched)) == [(2, 4)]
     assert sched.running == [c]
 
@@ -433,8 +448,8 @@ def test_random_workload_runs_to_completion_without_leaks(
             end = s.seq.num_computed_tokens + s.num_new_tokens
             assert len(s.seq.block_table) * bs >= end
         refs = Counter(blk for s in sched.running for blk in s.block_table)
-        assert all(sched.pool.ref_counts[k] == refs[BlockId(k)] for k in range(num_blocks))
-        sched.pool.check()
+        assert all(sched.kv.pool.ref_counts[k] == refs[BlockId(k)] for k in range(num_blocks))
+        sched.kv.pool.check()
         for seq in simulate(batch):
             if seq.num_output_tokens >= seq.params.max_tokens:
                 sched.finish(seq, FinishReason.LENGTH)
@@ -443,5 +458,5 @@ def test_random_workload_runs_to_completion_without_leaks(
             break
     assert sorted(s.seq_id for s in done) == list(range(len(jobs)))
     assert all(s.num_output_tokens == s.params.max_tokens for s in done)
-    assert sched.pool.num_free == num_blocks
-    sched.pool.check()
+    assert sched.kv.pool.num_free == num_blocks
+    sched.kv.pool.check()

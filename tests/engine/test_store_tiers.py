@@ -134,7 +134,7 @@ def test_frames_of_another_model_or_format_are_never_used(  # type: ignore[no-un
 ) -> None:
     eng = make_engine(store=StoreConfig(f"file://{tmp_path}"))
     root, hashes = _root_and_hashes(eng, prompts[3])
-    meta: BlockMeta = eng.connector.meta
+    meta: BlockMeta = eng.kv.connector.meta
     # Frames of the right tokens and chain, stamped with another model / KV format, stored
     # under the keys this engine will ask for.
     import torch
@@ -158,7 +158,7 @@ def test_frames_of_another_model_or_format_are_never_used(  # type: ignore[no-un
         # An int8-cache engine never even asks for this engine's blocks: another root.
         q = make_engine(store=StoreConfig(f"file://{tmp_path}"), kv_dtype="int8")
         try:
-            eng.connector.flush()
+            eng.kv.connector.flush()
             _, cached_q = run_one(q, "q", prompts[3])
             assert cached_q == 0
             assert q.store_stats().get("decision_load", 0) == 0
@@ -173,7 +173,7 @@ def _meta_rest(meta: BlockMeta) -> tuple[str, int, int, int, int]:
 
 
 async def _put(engine, items: list[tuple[BlockHash, bytes]]) -> int:  # type: ignore[no-untyped-def]
-    return int(await engine.connector.store.put_many(items))
+    return int(await engine.kv.connector.store.put_many(items))
 
 
 class GatedStore(MemoryStore):
@@ -191,15 +191,15 @@ class GatedStore(MemoryStore):
 def test_full_write_queue_drops_and_never_blocks(make_engine, prompts, cold) -> None:  # type: ignore[no-untyped-def]
     eng = make_engine(store=StoreConfig("memory://", write_queue_blocks=1))
     gated = GatedStore()
-    assert eng.connector is not None
-    eng.connector.store = gated
+    assert eng.kv.connector is not None
+    eng.kv.connector.store = gated
     try:
         tokens, _ = run_one(eng, "a", prompts[0])  # completes while the store is stuck
         assert tokens == cold[0]
         stats = eng.store_stats()
         assert stats["dropped_writes"] >= full_blocks(prompts[0]) // 16 - 2
     finally:
-        eng.connector._loop.call_soon_threadsafe(gated.gate.set)
+        eng.kv.connector._loop.call_soon_threadsafe(gated.gate.set)
         eng.close()
 
 
@@ -210,7 +210,7 @@ def test_cost_rule_can_choose_recompute(make_engine, prompts, cold, tmp_path: Pa
     a.close()
     b = make_engine(store=store)
     try:
-        b.prefill_s_per_token = 1e-9  # recomputing looks free: loading cannot win
+        b.kv.prefill_s_per_token = 1e-9  # recomputing looks free: loading cannot win
         tokens, cached = run_one(b, "b", prompts[1])
         assert tokens == cold[1] and cached == 0
         assert b.store_stats()["decision_recompute"] == 1

@@ -40,8 +40,8 @@ def test_beam_search_matches_hf(  # type: ignore[no-untyped-def]
     ours = engine.generate(prompts, params)
     for prompt, completions in zip(prompts, ours, strict=True):
         assert completions[0] == hf_beam(hf_gguf_model, prompt, length_penalty)
-    assert engine.pool.num_free == engine.pool.num_blocks
-    engine.pool.check()
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    engine.kv.pool.check()
 
 
 def test_beams_share_blocks_copy_on_write(make_engine, chat_prompt_ids) -> None:  # type: ignore[no-untyped-def]
@@ -51,11 +51,11 @@ def test_beams_share_blocks_copy_on_write(make_engine, chat_prompt_ids) -> None:
     while engine.has_unfinished_requests():
         engine.step()
         req = engine._requests.get("beam")
-        if req is not None and len(req.beam_seqs) == BEAMS:
-            tables = [s.block_table for s in req.beam_seqs]
+        if req is not None and req.beam is not None and len(req.beam.seqs) == BEAMS:
+            tables = [s.block_table for s in req.beam.seqs]
             full = len(chat_prompt_ids[0]) // engine.block_size
             # The prompt's full blocks are one set of blocks, held by every beam.
             assert all(t[:full] == tables[0][:full] for t in tables)
-            saw_shared = all(engine.pool.ref_counts[b] >= BEAMS for b in tables[0][:full])
+            saw_shared = all(engine.kv.pool.ref_counts[b] >= BEAMS for b in tables[0][:full])
             saw_copy = saw_copy or len({t[-1] for t in tables}) > 1
     assert saw_shared and saw_copy

@@ -65,7 +65,7 @@ def test_round_trip_of_real_blocks_is_small_and_within_bounds(engine, real_block
     """Frames <= 1/4 of raw fp16; every K element within half its step (the steps are those of
     the frame, near K_STEP x the head's RMS deviation); every V vector within
     V_STEP / 2 * 2**(1/16) of its norm (a quarter of that for the attention sink)."""
-    meta, root = engine.block_meta, engine.root_hash()
+    meta, root = engine.kv.identity.meta, engine.root_hash()
     raw_fp16 = sq.raw_fp16_bytes_per_token(engine)
     v_bound = quant.V_STEP / 2 * 2 ** (1 / 16)
     for i, (toks, parent, k, v) in enumerate(real_blocks):

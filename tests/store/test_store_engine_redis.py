@@ -88,7 +88,7 @@ def test_block_corrupted_in_redis_is_recomputed(make_engine, tokenizer) -> None:
         assert tokens == reference == cold(make_engine, prompt)
         assert cached == 16  # block 0 loaded; block 1 rejected, it and the rest recomputed
         assert sum(b.store_stats()["miss_reasons"].values()) == 1
-        b.connector.flush()
+        b.kv.connector.flush()
         assert r.get(key) not in (None, bytes(frame))  # deleted, then republished by b
     finally:
         b.close()
@@ -104,7 +104,7 @@ def test_redis_killed_mid_run_then_back(make_engine, tokenizer, redis_server: Re
     prompts = [list(tokenizer.encode(f"Question number {i}. " + LONG)) for i in range(12)]
     try:
         run_one(a, "p0", prompts[0])
-        assert a.connector is not None and a.connector.flush()
+        assert a.kv.connector is not None and a.kv.connector.flush()
         assert a.store_stats()["published_blocks"] > 0
         redis_server.kill()
         # Requests keep completing, by recompute, with the right output.
@@ -123,7 +123,7 @@ def test_redis_killed_mid_run_then_back(make_engine, tokenizer, redis_server: Re
         published = a.store_stats()["published_blocks"]
         for i in range(2, len(prompts)):
             tokens, _ = run_one(a, f"p{i}", prompts[i])
-            a.connector.flush()
+            a.kv.connector.flush()
             if a.store_stats()["published_blocks"] > published:
                 break
         else:
