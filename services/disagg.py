@@ -125,7 +125,7 @@ async def _work(args: argparse.Namespace, role: str) -> None:
     name = args.name or f"{role}-{socket.gethostname()}-{os.getpid()}"
     stop = stop_on_signals()
     engine = await asyncio.to_thread(load_engine, engine_config(args))
-    if engine.engine.connector is None:
+    if not engine.engine.kv.has_store:
         raise CliError("--store: the engine has no prefix store")
     worker, bus = _make_worker(args, role, name, engine)
     metrics_url = _start_metrics(args, name, worker)

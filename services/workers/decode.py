@@ -50,12 +50,13 @@ class DecodeWorker(EngineWorker):
         eng = self.engine.engine
         head = len(req.prompt_token_ids) - 1
         full = head // eng.block_size * eng.block_size
-        if eng.connector is None or full >= head:
+        if not eng.kv.has_store or full >= head:
             return None
         with tracer.start_as_current_span("kvserve.store_fetch") as fetch:
             fetch.set_attribute(KVSERVE_REQUEST_ID, req.request_id)
             fetch.set_attribute("kvserve.tail_tokens", head - full)
             tail_ids = list(req.prompt_token_ids[full:head])
-            tail = await asyncio.wrap_future(eng.connector.get_tail(req.request_id, tail_ids))
+            future = eng.kv.fetch_tail(req.request_id, tail_ids)
+            tail = await asyncio.wrap_future(future) if future is not None else None
             fetch.set_attribute("kvserve.tail_found", tail is not None)
         return tail

@@ -131,12 +131,7 @@ class PrefillWorker(EngineWorker):
         def lookup() -> tuple[int, int, int]:
             n = (len(prompt) - 1) // bs  # the last token is always computed
             hashes = block_hashes(eng.root_hash(req.cache_salt), prompt[: n * bs], bs)
-            device = len(eng.pool.index.match(hashes)) if eng.pool.index is not None else 0
-            host = 0
-            if eng.host_tier is not None:
-                while device + host < n and hashes[device + host] in eng.host_tier:
-                    host += 1
-            return n, device, host
+            return n, *eng.kv.local_prefix(hashes)
 
         with tracer.start_as_current_span(
             "kvserve.prefix_match", attributes={KVSERVE_REQUEST_ID: req.request_id}
@@ -157,12 +152,7 @@ class PrefillWorker(EngineWorker):
             pub.set_attribute("kvserve.flushed", flushed)
 
     def _publish(self, request_id: str, tail: KVTail | None) -> bool:
-        conn = self.engine.engine.connector
-        if conn is None:
-            return False
-        if tail is not None:
-            conn.put_tail(request_id, tail)
-        return bool(conn.flush())
+        return self.engine.engine.kv.hand_off(request_id, tail)
 
     async def _fail(self, req: GenerateRequest, info: ErrorInfo) -> None:
         await self.port.emit(error_event(req.request_id, 0, info))

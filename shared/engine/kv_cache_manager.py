@@ -376,6 +376,28 @@ class KVCacheManager:
         if fetch is not None:
             fetch.future.cancel()
 
+    @property
+    def has_store(self) -> bool:
+        return self.connector is not None
+
+    def hand_off(self, request_id: str, tail: KVTail | None) -> bool:
+        """Prefill's side of a disaggregated request: the prompt's tail under the request's
+        key, then every queued block written out (blocking). False without a store or when
+        the writes did not finish."""
+        if self.connector is None:
+            return False
+        if tail is not None:
+            self.connector.put_tail(request_id, tail)
+        return bool(self.connector.flush())
+
+    def fetch_tail(
+        self, request_id: str, token_ids: list[int]
+    ) -> concurrent.futures.Future[KVTail | None] | None:
+        """Decode's side: the tail prefill stored for this request (None: no store)."""
+        if self.connector is None:
+            return None
+        return self.connector.get_tail(request_id, token_ids)
+
     def tail_of(self, seq: Sequence) -> KVTail | None:
         """The prompt's partial last block (None when the prompt is whole blocks)."""
         bs = self.block_size

@@ -177,12 +177,12 @@ def _fresh(engine: Any, store: SharedMemoryStore) -> None:
     """The engine as a new process would find it: empty prefix cache and host tier, the given
     store, and the store cost rule's seeded estimates (so a fetch is chosen over a recompute
     whatever earlier tests measured)."""
-    engine.connector.flush()  # the previous test's block writes go to the previous store
+    engine.kv.connector.flush()  # the previous test's block writes go to the previous store
     engine.reset_prefix_cache()
     engine.prefill_s_per_token = 1 / 300
-    engine.connector.store = store
-    engine.connector.rtt_s = 0.002
-    engine.connector.fetch_s_per_block = 0.005
+    engine.kv.connector.store = store
+    engine.kv.connector.rtt_s = 0.002
+    engine.kv.connector.fetch_s_per_block = 0.005
 
 
 @pytest.fixture

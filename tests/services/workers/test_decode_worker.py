@@ -63,7 +63,7 @@ async def test_decode_loads_the_handoff_and_streams_the_engines_tokens(
     tail = tail_hash("d1", prompt[head // BLOCK * BLOCK : head], BLOCK)
     assert tail not in disagg.store.hashes()  # read once, then deleted
     assert disagg.prefill_port.acks == ["d1"] and disagg.decode_port.acks == ["d1"]
-    assert decode_engine.pool.num_used == 0 and not decode_engine.has_unfinished_requests()
+    assert decode_engine.kv.pool.num_used == 0 and not decode_engine.has_unfinished_requests()
 
 
 async def test_a_redelivered_handoff_recomputes_the_tail_it_no_longer_finds(
@@ -72,10 +72,10 @@ async def test_a_redelivered_handoff_recomputes_the_tail_it_no_longer_finds(
     _, decode_engine = disagg_engines
     await prefill_then_decode(disagg, GenerateRequest("d2", prompt, GREEDY))
     (handoff,) = disagg.forwarded
-    misses = decode_engine.connector.counters["tail_misses"]
+    misses = decode_engine.kv.connector.counters["tail_misses"]
     again = [ev async for ev in await disagg.decode_bus.submit(handoff)]  # as a redelivery
     assert tokens_of(again) == expected
-    assert decode_engine.connector.counters["tail_misses"] == misses + 1
+    assert decode_engine.kv.connector.counters["tail_misses"] == misses + 1
     assert disagg.decode_port.acks == ["d2", "d2"]
 
 
@@ -89,11 +89,11 @@ async def test_a_handoff_whose_blocks_left_the_store_is_recomputed(
 
     disagg.before_forward = evict_everything
     before = store_tokens(decode_engine)
-    misses = decode_engine.connector.counters["tail_misses"]
+    misses = decode_engine.kv.connector.counters["tail_misses"]
     events = await prefill_then_decode(disagg, GenerateRequest("d3", prompt, GREEDY))
     assert tokens_of(events) == expected
     assert store_tokens(decode_engine) == before  # nothing came from the store
-    assert decode_engine.connector.counters["tail_misses"] == misses + 1
+    assert decode_engine.kv.connector.counters["tail_misses"] == misses + 1
 
 
 async def test_a_cancelled_decode_is_aborted_and_frees_its_blocks(
@@ -104,12 +104,12 @@ async def test_a_cancelled_decode_is_aborted_and_frees_its_blocks(
     await disagg.prefill_bus.submit(GenerateRequest("d4", prompt, long))
     events = aiter(await disagg.handoff("d4"))
     first = await anext(events)
-    assert first.token_ids and decode_engine.pool.num_used > 0
+    assert first.token_ids and decode_engine.kv.pool.num_used > 0
     await disagg.decode_bus.cancel("d4")
     rest = [ev async for ev in events]
     assert rest[-1].error is not None and rest[-1].error.type == "cancelled"
     assert len(tokens_of([first, *rest])) < 500
     await disagg.decode_port.acked("d4")
     await disagg.decode.engine.call(lambda: None)  # the abort has been applied
-    assert decode_engine.pool.num_used == 0 and not decode_engine.has_unfinished_requests()
+    assert decode_engine.kv.pool.num_used == 0 and not decode_engine.has_unfinished_requests()
     assert disagg.decode_port.acks == ["d4"]

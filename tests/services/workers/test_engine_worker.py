@@ -69,11 +69,11 @@ async def test_cancel_aborts_and_frees_blocks(setup, chat_prompt_ids) -> None:  
     stream = await bus.submit(GenerateRequest("c", chat_prompt_ids[1], long))
     it = aiter(stream)
     first = await anext(it)
-    assert first.token_ids and worker.engine.engine.pool.num_used > 0
+    assert first.token_ids and worker.engine.engine.kv.pool.num_used > 0
     await bus.cancel("c")
     rest = [ev async for ev in it]
     assert rest[-1].error is not None and rest[-1].error.type == "cancelled"
-    pool = worker.engine.engine.pool
+    pool = worker.engine.engine.kv.pool
     await until(lambda: worker.num_running == 0 and pool.num_used == 0)
     assert not worker.engine.engine.has_unfinished_requests()
     stats = (await bus.stats())["w"]

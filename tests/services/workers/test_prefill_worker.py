@@ -41,7 +41,7 @@ async def test_prefill_stores_the_prompt_and_forwards_the_request(
     tail = tail_hash("p1", prompt[3 * BLOCK : -1], BLOCK)
     assert disagg.store.hashes() == {*blocks, tail}  # flushed before the hand-off
     assert disagg.prefill_port.acks == ["p1"]
-    assert prefill_engine.pool.num_used == 0 and not prefill_engine.has_unfinished_requests()
+    assert prefill_engine.kv.pool.num_used == 0 and not prefill_engine.has_unfinished_requests()
 
 
 async def test_a_second_request_reports_the_prefix_it_found_cached(disagg: Disagg) -> None:
@@ -106,4 +106,4 @@ async def test_a_request_cancelled_while_its_prompt_computes_is_not_forwarded(
     await disagg.prefill.engine.call(lambda: None)  # the abort has been applied
     assert [r.request_id for r in disagg.forwarded] == ["warm"]
     assert disagg.prefill_port.acks == ["warm", "c"]
-    assert prefill_engine.pool.num_used == 0 and not prefill_engine.has_unfinished_requests()
+    assert prefill_engine.kv.pool.num_used == 0 and not prefill_engine.has_unfinished_requests()
