@@ -61,8 +61,9 @@ from kvserve.shared.config import (
     SchedulerConfig,
     default_model_path,
 )
-from kvserve.shared.engine.engine import Engine, RequestOutput
+from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.kv_cache import kv_bytes_per_token
+from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.engine.scheduler import Batch
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import AsyncGenerator
 
 from kvserve.services.workers.engine_worker import EngineWorker
-from kvserve.shared.engine.engine import RequestOutput
+from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.protocol import GenerateRequest
 from kvserve.shared.store.tiers import KVTail
 from kvserve.shared.telemetry import KVSERVE_REQUEST_ID, get_tracer

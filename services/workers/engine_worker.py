@@ -26,7 +26,7 @@ from kvserve.services.workers.spans import request_span, set_cached_tokens
 from kvserve.services.workers.token_events import TokenEmitter
 from kvserve.shared.bus import Delivery, WorkerPort
 from kvserve.shared.engine.async_engine import AsyncEngine
-from kvserve.shared.engine.engine import RequestOutput
+from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest
 from kvserve.shared.sampling_params import InvalidRequestError
 from kvserve.shared.tasks import cancel_all, cancel_and_wait

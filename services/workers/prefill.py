@@ -22,7 +22,7 @@ from kvserve.services.workers.engine_worker import EngineWorker
 from kvserve.services.workers.spans import request_span, set_cached_tokens
 from kvserve.shared.bus import Delivery, WorkerPort, error_event
 from kvserve.shared.engine.async_engine import AsyncEngine
-from kvserve.shared.engine.engine import RequestOutput
+from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.protocol import ErrorInfo, GenerateRequest
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.store.hashing import block_hashes

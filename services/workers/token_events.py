@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvserve.shared.bus import WorkerPort, error_event
-from kvserve.shared.engine.engine import RequestOutput
+from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.protocol import ErrorInfo, TokenEvent
 
 

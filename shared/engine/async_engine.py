@@ -17,7 +17,8 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.shared.engine.engine import Engine, RequestOutput
+from kvserve.shared.engine.engine import Engine
+from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.sampling_params import SamplingParams
 
 

@@ -29,6 +29,7 @@ from kvserve.shared.engine.beam_search import BeamGroup, BeamSearch
 from kvserve.shared.engine.kv_cache import KVCache, kv_bytes_per_token, resolve_kv_dtype
 from kvserve.shared.engine.kv_cache_manager import KVCacheManager, KVIdentity
 from kvserve.shared.engine.model_runner import ModelRunner
+from kvserve.shared.engine.outputs import Completion, RequestOutput
 from kvserve.shared.engine.sampler import Sampler, SampleRow
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
@@ -44,46 +45,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass
-class CompletionDelta:
-    """What one completion (one of n, or the best beam) produced since the last output."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    finish_reason: str | None = None
-    # with SamplingParams.top_logprobs: per token, {token id: logprob} of the most likely ones
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    num_cached_tokens: int
-    completions: list[CompletionDelta]
-    finished: bool
-    kv_tail: KVTail | None = None  # with export_tail, on the finished output
-
-
-@dataclass
-class _Completion:
-    """Per-completion output state: detokenizer and how much was already emitted."""
-
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    sent_tokens: int = 0
-    sent_text: int = 0
-    text: str = ""  # full text so far (truncated at a stop string once found)
-
-
-@dataclass
 class _Request:
     request_id: str
     prompt: list[int]
     params: SamplingParams
     root_hash: BlockHash | None = None
-    completions: dict[int, _Completion] = field(default_factory=dict)
+    completions: dict[int, Completion] = field(default_factory=dict)
     beam: BeamGroup | None = None
     export_tail: bool = False
     kv_tail: KVTail | None = None
@@ -314,7 +281,7 @@ class Engine:
             generator=gen,
             root_hash=req.root_hash,
         )
-        req.completions[index] = _Completion(
+        req.completions[index] = Completion(
             seq, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         )
         return seq
@@ -487,7 +454,7 @@ class Engine:
         result.finish_reason = FinishReason.STOP if ends_in_eos else FinishReason.LENGTH
         comp.seq = result
         for tok in best.token_ids:
-            comp.text += comp.detok.add(tok)
+            comp.add(tok)
 
     # ---- tokens out -----------------------------------------------------------------------
 
@@ -501,7 +468,7 @@ class Engine:
                 seq.top_logprobs.append(top or {})
         seq.cumulative_logprob += logprob
         comp = self._requests[seq.request_id].completions[seq.index]
-        comp.text += comp.detok.add(token)
+        comp.add(token)
         reason = self._stop_reason(seq, comp, token)
         if reason is not None:
             req = self._requests[seq.request_id]
@@ -509,18 +476,12 @@ class Engine:
                 req.kv_tail = self.kv.tail_of(seq)
             self.scheduler.finish(seq, reason)
 
-    def _stop_reason(self, seq: Sequence, comp: _Completion, token: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, comp: Completion, token: int) -> FinishReason | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
-        if p.stop:
-            # Only the new text (plus a stop string's length before it) can hold a new match.
-            window = max(len(s) for s in p.stop) + 32
-            start = max(0, len(comp.text) - window)
-            hits = [i for s in p.stop if (i := comp.text.find(s, start)) >= 0]
-            if hits:
-                comp.text = comp.text[: min(hits)]
-                return FinishReason.STOP
+        if p.stop and comp.cut_at_stop(p.stop):
+            return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -528,7 +489,7 @@ class Engine:
     def _output(self, req: _Request) -> RequestOutput:
         finished = req.finished
         hold = max((len(s) for s in req.params.stop), default=1) - 1
-        deltas = [self._delta(idx, req.completions[idx], hold) for idx in sorted(req.completions)]
+        deltas = [req.completions[idx].delta(idx, hold) for idx in sorted(req.completions)]
         first = req.completions[0].seq
         if finished:
             del self._requests[req.request_id]
@@ -540,24 +501,6 @@ class Engine:
             finished,
             kv_tail=req.kv_tail if finished else None,
         )
-
-    @staticmethod
-    def _delta(index: int, c: _Completion, hold: int) -> CompletionDelta:
-        """What the completion produced since the last output; text that could still become
-        a stop string (`hold` characters) is held back unless the completion is done."""
-        seq = c.seq
-        toks = seq.output_token_ids
-        visible = len(c.text) if seq.is_finished else max(c.sent_text, len(c.text) - hold)
-        delta = CompletionDelta(
-            index=index,
-            token_ids=toks[c.sent_tokens :],
-            text=c.text[c.sent_text : visible],
-            logprobs=seq.logprobs[c.sent_tokens :] if seq.params.logprobs else [],
-            top_logprobs=seq.top_logprobs[c.sent_tokens :] if seq.params.logprobs else [],
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-        )
-        c.sent_tokens, c.sent_text = len(toks), visible
-        return delta
 
     # ---- outside the scheduler ------------------------------------------------------------
 

@@ -14,7 +14,8 @@ class GGUFReadError(ValueError):
 
 @functools.lru_cache(maxsize=2)
 def open_gguf(path: str) -> Any:
-    """One parsed GGUF file per path (weights and tokenizer both need it)."""
+    """One parsed GGUF file per path (weights and tokenizer both need it). Long only for the
+    reader subclass inside it, defined here because gguf is imported when a file is read."""
     import gguf
     import numpy as np
 

@@ -235,6 +235,19 @@ class Attention(nn.Module):
         if out_rows is not None:
             q, meta = q[out_rows.rows], out_rows.meta
             T = q.shape[0]
+        out = self._attend(q, kc, vc, ks, vs, meta, backend)  # [T, h, d]
+        return self.o(out.reshape(T, h * d))
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [T, h, d]: the prefill rows first, then the decode rows
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        ks: torch.Tensor | None,
+        vs: torch.Tensor | None,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         P = meta.num_prefill_tokens
         parts = []
         if P:
@@ -264,8 +277,7 @@ class Attention(nn.Module):
                     vs,
                 )
             )
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, h, d]
-        return self.o(out.reshape(T, h * d))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class MLP(nn.Module):

@@ -198,36 +198,9 @@ def encode_block(
     frame decodes the same either way). Raises ValueError on inputs that do not match `meta` or
     are not finite for `compact` (a writer bug, not data).
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"encode_block: unknown format {fmt!r}")
-    if k.shape != meta.block_shape or v.shape != meta.block_shape:
-        raise ValueError(f"encode_block: k/v shape {tuple(k.shape)} != {meta.block_shape}")
-    if k.dtype != v.dtype or k.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"encode_block: unsupported k/v dtypes {k.dtype}, {v.dtype}")
-    if len(token_ids) != meta.block_size or not all(0 <= t < 2**32 for t in token_ids):
-        raise ValueError("encode_block: need block_size token ids in [0, 2**32)")
-    if len(parent) != HASH_LEN:
-        raise ValueError("encode_block: parent must be a 32-byte block hash")
-
-    scales = b""
-    payload: bytes | None = None
-    if fmt == "compact":
-        block = quant.encode(k, v, first=root is not None and bytes(parent) == bytes(root))
-        scales, payload = block.scales, block.payload
-    elif fmt in _QUANTIZED:
-        qdtype = _FMT_DTYPES[fmt]
-        kq, ks = quantize_kv(k, qdtype)
-        vq, vs = quantize_kv(v, qdtype)
-        raw = _tensor_bytes(kq) + _tensor_bytes(vq)
-        scales = _tensor_bytes(ks) + _tensor_bytes(vs)
-    elif fmt == "native":
-        raw = _tensor_bytes(k) + _tensor_bytes(v)
-    else:
-        raw = _tensor_bytes(k.to(_FMT_DTYPES[fmt])) + _tensor_bytes(v.to(_FMT_DTYPES[fmt]))
-    if payload is None:
-        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
-        payload = cctx.compress(raw)
-
+    _check_block(meta, token_ids, k, v, fmt, parent)
+    first = root is not None and bytes(parent) == bytes(root)
+    scales, payload = _encode_payload(k, v, fmt, first)
     fields: dict[str, Any] = {
         "v": meta.version,
         "model_fp": meta.model_fp,
@@ -248,6 +221,46 @@ def encode_block(
     if len(frame) > MAX_FRAME_BYTES:
         raise ValueError(f"encode_block: frame of {len(frame)} bytes > {MAX_FRAME_BYTES}")
     return frame
+
+
+def _check_block(
+    meta: BlockMeta,
+    token_ids: list[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fmt: str,
+    parent: BlockHash,
+) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"encode_block: unknown format {fmt!r}")
+    if k.shape != meta.block_shape or v.shape != meta.block_shape:
+        raise ValueError(f"encode_block: k/v shape {tuple(k.shape)} != {meta.block_shape}")
+    if k.dtype != v.dtype or k.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"encode_block: unsupported k/v dtypes {k.dtype}, {v.dtype}")
+    if len(token_ids) != meta.block_size or not all(0 <= t < 2**32 for t in token_ids):
+        raise ValueError("encode_block: need block_size token ids in [0, 2**32)")
+    if len(parent) != HASH_LEN:
+        raise ValueError("encode_block: parent must be a 32-byte block hash")
+
+
+def _encode_payload(k: torch.Tensor, v: torch.Tensor, fmt: str, first: bool) -> tuple[bytes, bytes]:
+    """(scales, zstd payload) of K and V in `fmt`; `compact` codes its own payload."""
+    if fmt == "compact":
+        block = quant.encode(k, v, first=first)
+        return block.scales, block.payload
+    scales = b""
+    if fmt in _QUANTIZED:
+        qdtype = _FMT_DTYPES[fmt]
+        kq, ks = quantize_kv(k, qdtype)
+        vq, vs = quantize_kv(v, qdtype)
+        raw = _tensor_bytes(kq) + _tensor_bytes(vq)
+        scales = _tensor_bytes(ks) + _tensor_bytes(vs)
+    elif fmt == "native":
+        raw = _tensor_bytes(k) + _tensor_bytes(v)
+    else:
+        raw = _tensor_bytes(k.to(_FMT_DTYPES[fmt])) + _tensor_bytes(v.to(_FMT_DTYPES[fmt]))
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+    return scales, cctx.compress(raw)
 
 
 def _is_int(x: object) -> bool:
@@ -300,6 +313,26 @@ def _decode(
     key_hash: BlockHash,
     root: BlockHash,
 ) -> DecodedBlock | Miss:
+    """The checks in order, cheapest and most telling first: the frame's shape, its
+    checksum, whose block it is, the payload's size, then the key's hash."""
+    f = _unpack(data, expected)
+    if isinstance(f, Miss):
+        return f
+    if not hmac.compare_digest(frame_checksum(f), f["checksum"]):
+        return Miss("bad_checksum")
+    miss = _identity_miss(f, expected)
+    if miss is not None:
+        return miss
+    raw = _decompress(f, expected.block_shape)
+    if isinstance(raw, Miss):
+        return raw
+    if chain_hash(BlockHash(f["parent"]), f["token_ids"]) != key_hash:
+        return Miss("hash_mismatch")
+    return _tensors(f, raw, expected.block_shape, root)
+
+
+def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[str, Any] | Miss:
+    """The frame's fields, bounded by the limits before anything is allocated."""
     if not isinstance(data, bytes | bytearray | memoryview):
         return Miss("not_msgpack")
     if len(data) > MAX_FRAME_BYTES:
@@ -322,11 +355,11 @@ def _decode(
     if not isinstance(obj, dict) or obj.get("v") != expected.version:
         return Miss("bad_schema")
     f = _check_types(obj)
-    if f is None:
-        return Miss("bad_schema")
-    if not hmac.compare_digest(frame_checksum(f), f["checksum"]):
-        return Miss("bad_checksum")
+    return Miss("bad_schema") if f is None else f
 
+
+def _identity_miss(f: dict[str, Any], expected: BlockMeta) -> Miss | None:
+    """A Miss naming how the frame's block differs from what the reader expects, or None."""
     if f["model_fp"] != expected.model_fp:
         return Miss("wrong_model")
     if f["kv_format"] != expected.kv_format:
@@ -338,9 +371,12 @@ def _decode(
         return Miss("wrong_shape")
     if len(f["token_ids"]) != expected.block_size:
         return Miss("bad_schema")
+    return None
 
-    fmt, native = f["fmt"], NATIVE_DTYPES[f["dtype"]]
-    scales_len, raw_len = _sizes(fmt, native, shape)
+
+def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytes | Miss:
+    """The payload's raw bytes, never more than the format's size for this shape."""
+    scales_len, raw_len = _sizes(f["fmt"], NATIVE_DTYPES[f["dtype"]], shape)
     if len(f["scales"]) != scales_len:
         return Miss("bad_payload")
     try:
@@ -349,18 +385,20 @@ def _decode(
         raw = zstandard.ZstdDecompressor().decompress(f["payload"], max_output_size=raw_len)
     except zstandard.ZstdError:
         return Miss("bad_payload")
-    if len(raw) != raw_len:
-        return Miss("bad_payload")
+    return raw if len(raw) == raw_len else Miss("bad_payload")
 
-    if chain_hash(BlockHash(f["parent"]), f["token_ids"]) != key_hash:
-        return Miss("hash_mismatch")
 
+def _tensors(
+    f: dict[str, Any], raw: bytes, shape: tuple[int, int, int, int], root: BlockHash
+) -> DecodedBlock | Miss:
+    """K and V as float32 from the payload in the frame's format."""
+    fmt, native = f["fmt"], NATIVE_DTYPES[f["dtype"]]
     if fmt == "compact":
         kv = quant.decode(f["scales"], raw, _compact_layout(shape))
         if kv is None:
             return Miss("bad_payload")
         return _block(f, kv[0], kv[1], root)
-    half = raw_len // 2
+    half = len(raw) // 2
     stored = native if fmt == "native" else _FMT_DTYPES[fmt]
     k = _tensor_from(memoryview(raw)[:half], stored, shape)
     v = _tensor_from(memoryview(raw)[half:], stored, shape)
