@@ -179,7 +179,7 @@ def _fresh(engine: Any, store: SharedMemoryStore) -> None:
     whatever earlier tests measured)."""
     engine.kv.connector.flush()  # the previous test's block writes go to the previous store
     engine.reset_prefix_cache()
-    engine.prefill_s_per_token = 1 / 300
+    engine.kv.prefill_s_per_token = 1 / 300
     engine.kv.connector.store = store
     engine.kv.connector.rtt_s = 0.002
     engine.kv.connector.fetch_s_per_block = 0.005
