@@ -1,4 +1,6 @@
-"""The paged KV cache tensors. Owned by the ModelRunner; block ids come from the BlockPool.
+"""The paged KV cache tensors. Held by the KVCacheManager, which reads and writes whole blocks
+(and closes it); the ModelRunner runs the model over it, which writes each step's tokens. Block
+ids come from the BlockPool.
 
 Per layer one K and one V tensor [num_blocks, block_size, num_kv_heads, head_dim] in the cache
 dtype; for int8 / fp8 also per-(token, head) float32 scales [num_blocks, block_size, kv_heads].

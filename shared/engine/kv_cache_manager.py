@@ -9,8 +9,10 @@ Who calls what:
 - the Scheduler: `match_prefix(seq)` when it admits a sequence with nothing computed,
   `allocate_slots(seq, n)` before a step, `free(seq)` when it preempts or finishes one;
 - the Engine: `publish(seq)` after each step, `start_fetch` / `take_fetched` / `cancel_fetch`
-  around a request's arrival, `fork` for n > 1 siblings and beams, `tail_of`, `warm`, `reset`,
-  `stats`, `close`.
+  around a request's arrival, `fork` for n > 1 siblings and beams, `tail_of`, `prefix_hashes` /
+  `stored` / `pin` for warm-up, `reset`, `stats`, `close`;
+- the workers: `local_prefix` (prefill's prefix-match span), `hand_off` (prefill) and
+  `fetch_tail` (decode) for the disaggregated handoff.
 
 Invariants:
 - A block id is in a sequence's table once per reference the sequence holds; `free(seq)` drops
@@ -21,7 +23,7 @@ Invariants:
   (BlockPool). An evicted cached block goes to the host tier (when there is one) before any
   write can reach it: every allocation goes through `_allocate`.
 - Every block that enters or leaves a tier passes through `_entered` / `_left`, which count it
-  by (tier, kind) in `tier_events`; this is where KV events come from.
+  by (tier, kind) in `tier_events` (reported by `stats`).
 - Only this class touches the pool, the host tier and the connector; the cache tensors it reads
   and writes whole blocks of (the model writes tokens into them during a step).
 """

@@ -1,5 +1,6 @@
 """ModelRunner: turns a Batch into tensors, runs the model over the paged cache, returns the
-logits of the sequences that sample this step. Owns the KVCache tensors."""
+logits of the sequences that sample this step. The KVCache is the KVCacheManager's; the runner
+makes the Batch's block copies in it and the model writes each step's K/V into it."""
 
 from __future__ import annotations
 
