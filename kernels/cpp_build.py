@@ -286,7 +286,7 @@ def _compile(recipe: Recipe, directory: Path, path: Path) -> bool:
             return False
         print(
             f"kvserve: building the CPU kernels for this machine into {directory} "
-            "(once; about a minute on 2 cores)",
+            "(once; under a minute on 2 cores)",
             file=sys.stderr,
             flush=True,
         )

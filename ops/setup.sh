@@ -11,7 +11,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q -e ".[dev]"
 .venv/bin/kvserve fetch-model
-# The C++ kernels for this CPU (~1 minute on 2 cores) into ~/.cache/kvserve/kernels (or
+# The C++ kernels for this CPU (under a minute on 2 cores) into ~/.cache/kvserve/kernels (or
 # $KVSERVE_CACHE_DIR/kernels), once: later processes load them and never compile. Without a
 # compiler kvserve runs on the torch fallbacks.
 .venv/bin/python -m kvserve.kernels.cpp_build || true

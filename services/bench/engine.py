@@ -453,8 +453,9 @@ def roofline_ratios(
     b32: DecodeProbe,
     paired: dict[str, float],
 ) -> dict[str, float]:
-    """roofline_b1 and linear_share_b32 divide by the figures measured beside the steps (this
-    VM's bandwidth drifts by a third within minutes); flop_frac_b32 by the matmul peak.
+    """roofline_b1 and linear_share_b32 divide by the figures measured beside the steps (the
+    read bandwidth of a shared machine drifts within minutes, so a figure taken at another
+    time would not describe the steps); flop_frac_b32 by the matmul peak.
     linear_roofline_b1 is the engine's linear kernels alone against the same bandwidth: what
     roofline_b1 would be if a step did nothing but its projections."""
     weight_bytes = roof.linear_params * FP32_BYTES

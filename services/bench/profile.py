@@ -14,11 +14,12 @@ of it, by wrapping the bound methods of this one engine (nothing is changed for 
   engine        the rest of the step (scheduling, metadata, sampling, prefix index, store)
 
 Steps are split into `prefill` (some sequence computes a prompt chunk; decodes may ride along)
-and `decode` (one token per sequence). The wrappers add ~1 us per call, ~0.5 ms per step. Decode
-steps run their layers from Python here, as steps with prompt chunks do (the engine otherwise
-runs a pure decode step's layers in one C++ call, kernels/cpu_decoder.py, which has no parts to
-time; its steps are ~5 ms faster at batch 1). The last line printed is one JSON object;
-`--out DIR` also gets profile.json with every step.
+and `decode` (one token per sequence). The wrappers add a little time to every call they wrap.
+Decode steps run their layers from Python here, as steps with prompt chunks do: the engine
+otherwise runs a pure decode step's layers in one C++ call (kernels/cpu_decode_step.py), which
+has no parts to time and saves the interpreter's time between the kernels, so a profiled decode
+step is slower than an unprofiled one. The last line printed is one JSON object; `--out DIR`
+also gets profile.json with every step.
 """
 
 from __future__ import annotations

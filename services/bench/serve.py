@@ -422,7 +422,7 @@ class _SessionRunner:
     async def session(self, k: int, s: wl.Session, at: float) -> None:
         delay = at - (time.perf_counter() - self.t_start)
         if delay > 0:
-            await asyncio.sleep(delay)  # the session's arrival time
+            await asyncio.sleep(delay)  # the conversation's arrival time
         history: list[int] = []
         for j, turn in enumerate(s.turns):
             prompt = history + turn.tokens if s.carry_history else turn.tokens
