@@ -118,8 +118,8 @@ class OpenAIApiSuite:
         self, client: openai.OpenAI, services_engine: Any, tokenizer: KVTokenizer
     ) -> None:
         """`kvserve generate` is Engine.generate on the chat-templated prompt
-        (tests/test_cli_generate), so matching the engine matches `kvserve generate` too. The
-        stream (with usage) says the same."""
+        (tests/services/test_cli_generate.py), so matching the engine matches `kvserve generate`
+        too. The stream (with usage) says the same."""
         messages: Any = [{"role": "user", "content": "Name two planets."}]
         kw: dict[str, Any] = {
             "model": MODEL,

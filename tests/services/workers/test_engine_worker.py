@@ -91,7 +91,7 @@ async def test_bad_requests_become_error_events(  # type: ignore[no-untyped-def]
     setup, max_tokens: int, deadline: float | None, etype: str, param
 ) -> None:
     """(Malformed sampling parameters never reach a worker: the bus refuses them,
-    tests/services/test_protocol.py.)"""
+    tests/shared/test_protocol.py.)"""
     bus, _ = setup
     sampling = SamplingParams(max_tokens=max_tokens)
     req = GenerateRequest("bad", [1, 2, 3, 4], sampling, deadline=deadline)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 APP_SERVICES = ("gateway", "prefill", "decode")
 REDIS_URL = "redis://redis:6379/0"
 
