@@ -17,6 +17,8 @@ from kvserve.shared.engine.sequence import Sequence
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
+from tests.engine.helpers import long_ids
+
 MakeEngine = Callable[..., Engine]
 
 
@@ -30,24 +32,8 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
-    "In 1969, astronauts landed on the Moon and walked across its dusty grey surface.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
-    "fibonacci(n - 2)\n",
-    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen in plants.",
-    "The recipe calls for two cups of flour, one egg, a pinch of salt and some warm milk.",
-    "Once upon a time, in a kingdom by the sea, there lived a princess who loved maps.",
-    "Prime numbers such as 2, 3, 5, 7, 11 and 13 have exactly two distinct divisors.",
-    "The committee will meet on Tuesday to discuss the budget for the new library wing.",
-]
 LENGTHS = [10, 118, 23, 64, 37, 91, 15, 120, 48, 77, 12, 105, 30, 56, 84, 19]
 MAX_TOKENS = [8, 24, 9, 12, 10, 16, 8, 9, 11, 12, 20, 8, 10, 9, 14, 11]
-
-
-def long_ids(tokenizer: KVTokenizer, i: int) -> list[int]:
-    text = " ".join(TEXTS[(i + k) % len(TEXTS)] for k in range(len(TEXTS)))
-    return list(tokenizer.encode(text))
 
 
 @pytest.fixture(scope="module")

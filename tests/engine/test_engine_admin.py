@@ -11,7 +11,7 @@ from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.protocol import AdminRequest, ProtocolError, TokenEvent, decode, encode
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.engine.test_engine import long_ids
+from tests.engine.helpers import long_ids
 
 
 def test_top_logprobs_greedy(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -27,9 +27,10 @@ from kvserve.kernels import (
 )
 from kvserve.shared.config import cache_dir
 
+from tests.kernels.build_probe import recipe
+
 PROBE = Path(__file__).with_name("build_probe.py")
-sys.path.insert(0, str(PROBE.parent))
-from build_probe import recipe  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # where `tests` is a package, for child processes
 
 needs_compiler = pytest.mark.skipif(
     cpp_build.extension() is None, reason="no C++ toolchain: the kernels run on torch"
@@ -131,8 +132,9 @@ def test_loading_the_kernels_keeps_subnormal_floats() -> None:
 
 def test_a_fast_math_library_keeps_subnormal_floats(tmp_path: Path) -> None:
     code = (
-        f"import sys; sys.path.insert(0, {str(PROBE.parent)!r}); from pathlib import Path; "
-        "from build_probe import recipe; from kvserve.kernels.cpp_build import load_or_build; "
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
+        "from tests.kernels.build_probe import recipe; "
+        "from kvserve.kernels.cpp_build import load_or_build; "
         f"assert load_or_build(recipe('-ffast-math'), Path({str(tmp_path)!r})).answer() == 42; "
         "assert sys.float_info.min / 2 > 0, 'subnormals flushed'"
     )

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import attention_cases, make_paged_kv
 from kvserve.kernels import cpu_prefill_attention, reference
+
+from tests.kernels.kernel_cases import attention_cases, make_paged_kv
 
 
 def chunks_for(bs: int) -> list[tuple[int, int]]:

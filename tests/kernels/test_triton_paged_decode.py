@@ -22,12 +22,13 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
 pytest.importorskip("triton")
 
-from kernel_cases import DEVICE, PagedKV, attention_cases, make_paged_kv
 from kvserve.kernels import reference as ref
 from kvserve.kernels.paged_decode import (
     launch_paged_decode,
     paged_decode_attention,
 )
+
+from tests.kernels.kernel_cases import DEVICE, PagedKV, attention_cases, make_paged_kv
 
 
 def context_lens_for(block_size: int) -> list[int]:

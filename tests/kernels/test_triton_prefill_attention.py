@@ -19,12 +19,13 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
 pytest.importorskip("triton")
 
-from kernel_cases import DEVICE, PagedKV, attention_cases, make_paged_kv
 from kvserve.kernels import reference as ref
 from kvserve.kernels.prefill_attention import (
     launch_prefill_attention,
     prefill_attention,
 )
+
+from tests.kernels.kernel_cases import DEVICE, PagedKV, attention_cases, make_paged_kv
 
 
 def chunks_for(block_size: int) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ from kvserve.shared.protocol import GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.tiers import tail_hash
 
-from tests.services.workers.conftest import Disagg
+from tests.services.workers.disagg import Disagg
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -13,7 +13,7 @@ from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.hashing import block_hashes
 from kvserve.shared.store.tiers import tail_hash
 
-from tests.services.workers.conftest import NUM_BLOCKS, Disagg
+from tests.services.workers.disagg import NUM_BLOCKS, Disagg
 
 BLOCK = 16
 SAMPLING = SamplingParams(max_tokens=4, temperature=0.5, seed=3, stop=("\n",), n=2)
