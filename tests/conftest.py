@@ -1,11 +1,15 @@
-"""Shared fixtures: the default model is loaded once per test session."""
+"""Shared fixtures: the default model is loaded once per test session (`weights`, `tokenizer`,
+`make_engine`); chat prompts; a module's system-prompt chats and their outputs without prefix
+caching (`prompts`, `cold`); throwaway Redis servers."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -89,6 +93,29 @@ CHAT_PROMPTS = [
 @pytest.fixture(scope="session")
 def chat_prompt_ids(tokenizer: KVTokenizer) -> list[list[int]]:
     return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def prompts(request: pytest.FixtureRequest, tokenizer: KVTokenizer) -> list[list[int]]:
+    """The test module's SYSTEM prompt followed by each of its QUESTIONS, as chats (a module
+    that uses this fixture defines both)."""
+    system: str = request.module.SYSTEM
+    return [
+        tokenizer.encode_chat(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        )
+        for q in request.module.QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def cold(
+    request: pytest.FixtureRequest, make_engine: Callable[..., Any], prompts: list[list[int]]
+) -> list[list[int]]:
+    """Each of `prompts` run alone with prefix caching off, under the test module's GREEDY
+    SamplingParams: what a warm run must reproduce token for token."""
+    engine = make_engine(enable_prefix_caching=False)
+    return [engine.generate([p], request.module.GREEDY)[0][0] for p in prompts]
 
 
 # Throwaway Redis servers (tests/redis_servers.py): `redis_server` (function scope, started,

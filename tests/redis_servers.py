@@ -8,7 +8,8 @@ Fixtures (imported into tests/conftest.py, so every test directory has them):
 - ``redis_cluster``: session-scoped, started once; a test that kills a node must restart it
   (``RedisCluster.restart`` waits until the cluster is whole again) before it ends.
 
-Use from a test module: ``from tests.redis_servers import RedisCluster, RedisServer, free_port``.
+Use from a test module: ``from tests.redis_servers import RedisCluster, RedisServer, free_port``;
+``redis_answers(url)`` says whether a server (such as the shared one on 6379) is there at all.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 READY_TIMEOUT_S = 10.0
@@ -41,6 +43,18 @@ def free_port(exclude: Sequence[int] = ()) -> int:
 
 def redis_binaries_present() -> bool:
     return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
+
+
+async def redis_answers(url: str) -> bool:
+    """Whether a Redis server at ``url`` answers PING (within half a second): a test of the
+    shared server on 6379 skips when it does not."""
+    client = aioredis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        return bool(await client.ping())
+    except Exception:
+        return False
+    finally:
+        await client.aclose()
 
 
 def _answers(port: int) -> bool:

@@ -1,9 +1,18 @@
-"""Helpers of the engine tests (and of the store tests that drive an engine): prompts of any
-length from one fixed text, and driving an engine through one request."""
+"""Helpers of the engine tests (and of the store and service tests that drive an engine):
+prompts of any length from one fixed text, a hand-made prompt Sequence, and one request run
+through an engine to its end."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from kvserve.shared.engine.engine import Engine
+from kvserve.shared.engine.sequence import SeqId, Sequence
 from kvserve.shared.model.tokenizer import KVTokenizer
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.store.hashing import BlockHash
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
@@ -23,3 +32,43 @@ def long_ids(tokenizer: KVTokenizer, i: int) -> list[int]:
     for a prompt of the length wanted."""
     text = " ".join(TEXTS[(i + k) % len(TEXTS)] for k in range(len(TEXTS)))
     return list(tokenizer.encode(text))
+
+
+def prompt_sequence(
+    seq_id: int,
+    token_ids: Iterable[int],
+    params: SamplingParams | None = None,
+    *,
+    request_id: str | None = None,
+    arrival: int | None = None,
+    root_hash: BlockHash | None = None,
+) -> Sequence:
+    """A waiting Sequence that holds only its prompt and no blocks: completion 0 of request
+    `r{seq_id}`, arrived `seq_id`-th, default SamplingParams, unless told otherwise."""
+    tokens = list(token_ids)
+    return Sequence(
+        seq_id=SeqId(seq_id),
+        request_id=f"r{seq_id}" if request_id is None else request_id,
+        index=0,
+        token_ids=tokens,
+        num_prompt_tokens=len(tokens),
+        params=SamplingParams() if params is None else params,
+        arrival=seq_id if arrival is None else arrival,
+        root_hash=root_hash,
+    )
+
+
+def run_one(
+    engine: Engine, request_id: str, prompt: Seq[int], params: SamplingParams, **request: Any
+) -> tuple[list[int], int]:
+    """Add one request (`request`: add_request's keyword arguments, such as cache_salt or
+    kv_tail) and step the engine until nothing is left. Returns the tokens of its first
+    completion and the prompt tokens the engine reported cached (0 if it reported none)."""
+    engine.add_request(request_id, list(prompt), params, **request)
+    tokens: list[int] = []
+    cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.completions[0].token_ids
+            cached = out.num_cached_tokens
+    return tokens, cached

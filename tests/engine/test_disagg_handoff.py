@@ -10,6 +10,8 @@ from pathlib import Path
 from kvserve.shared.config import StoreConfig
 from kvserve.shared.sampling_params import SamplingParams
 
+from tests.engine.helpers import run_one
+
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
@@ -44,12 +46,7 @@ def test_handoff_through_store(make_engine, tokenizer, tmp_path: Path) -> None: 
         assert got is not None
         assert dec.kv.connector.get_tail("r1", head[full:]).result(timeout=10) is None  # deleted
         assert dec.kv.connector.get_tail("r2", head[full:]).result(timeout=10) is None
-        dec.add_request("r1", prompt, GREEDY, kv_tail=got)
-        tokens: list[int] = []
-        while dec.has_unfinished_requests():
-            for out in dec.step():
-                tokens += out.completions[0].token_ids
-                cached = out.num_cached_tokens
+        tokens, cached = run_one(dec, "r1", prompt, GREEDY, kv_tail=got)
         assert tokens == cold
         assert cached == len(prompt) - 1  # only the last prompt token was computed here
         assert dec.prefix_cache_stats["hits_tokens_store"] == len(prompt) - 1

@@ -11,7 +11,7 @@ from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.protocol import AdminRequest, ProtocolError, TokenEvent, decode, encode
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.engine.helpers import long_ids
+from tests.engine.helpers import long_ids, run_one
 
 
 def test_top_logprobs_greedy(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -42,12 +42,7 @@ def test_reset_prefix_cache(make_engine, tokenizer) -> None:  # type: ignore[no-
     params = SamplingParams(max_tokens=1)
 
     def cached() -> int:
-        engine.add_request("c", prompt, params)
-        n = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                n = out.num_cached_tokens
-        return n
+        return run_one(engine, "c", prompt, params)[1]
 
     assert cached() == 0
     assert cached() == 64

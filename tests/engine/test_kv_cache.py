@@ -7,8 +7,9 @@ import sys
 
 import pytest
 import torch
-from kvserve.shared.config import ModelConfig
 from kvserve.shared.engine.kv_cache import KVCache, zeros
+
+from tests.shared.model_configs import model_config
 
 MIB = 1 << 20
 
@@ -27,15 +28,7 @@ def test_zeros_is_a_zero_filled_writable_tensor(dtype: torch.dtype) -> None:
     assert torch.count_nonzero(t.float()) == 16
 
 
-CONFIG = ModelConfig(
-    vocab_size=32,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-)
+CONFIG = model_config(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16)
 SIZE = 64 * MIB  # 4096 blocks of 16 tokens x 2 heads x 16 floats: 4 layers x 2 x 8 MiB
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc/self/statm"

@@ -9,23 +9,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kvserve.shared.config import ModelConfig, StoreConfig
+from kvserve.shared.config import StoreConfig
 from kvserve.shared.engine.kv_cache import KVCache
 from kvserve.shared.engine.kv_cache_manager import KVCacheManager, KVIdentity
-from kvserve.shared.engine.sequence import BlockId, SeqId, Sequence
-from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.engine.sequence import BlockId, Sequence
 from kvserve.shared.store.codec import BlockMeta
 
+from tests.engine.helpers import prompt_sequence
+from tests.shared.model_configs import model_config
+
 BS = 4
-MODEL = ModelConfig(
-    vocab_size=64,
-    hidden_size=8,
-    intermediate_size=16,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=4,
-)
+MODEL = model_config(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=64)
 IDENTITY = KVIdentity(BlockMeta("test-model", "float32", BS, 2, 1, 4), "test-tok")
 
 
@@ -44,16 +38,7 @@ def kv_host() -> Iterator[KVCacheManager]:
 
 
 def seq_of(seq_id: int, tokens: list[int]) -> Sequence:
-    return Sequence(
-        seq_id=SeqId(seq_id),
-        request_id=f"r{seq_id}",
-        index=0,
-        token_ids=list(tokens),
-        num_prompt_tokens=len(tokens),
-        params=SamplingParams(),
-        arrival=seq_id,
-        root_hash=IDENTITY.root_hash(),
-    )
+    return prompt_sequence(seq_id, tokens, root_hash=IDENTITY.root_hash())
 
 
 def compute(kv: KVCacheManager, seq: Sequence) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
-from kvserve.shared.engine.sequence import SeqId, Sequence
-from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.engine.sequence import Sequence
+
+from tests.engine.helpers import prompt_sequence
 
 
 def _seq(engine, i: int, tokens: list[int], computed: int) -> Sequence:  # type: ignore[no-untyped-def]
-    seq = Sequence(SeqId(100 + i), f"r{i}", 0, tokens, len(tokens), SamplingParams(), arrival=i)
+    seq = prompt_sequence(100 + i, tokens, request_id=f"r{i}", arrival=i)
     blocks = engine.kv.pool.allocate(seq.blocks_needed(len(tokens), engine.block_size))
     assert blocks is not None
     seq.block_table = blocks

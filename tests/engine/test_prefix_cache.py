@@ -6,44 +6,21 @@ from __future__ import annotations
 import pytest
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
+from tests.engine.helpers import run_one
+
+# Read by the `prompts` and `cold` fixtures (tests/conftest.py): SYSTEM with each of QUESTIONS
+# as a chat, and their outputs under GREEDY with prefix caching off.
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 6
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    qs = ["What is 2+2?", "Name a color.", "Say hello.", "What is the capital of Italy?"]
-    return [
-        tokenizer.encode_chat(
-            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-        )
-        for q in qs
-    ]
-
-
-@pytest.fixture(scope="module")
-def cold(make_engine, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    engine = make_engine(enable_prefix_caching=False)
-    return [engine.generate([p], GREEDY)[0][0] for p in prompts]
-
-
-def run_one(engine, rid: str, prompt: list[int], salt: str | None = None):  # type: ignore[no-untyped-def]
-    engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
-    tokens: list[int] = []
-    cached = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.completions[0].token_ids
-            cached = out.num_cached_tokens
-    return tokens, cached
+QUESTIONS = ["What is 2+2?", "Name a color.", "Say hello.", "What is the capital of Italy?"]
 
 
 def test_warm_equals_cold_match_mid_prompt(make_engine, prompts, cold) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine()
     bs = engine.block_size
-    tokens, cached = run_one(engine, "a", prompts[0])
+    tokens, cached = run_one(engine, "a", prompts[0], GREEDY)
     assert tokens == cold[0] and cached == 0
-    tokens, cached = run_one(engine, "b", prompts[1])
+    tokens, cached = run_one(engine, "b", prompts[1], GREEDY)
     assert tokens == cold[1]
     common = next(i for i, (x, y) in enumerate(zip(prompts[0], prompts[1], strict=False)) if x != y)
     assert cached == (common // bs) * bs > 0  # every full block of the shared prefix, no more
@@ -55,23 +32,23 @@ def test_warm_equals_cold_match_mid_prompt(make_engine, prompts, cold) -> None: 
 def test_whole_prompt_cached_still_computes_last_token(make_engine, prompts, cold) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine()
     bs = engine.block_size
-    run_one(engine, "a", prompts[2])
-    tokens, cached = run_one(engine, "b", prompts[2])
+    run_one(engine, "a", prompts[2], GREEDY)
+    tokens, cached = run_one(engine, "b", prompts[2], GREEDY)
     assert tokens == cold[2]
     assert cached == ((len(prompts[2]) - 1) // bs) * bs
     # A prompt of exactly whole blocks: the last block is recomputed, not matched.
     exact = prompts[2][: (len(prompts[2]) // bs) * bs]
-    run_one(engine, "c", exact)
-    _, cached = run_one(engine, "d", exact)
+    run_one(engine, "c", exact, GREEDY)
+    _, cached = run_one(engine, "d", exact, GREEDY)
     assert cached == len(exact) - bs
 
 
 def test_salts_isolate_tenants(make_engine, prompts, cold) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine()
-    run_one(engine, "a", prompts[0], salt="tenant-a")
-    tokens, cached = run_one(engine, "b", prompts[0], salt="tenant-b")
+    run_one(engine, "a", prompts[0], GREEDY, cache_salt="tenant-a")
+    tokens, cached = run_one(engine, "b", prompts[0], GREEDY, cache_salt="tenant-b")
     assert cached == 0 and tokens == cold[0]
-    tokens, cached = run_one(engine, "c", prompts[0], salt="tenant-a")
+    tokens, cached = run_one(engine, "c", prompts[0], GREEDY, cache_salt="tenant-a")
     assert cached > 0 and tokens == cold[0]
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request("bad", prompts[0], GREEDY, cache_salt="no spaces allowed")
@@ -83,7 +60,7 @@ def test_eviction_pressure_keeps_outputs_exact(make_engine, prompts, cold) -> No
     engine = make_engine(num_blocks=(longest // 16 + 1) + 2)  # room for about one request
     for round_ in range(2):
         for i, p in enumerate(prompts):
-            tokens, _ = run_one(engine, f"r{round_}-{i}", p)
+            tokens, _ = run_one(engine, f"r{round_}-{i}", p, GREEDY)
             assert tokens == cold[i]
     assert engine.prefix_cache_stats["evicted_blocks"] > 0
     assert engine.prefix_cache_stats["hits_tokens"] > 0
@@ -93,7 +70,7 @@ def test_eviction_pressure_keeps_outputs_exact(make_engine, prompts, cold) -> No
 
 def test_concurrent_batch_with_shared_prefix(make_engine, prompts, cold) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine()
-    run_one(engine, "warm", prompts[3])
+    run_one(engine, "warm", prompts[3], GREEDY)
     out = engine.generate(prompts, GREEDY)
     assert [o[0] for o in out] == cold
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks

@@ -118,15 +118,20 @@ class IndexModel(RuleBasedStateMachine):
             elif self.model[key] in self.evictable:  # the engine would hit it, not insert
                 break
 
-    @rule(tokens=tokens)
-    def match(self, tokens: list[int]) -> None:
-        hs = hashes(tokens)
+    def expected_match(self, hs: list[BlockHash]) -> list[BlockId]:
+        """The model's answer to a match: the blocks of the longest cached prefix of `hs`."""
         expected = []
         for i in range(len(hs)):
             key = tuple(hs[: i + 1])
             if key not in self.model:
                 break
             expected.append(self.model[key])
+        return expected
+
+    @rule(tokens=tokens)
+    def match(self, tokens: list[int]) -> None:
+        hs = hashes(tokens)
+        expected = self.expected_match(hs)
         assert self.index.match(hs) == expected
         for b in expected:  # the caller takes a reference on each hit
             self.index.acquire(b)
@@ -136,13 +141,7 @@ class IndexModel(RuleBasedStateMachine):
     def look(self, tokens: list[int]) -> None:
         """A match that takes no reference (a lookup)."""
         hs = hashes(tokens)
-        expected = []
-        for i in range(len(hs)):
-            key = tuple(hs[: i + 1])
-            if key not in self.model:
-                break
-            expected.append(self.model[key])
-        assert self.index.match(hs) == expected
+        assert self.index.match(hs) == self.expected_match(hs)
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:

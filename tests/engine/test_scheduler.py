@@ -13,32 +13,28 @@ from collections import Counter
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvserve.shared.config import ModelConfig, SchedulerConfig
+from kvserve.shared.config import SchedulerConfig
 from kvserve.shared.engine.kv_cache import KVCache
 from kvserve.shared.engine.kv_cache_manager import KVCacheManager, KVIdentity
 from kvserve.shared.engine.scheduler import Batch, Scheduler
 from kvserve.shared.engine.sequence import (
     BlockId,
     FinishReason,
-    SeqId,
     Sequence,
     SequenceStatus,
 )
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.codec import BlockMeta
 
+from tests.engine.helpers import prompt_sequence
+from tests.shared.model_configs import model_config
+
 NEXT_TOKEN = 7
 
 
 def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 16) -> Sequence:
-    return Sequence(
-        seq_id=SeqId(seq_id),
-        request_id=f"r{seq_id}",
-        index=0,
-        token_ids=list(range(100, 100 + prompt_len)),
-        num_prompt_tokens=prompt_len,
-        params=SamplingParams(max_tokens=max_tokens),
-        arrival=seq_id,
+    return prompt_sequence(
+        seq_id, range(100, 100 + prompt_len), SamplingParams(max_tokens=max_tokens)
     )
 
 
@@ -54,15 +50,7 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_prefill_chunk=max_prefill_chunk,
     )
-    model = ModelConfig(
-        vocab_size=32,
-        hidden_size=4,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=1,
-        num_kv_heads=1,
-        head_dim=4,
-    )
+    model = model_config(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4)
     cache = KVCache(model, num_blocks, block_size, torch.float32)
     identity = KVIdentity(BlockMeta("test-model", "float32", block_size, 1, 1, 4), "test-tok")
     return Scheduler(cfg, KVCacheManager(cache, identity, enable_caching=False))

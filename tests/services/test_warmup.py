@@ -17,6 +17,8 @@ from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import block_hashes
 
+from tests.engine.helpers import run_one
+
 SYSTEM = "You are the support assistant of a bicycle shop. Be brief, precise and friendly. " * 4
 FEW_SHOT = "Q: 2+2?\nA: 4\nQ: 3+5?\nA: 8\nQ: 7+1?\nA: 8\nQ: 9+9?\nA: 18\n" * 3
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -56,12 +58,7 @@ def test_warmup_then_cached(make_engine, tokenizer, tmp_path: Path, capsys) -> N
     )
     assert prompt[: len(sys_ids)] == sys_ids
     try:
-        eng.add_request("r", prompt, GREEDY)
-        tokens: list[int] = []
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                tokens += out.completions[0].token_ids
-                cached = out.num_cached_tokens
+        tokens, cached = run_one(eng, "r", prompt, GREEDY)
         assert cached >= len(hashes) * 16
         assert eng.prefix_cache_stats["hits_tokens_store"] >= len(hashes) * 16
         cold = make_engine(enable_prefix_caching=False).generate([prompt], GREEDY)[0][0]

@@ -16,23 +16,13 @@ from kvserve.shared.bus import Bus, BusUnavailableError, InProcessBus, RedisBus,
 from kvserve.shared.protocol import Cancel, ErrorInfo, GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.redis_servers import free_port
+from tests.redis_servers import free_port, redis_answers
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 
 
-async def redis_answers() -> bool:
-    client = aioredis.from_url(REDIS_URL, socket_connect_timeout=0.5)
-    try:
-        return bool(await client.ping())
-    except Exception:
-        return False
-    finally:
-        await client.aclose()
-
-
 async def make_redis_bus(**config: Any) -> RedisBus:
-    if not await redis_answers():
+    if not await redis_answers(REDIS_URL):
         pytest.skip(f"no Redis at {REDIS_URL}")
     prefix = f"kvtest-{uuid.uuid4().hex[:12]}"
     return RedisBus(REDIS_URL, RedisBusConfig(prefix=prefix, **config))

@@ -19,7 +19,8 @@ from kvserve.shared.capacity import (
     parse_size,
     weights_bytes,
 )
-from kvserve.shared.config import ModelConfig
+
+from tests.shared.model_configs import model_config
 
 GiB = 1 << 30
 
@@ -163,14 +164,13 @@ def test_gqa_saving_ratio() -> None:
 
 
 def test_mqa_saving_ratio() -> None:
-    mqa = ModelConfig(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
+    mqa = model_config(
         num_layers=32,
         num_heads=32,
         num_kv_heads=1,
         head_dim=128,
+        vocab_size=32000,
+        intermediate_size=11008,
     )
     assert capacity_report(mqa, "bf16", 1, 1).kv_saving == 32.0
 

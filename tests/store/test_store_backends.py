@@ -26,7 +26,7 @@ from kvserve.shared.store.redis_cluster import RedisClusterStore
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-from tests.redis_servers import RedisCluster, RedisServer, free_port
+from tests.redis_servers import RedisCluster, RedisServer, free_port, redis_answers
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/15"
 
@@ -48,16 +48,6 @@ class FakeClock:
 
     def advance(self, dt: float) -> None:
         self.now += dt
-
-
-async def redis_answers(url: str) -> bool:
-    client = aioredis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    try:
-        return bool(await client.ping())
-    except Exception:
-        return False
-    finally:
-        await client.aclose()
 
 
 async def drop_namespace(url: str, namespace: str) -> None:

@@ -18,6 +18,7 @@ from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import block_hashes
 
+from tests.engine.helpers import run_one
 from tests.redis_servers import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.redis
@@ -29,17 +30,6 @@ LONG = "Please read this carefully: the quick brown fox jumps over the lazy dog.
 
 def chat(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
     return list(tokenizer.encode_chat([{"role": "user", "content": text}]))
-
-
-def run_one(engine, rid: str, prompt: list[int]) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
-    engine.add_request(rid, prompt, GREEDY)
-    tokens: list[int] = []
-    cached = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.completions[0].token_ids
-            cached = out.num_cached_tokens
-    return tokens, cached
 
 
 def cold(make_engine, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
@@ -74,7 +64,7 @@ def test_block_corrupted_in_redis_is_recomputed(make_engine, tokenizer) -> None:
     ns = url.split("namespace=")[1]
     prompt = chat(tokenizer, LONG + "Which dog?")
     a = make_engine(store=StoreConfig(url))
-    reference, _ = run_one(a, "a", prompt)
+    reference, _ = run_one(a, "a", prompt, GREEDY)
     a.close()
     hashes = block_hashes(a.root_hash(), prompt[: ((len(prompt) - 1) // 16) * 16], 16)
     r = redis.Redis.from_url(LOCAL)
@@ -84,7 +74,7 @@ def test_block_corrupted_in_redis_is_recomputed(make_engine, tokenizer) -> None:
     r.set(key, bytes(frame))
     b = make_engine(store=StoreConfig(url))
     try:
-        tokens, cached = run_one(b, "b", prompt)
+        tokens, cached = run_one(b, "b", prompt, GREEDY)
         assert tokens == reference == cold(make_engine, prompt)
         assert cached == 16  # block 0 loaded; block 1 rejected, it and the rest recomputed
         assert sum(b.store_stats()["miss_reasons"].values()) == 1
@@ -103,17 +93,17 @@ def test_redis_killed_mid_run_then_back(make_engine, tokenizer, redis_server: Re
     # first block on: nothing of one is cached for another.
     prompts = [list(tokenizer.encode(f"Question number {i}. " + LONG)) for i in range(12)]
     try:
-        run_one(a, "p0", prompts[0])
+        run_one(a, "p0", prompts[0], GREEDY)
         assert a.kv.connector is not None and a.kv.connector.flush()
         assert a.store_stats()["published_blocks"] > 0
         redis_server.kill()
         # Requests keep completing, by recompute, with the right output.
         b = make_engine(store=store)
         try:
-            tokens, cached = run_one(b, "p0-b", prompts[0])
+            tokens, cached = run_one(b, "p0-b", prompts[0], GREEDY)
             assert tokens == cold(make_engine, prompts[0])
             assert cached == 0
-            tokens, _ = run_one(a, "p1", prompts[1])
+            tokens, _ = run_one(a, "p1", prompts[1], GREEDY)
             assert tokens == cold(make_engine, prompts[1])
         finally:
             b.close()
@@ -122,7 +112,7 @@ def test_redis_killed_mid_run_then_back(make_engine, tokenizer, redis_server: Re
         # probe succeeds (cooldown 0.2 s): each try computes a new prompt and flushes.
         published = a.store_stats()["published_blocks"]
         for i in range(2, len(prompts)):
-            tokens, _ = run_one(a, f"p{i}", prompts[i])
+            tokens, _ = run_one(a, f"p{i}", prompts[i], GREEDY)
             a.kv.connector.flush()
             if a.store_stats()["published_blocks"] > published:
                 break
@@ -130,7 +120,7 @@ def test_redis_killed_mid_run_then_back(make_engine, tokenizer, redis_server: Re
             pytest.fail("the engine never wrote to the restarted Redis")
         c = make_engine(store=store)
         try:
-            again, cached = run_one(c, "c", prompts[i])
+            again, cached = run_one(c, "c", prompts[i], GREEDY)
             assert again == tokens
             assert cached == ((len(prompts[i]) - 1) // 16) * 16
             assert c.prefix_cache_stats["hits_tokens_store"] == cached
@@ -144,11 +134,11 @@ def test_engine_on_redis_cluster(make_engine, tokenizer, redis_cluster: RedisClu
     store = StoreConfig(namespace_url(redis_cluster.url))
     prompt = chat(tokenizer, LONG + "Is the fox quick?")
     a = make_engine(store=store)
-    reference, _ = run_one(a, "a", prompt)
+    reference, _ = run_one(a, "a", prompt, GREEDY)
     a.close()
     b = make_engine(store=store)
     try:
-        tokens, cached = run_one(b, "b", prompt)
+        tokens, cached = run_one(b, "b", prompt, GREEDY)
         assert tokens == reference
         assert cached == ((len(prompt) - 1) // 16) * 16
         assert b.prefix_cache_stats["hits_tokens_store"] == cached

@@ -11,7 +11,6 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-import pytest
 from kvserve.shared.config import StoreConfig
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.codec import BlockMeta, encode_block
@@ -19,36 +18,13 @@ from kvserve.shared.store.disk import DiskStore
 from kvserve.shared.store.hashing import BlockHash
 from kvserve.shared.store.memory import MemoryStore
 
+from tests.engine.helpers import run_one
+
+# Read by the `prompts` and `cold` fixtures (tests/conftest.py): SYSTEM with each of QUESTIONS
+# as a chat, and their outputs under GREEDY with prefix caching off.
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 SYSTEM = "You are a meticulous librarian who explains things with care and precision. " * 8
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    qs = ["Name a fruit.", "What is rain?", "Say hi.", "Count to three."]
-    return [
-        tokenizer.encode_chat(
-            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-        )
-        for q in qs
-    ]
-
-
-@pytest.fixture(scope="module")
-def cold(make_engine, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    engine = make_engine(enable_prefix_caching=False)
-    return [engine.generate([p], GREEDY)[0][0] for p in prompts]
-
-
-def run_one(engine, rid: str, prompt: Sequence[int]) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
-    engine.add_request(rid, list(prompt), GREEDY)
-    tokens: list[int] = []
-    cached = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.completions[0].token_ids
-            cached = out.num_cached_tokens
-    return tokens, cached
+QUESTIONS = ["Name a fruit.", "What is rain?", "Say hi.", "Count to three."]
 
 
 def full_blocks(prompt: Sequence[int], bs: int = 16) -> int:
@@ -59,11 +35,12 @@ def test_evicted_blocks_come_back_from_host_tier(make_engine, prompts, cold) -> 
     # Room for about one request: the second request evicts the first one's blocks.
     engine = make_engine(num_blocks=len(prompts[0]) // 16 + 3, store=StoreConfig("memory://"))
     try:
-        run_one(engine, "a", prompts[0])
+        run_one(engine, "a", prompts[0], GREEDY)
         assert engine.prefix_cache_stats["host_tier_blocks"] == 0
-        run_one(engine, "b", list(reversed(prompts[1])))  # no shared prefix: evicts a's blocks
+        # No shared prefix: evicts a's blocks.
+        run_one(engine, "b", list(reversed(prompts[1])), GREEDY)
         assert engine.prefix_cache_stats["host_tier_blocks"] > 0
-        tokens, cached = run_one(engine, "c", prompts[0])
+        tokens, cached = run_one(engine, "c", prompts[0], GREEDY)
         assert tokens == cold[0]
         assert cached == full_blocks(prompts[0])
         stats = engine.prefix_cache_stats
@@ -76,13 +53,13 @@ def test_evicted_blocks_come_back_from_host_tier(make_engine, prompts, cold) -> 
 def test_second_engine_loads_prefix_from_store(make_engine, prompts, cold, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     store = StoreConfig(f"file://{tmp_path}")
     a = make_engine(store=store)
-    tokens, cached = run_one(a, "a", prompts[0])
+    tokens, cached = run_one(a, "a", prompts[0], GREEDY)
     assert tokens == cold[0] and cached == 0
     a.close()  # flushes the write-behind queue
     assert a.store_stats() == {}  # closed
     b = make_engine(store=store)
     try:
-        tokens, cached = run_one(b, "b", prompts[1])  # shares the system prompt with a's
+        tokens, cached = run_one(b, "b", prompts[1], GREEDY)  # shares the system prompt with a's
         assert tokens == cold[1]
         assert cached > 0
         stats = b.prefix_cache_stats
@@ -103,7 +80,7 @@ def _root_and_hashes(engine, prompt: list[int]) -> tuple[BlockHash, list[BlockHa
 def test_bad_frames_are_recomputed_and_deleted(make_engine, prompts, cold, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     store = StoreConfig(f"file://{tmp_path}")
     a = make_engine(store=store)
-    run_one(a, "a", prompts[2])
+    run_one(a, "a", prompts[2], GREEDY)
     a.close()
     _, hashes = _root_and_hashes(a, prompts[2])
     disk = DiskStore(str(tmp_path))
@@ -116,7 +93,7 @@ def test_bad_frames_are_recomputed_and_deleted(make_engine, prompts, cold, tmp_p
 
     b = make_engine(store=store)
     try:
-        tokens, cached = run_one(b, "b", prompts[2])
+        tokens, cached = run_one(b, "b", prompts[2], GREEDY)
         assert tokens == cold[2]
         assert cached == 2 * b.block_size  # blocks 0 and 1 loaded, the rest recomputed
         assert b.store_stats()["miss_reasons"] == {"bad_checksum": 1}
@@ -152,14 +129,14 @@ def test_frames_of_another_model_or_format_are_never_used(  # type: ignore[no-un
         bad.append((h, encode_block(wrong, toks, zeros, zeros, "native", parent)))
     assert asyncio.run(_put(eng, bad)) == 2
     try:
-        tokens, cached = run_one(eng, "x", prompts[3])
+        tokens, cached = run_one(eng, "x", prompts[3], GREEDY)
         assert tokens == cold[3] and cached == 0
         assert eng.store_stats()["miss_reasons"] == {"wrong_model": 1}
         # An int8-cache engine never even asks for this engine's blocks: another root.
         q = make_engine(store=StoreConfig(f"file://{tmp_path}"), kv_dtype="int8")
         try:
             eng.kv.connector.flush()
-            _, cached_q = run_one(q, "q", prompts[3])
+            _, cached_q = run_one(q, "q", prompts[3], GREEDY)
             assert cached_q == 0
             assert q.store_stats().get("decision_load", 0) == 0
         finally:
@@ -194,7 +171,7 @@ def test_full_write_queue_drops_and_never_blocks(make_engine, prompts, cold) -> 
     assert eng.kv.connector is not None
     eng.kv.connector.store = gated
     try:
-        tokens, _ = run_one(eng, "a", prompts[0])  # completes while the store is stuck
+        tokens, _ = run_one(eng, "a", prompts[0], GREEDY)  # completes while the store is stuck
         assert tokens == cold[0]
         stats = eng.store_stats()
         assert stats["dropped_writes"] >= full_blocks(prompts[0]) // 16 - 2
@@ -206,12 +183,12 @@ def test_full_write_queue_drops_and_never_blocks(make_engine, prompts, cold) -> 
 def test_cost_rule_can_choose_recompute(make_engine, prompts, cold, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     store = StoreConfig(f"file://{tmp_path}")
     a = make_engine(store=store)
-    run_one(a, "a", prompts[1])
+    run_one(a, "a", prompts[1], GREEDY)
     a.close()
     b = make_engine(store=store)
     try:
         b.kv.prefill_s_per_token = 1e-9  # recomputing looks free: loading cannot win
-        tokens, cached = run_one(b, "b", prompts[1])
+        tokens, cached = run_one(b, "b", prompts[1], GREEDY)
         assert tokens == cold[1] and cached == 0
         assert b.store_stats()["decision_recompute"] == 1
         assert b.store_stats().get("fetched_blocks", 0) == 0
@@ -223,11 +200,11 @@ def test_compact_store_format_through_the_engine(make_engine, prompts, tmp_path:
     # Lossy, so only reuse is asserted here; its quality is measured by `kvserve bench store`.
     store = StoreConfig(f"file://{tmp_path}", format="compact")
     a = make_engine(store=store)
-    run_one(a, "a", prompts[0])
+    run_one(a, "a", prompts[0], GREEDY)
     a.close()
     b = make_engine(store=store)
     try:
-        tokens, cached = run_one(b, "b", prompts[0])
+        tokens, cached = run_one(b, "b", prompts[0], GREEDY)
         assert len(tokens) == GREEDY.max_tokens
         assert cached == full_blocks(prompts[0])
         assert b.prefix_cache_stats["hits_tokens_store"] == cached
