@@ -8,7 +8,6 @@ import asyncio
 
 from kvserve.shared.config import StoreConfig
 from kvserve.shared.engine.async_engine import AsyncEngine
-from kvserve.shared.protocol import AdminRequest, ProtocolError, TokenEvent, decode, encode
 from kvserve.shared.sampling_params import SamplingParams
 
 from tests.engine.helpers import long_ids, run_one
@@ -83,56 +82,3 @@ async def test_call_runs_a_warmup_while_requests_stream(make_engine, tokenizer) 
     finally:
         engine.stop()
         inner.close()
-
-
-def test_admin_and_top_logprobs_messages_round_trip() -> None:
-    job = AdminRequest("w1", "warmup", [{"token_ids": [1, 2], "cache_salt": None}])
-    assert decode(encode(job)) == job
-    ev = TokenEvent("w1", 0, info={"done": 1}, top_logprobs=[[[5, -0.1], [7, -2.5]]])
-    assert decode(encode(ev)) == ev
-    for bad in (
-        AdminRequest("x", "explode"),
-        AdminRequest("x", "warmup", [{"token_ids": ["a"]}]),
-        AdminRequest("x", "warmup", [{"token_ids": [1], "other": 1}]),
-    ):
-        try:
-            decode(encode(bad))
-        except ProtocolError:
-            continue
-        raise AssertionError(f"accepted {bad}")
-
-
-def test_store_latency_stats_and_metrics() -> None:
-    from kvserve.shared.store.tiers import LatencyStats
-    from kvserve.shared.telemetry import EngineStatsCollector
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
-    lat = LatencyStats((0.01, 0.1))
-    lat.observe("get", 0.005)
-    lat.observe("get", 0.05)
-    lat.observe("get", 5.0)
-    lat.error("put")
-    with lat.time("put"):
-        pass
-    try:
-        with lat.time("put"):
-            raise OSError("store down")
-    except OSError:
-        pass
-    snap = lat.snapshot()
-    assert snap["bounds"] == [0.01, 0.1]
-    assert snap["get"]["counts"] == [1, 1, 1] and snap["get"]["count"] == 3
-    assert snap["put"]["count"] == 1 and snap["put"]["errors"] == 2
-    collector = EngineStatsCollector("m")
-    collector.snapshot = {"w0": {"store_latency": snap}}
-    registry = CollectorRegistry()
-    registry.register(collector)
-    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
-    get = {(s.name, s.labels.get("le")): s.value for s in fams["kvserve:store_get_seconds"].samples}
-    assert get[("kvserve:store_get_seconds_bucket", "0.01")] == 1
-    assert get[("kvserve:store_get_seconds_bucket", "0.1")] == 2
-    assert get[("kvserve:store_get_seconds_bucket", "+Inf")] == 3
-    assert get[("kvserve:store_get_seconds_count", None)] == 3
-    errors = {s.labels["op"]: s.value for s in fams["kvserve:store_errors"].samples}
-    assert errors == {"get": 0, "put": 2}

@@ -12,6 +12,7 @@ from kvserve.shared.protocol import (
     PROTOCOL_VERSION,
     SAMPLING_FIELDS,
     SAMPLING_VERSION,
+    AdminRequest,
     Cancel,
     ErrorInfo,
     GenerateRequest,
@@ -172,3 +173,20 @@ def test_malformed_sampling_is_a_protocol_error(body: Any, message: str) -> None
                sampling=body)  # fmt: skip
     with pytest.raises(ProtocolError, match="sampling"):
         decode(raw)
+
+
+def test_admin_and_top_logprobs_messages_round_trip() -> None:
+    job = AdminRequest("w1", "warmup", [{"token_ids": [1, 2], "cache_salt": None}])
+    assert decode(encode(job)) == job
+    ev = TokenEvent("w1", 0, info={"done": 1}, top_logprobs=[[[5, -0.1], [7, -2.5]]])
+    assert decode(encode(ev)) == ev
+    for bad in (
+        AdminRequest("x", "explode"),
+        AdminRequest("x", "warmup", [{"token_ids": ["a"]}]),
+        AdminRequest("x", "warmup", [{"token_ids": [1], "other": 1}]),
+    ):
+        try:
+            decode(encode(bad))
+        except ProtocolError:
+            continue
+        raise AssertionError(f"accepted {bad}")

@@ -1,6 +1,7 @@
 """The engine's tiers: blocks evicted from the device cache come back from the host tier, blocks
 published by one engine are loaded by another through the store, bad frames are recomputed,
-the write-behind queue drops instead of blocking, and the cost rule can say recompute.
+the write-behind queue drops instead of blocking, and the cost rule can say recompute; the store
+calls' latency histograms and their Prometheus metrics.
 
 Outputs across a store round trip are compared token for token with a cold run, so the store
 format here is `native` (bit-exact)."""
@@ -211,3 +212,39 @@ def test_compact_store_format_through_the_engine(make_engine, prompts, tmp_path:
         assert b.store_stats()["miss_reasons"] == {}
     finally:
         b.close()
+
+
+def test_store_latency_stats_and_metrics() -> None:
+    from kvserve.shared.store.tiers import LatencyStats
+    from kvserve.shared.telemetry import EngineStatsCollector
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    lat = LatencyStats((0.01, 0.1))
+    lat.observe("get", 0.005)
+    lat.observe("get", 0.05)
+    lat.observe("get", 5.0)
+    lat.error("put")
+    with lat.time("put"):
+        pass
+    try:
+        with lat.time("put"):
+            raise OSError("store down")
+    except OSError:
+        pass
+    snap = lat.snapshot()
+    assert snap["bounds"] == [0.01, 0.1]
+    assert snap["get"]["counts"] == [1, 1, 1] and snap["get"]["count"] == 3
+    assert snap["put"]["count"] == 1 and snap["put"]["errors"] == 2
+    collector = EngineStatsCollector("m")
+    collector.snapshot = {"w0": {"store_latency": snap}}
+    registry = CollectorRegistry()
+    registry.register(collector)
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    get = {(s.name, s.labels.get("le")): s.value for s in fams["kvserve:store_get_seconds"].samples}
+    assert get[("kvserve:store_get_seconds_bucket", "0.01")] == 1
+    assert get[("kvserve:store_get_seconds_bucket", "0.1")] == 2
+    assert get[("kvserve:store_get_seconds_bucket", "+Inf")] == 3
+    assert get[("kvserve:store_get_seconds_count", None)] == 3
+    errors = {s.labels["op"]: s.value for s in fams["kvserve:store_errors"].samples}
+    assert errors == {"get": 0, "put": 2}
