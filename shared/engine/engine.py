@@ -147,7 +147,7 @@ class Engine:
             model.num_kv_heads,
             model.head_dim,
         )
-        with phase("store"):
+        with phase("store") if self.config.store.url else contextlib.nullcontext():
             return KVCacheManager(
                 cache,
                 KVIdentity(meta, self.tokenizer.fingerprint),
