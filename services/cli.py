@@ -23,8 +23,9 @@ SUBCOMMANDS = {
     "serve": "serve",
     "warmup": "warmup",
     "gateway": "gateway.main",
-    "prefill": "disagg:register_prefill",
-    "decode": "disagg:register_decode",
+    "prefill": "worker_commands:register_prefill",
+    "decode": "worker_commands:register_decode",
+    "worker": "worker_commands:register_worker",
     "stack": "stack",
 }
 

@@ -1,9 +1,18 @@
-"""`kvserve stack`: the disaggregated topology on this machine, for development: a gateway,
-`--prefill` prefill workers and `--decode` decode workers as subprocesses, on one Redis (bus
-and prefix store). The workers share the machine's cores: each gets `--threads-per-worker`
-torch threads (default: the cores divided among them, at least one), so that they do not
-oversubscribe the cores. Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after a
-grace)."""
+"""`kvserve stack`: a kvserve topology on this machine, for development, as subprocesses on one
+Redis (the bus, and the prefix store unless `--worker-store local`):
+
+- aggregated (`--workers N`, N >= 1): a gateway and N `kvserve worker` processes (prefill and
+  decode in one engine, named `worker-0` ... `worker-{N-1}`); the gateway routes each request
+  to one of them (`--routing`). `--worker-store shared` gives every worker the Redis store, so
+  a block one computes serves all; `local` gives each its own `memory://` store.
+- disaggregated (`--workers 0`, the default): a gateway, `--prefill` prefill workers (2) and
+  `--decode` decode workers (1), which meet only in the Redis store; the gateway routes among
+  the prefill workers.
+
+Every worker gets `--store-format` and the next metrics port from `--metrics-port` on. The
+workers share the machine's cores: each gets `--threads-per-worker` torch threads (default: the
+cores divided among them, at least one), so that they do not oversubscribe the cores. Ctrl-C /
+SIGTERM stops them all (SIGTERM, then SIGKILL after a grace)."""
 
 from __future__ import annotations
 
@@ -15,16 +24,35 @@ import sys
 import time
 
 from kvserve.services.cli_support import CliError
-from kvserve.shared.config import default_model_path
+from kvserve.services.gateway.router import POLICIES
+from kvserve.shared.config import STORE_FORMATS, default_model_path
+
+DEFAULT_PREFILL = 2
+DEFAULT_DECODE = 1
+WorkerRole = tuple[str, str | None]  # (subcommand, --name; None: the worker's own default)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stack", help="run gateway + prefill + decode workers locally on Redis")
+    p = sub.add_parser("stack", help="run a gateway and its workers locally on Redis")
     p.add_argument("--redis", required=True, help="redis://HOST:PORT/DB: bus and prefix store")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", type=int, default=2, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="aggregated engine workers; 0: the disaggregated topology (--prefill, --decode)",
+    )
+    p.add_argument("--prefill", type=int, default=None, help=f"prefill workers ({DEFAULT_PREFILL})")
+    p.add_argument("--decode", type=int, default=None, help=f"decode workers ({DEFAULT_DECODE})")
+    p.add_argument("--routing", choices=POLICIES, default="cache-aware", help="the gateway's")
+    p.add_argument(
+        "--worker-store",
+        choices=("shared", "local"),
+        default="shared",
+        help="shared: every worker on the Redis store; local: each its own memory:// store",
+    )
+    p.add_argument("--store-format", choices=STORE_FORMATS, default="native")
     p.add_argument("--model", default=str(default_model_path()))
     p.add_argument("--metrics-port", type=int, default=9100, help="first worker's; 0: off")
     p.add_argument("--grace", type=float, default=40.0, help="seconds before SIGKILL on stop")
@@ -38,29 +66,57 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
+def worker_roles(args: argparse.Namespace) -> list[WorkerRole]:
+    """Each worker process's subcommand and --name, in start order."""
+    if args.workers >= 1:
+        return [("worker", f"worker-{i}") for i in range(args.workers)]
+    prefill = DEFAULT_PREFILL if args.prefill is None else args.prefill
+    decode = DEFAULT_DECODE if args.decode is None else args.decode
+    counts = (("prefill", prefill), ("decode", decode))
+    return [(role, None) for role, n in counts for _ in range(n)]
+
+
 def worker_threads(args: argparse.Namespace) -> int:
     if args.threads_per_worker is not None:
         return args.threads_per_worker
-    return max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
+    return max(1, (os.cpu_count() or 1) // max(1, len(worker_roles(args))))
+
+
+def worker_store(args: argparse.Namespace) -> str:
+    return args.redis if args.worker_store == "shared" else "memory://"
 
 
 def commands(args: argparse.Namespace) -> list[list[str]]:
+    """The gateway's command line, then each worker's (worker_roles' order)."""
     base = [sys.executable, "-m", "kvserve.services.cli"]
     threads = str(worker_threads(args))
     out = [
         [*base, "gateway", "--bus", args.redis, "--host", args.host, "--port", str(args.port),
-         "--model", args.model, "--request-timeout", str(args.request_timeout)],
+         "--model", args.model, "--request-timeout", str(args.request_timeout),
+         "--routing", args.routing],
     ]  # fmt: skip
-    i = 0
-    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-        for _ in range(count):
-            metrics = str(args.metrics_port + i) if args.metrics_port else "0"
-            out.append(
-                [*base, role, "--bus", args.redis, "--store", args.redis, "--model", args.model,
-                 "--metrics-port", metrics, "--threads", threads]
-            )  # fmt: skip
-            i += 1
+    for i, (role, name) in enumerate(worker_roles(args)):
+        metrics = str(args.metrics_port + i) if args.metrics_port else "0"
+        command = [*base, role, "--bus", args.redis, "--store", worker_store(args),
+                   "--store-format", args.store_format, "--model", args.model,
+                   "--metrics-port", metrics, "--threads", threads]  # fmt: skip
+        out.append(command if name is None else [*command, "--name", name])
     return out
+
+
+def banner(args: argparse.Namespace) -> str:
+    """The line `run` prints once the processes are started: topology, gateway URL, workers."""
+    roles = [role for role, _ in worker_roles(args)]
+    if args.workers >= 1:
+        topology = "aggregated"
+        workers = f"{len(roles)} worker(s) on a {args.worker_store} store"
+    else:
+        topology = "disaggregated"
+        workers = f"{roles.count('prefill')} prefill, {roles.count('decode')} decode worker(s)"
+    return (
+        f"kvserve stack ({topology}): gateway on http://{args.host}:{args.port}/v1 "
+        f"({args.routing} routing), {workers}, bus {args.redis}; Ctrl-C stops"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,11 +130,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     procs = [subprocess.Popen(cmd) for cmd in commands(args)]
-    print(
-        f"kvserve stack: gateway on http://{args.host}:{args.port}/v1, {args.prefill} prefill, "
-        f"{args.decode} decode worker(s) on {args.redis}; Ctrl-C stops",
-        flush=True,
-    )
+    print(banner(args), flush=True)
     status = 0
     try:
         while not stopping:
@@ -93,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.prefill < 1 or args.decode < 1:
-        raise CliError("--prefill and --decode must be >= 1")
+    _check_topology(args)
     if not args.redis.startswith(("redis://", "rediss://")):
         raise CliError(f"--redis must be a redis:// URL, got {args.redis!r}")
     if args.request_timeout <= 0:
@@ -103,6 +154,20 @@ def _check(args: argparse.Namespace) -> None:
         raise CliError("--grace must be >= 0")
     if args.threads_per_worker is not None and args.threads_per_worker < 1:
         raise CliError("--threads-per-worker must be >= 1")
+
+
+def _check_topology(args: argparse.Namespace) -> None:
+    """--workers picks the aggregated topology; --prefill/--decode belong to the other one."""
+    if args.workers < 0:
+        raise CliError("--workers must be >= 0")
+    if args.workers >= 1:
+        if args.prefill is not None or args.decode is not None:
+            raise CliError("--prefill/--decode are for the disaggregated topology, not --workers")
+        return
+    if any(n is not None and n < 1 for n in (args.prefill, args.decode)):
+        raise CliError("--prefill and --decode must be >= 1")
+    if args.worker_store == "local":
+        raise CliError("--worker-store local needs --workers: prefill and decode meet in the store")
 
 
 def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:

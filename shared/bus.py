@@ -1,23 +1,34 @@
 """The bus between the gateway and the engine workers, behind one async interface.
 
-Gateway side (`Bus`): `submit(request) -> EventStream` (the request's token events, deduplicated
-by seq and released in seq order, ending after the request's terminal event), `cancel(id)`,
-`ready()` (is any worker alive), `stats()` (each live worker's latest engine statistics).
+Gateway side (`Bus`): `submit(request, worker=None) -> EventStream` (the request's token events,
+deduplicated by seq and released in seq order, ending after the request's terminal event; with
+`worker`, the request goes to that worker's own stream, else to the shared one), `cancel(id)`,
+`ready()` (is any worker alive), `stats()` (each live worker's latest engine statistics),
+`workers()` (each live worker's WorkerInfo), `kv_events()` (the workers' KV events, for the
+router).
 
-Worker side (`WorkerPort`, one per worker, from `bus.worker(name)`): `receive()` requests,
-`cancels()`, `is_cancelled(id)`, `emit(event)`, `ack(delivery)` once a request is done.
+Worker side (`WorkerPort`, one per worker, from `bus.worker(name)`): `start(stats, info)`,
+`receive()` requests, `cancels()`, `is_cancelled(id)`, `emit(event)`, `ack(delivery)` once a
+request is done, `publish_kv_events(events)`.
 
 Two implementations:
 - `InProcessBus`: asyncio queues, for `kvserve serve` (gateway and worker on one event loop).
-- `RedisBus`: Redis Streams. Requests go on `kvserve:prefill`, read through a consumer group;
-  a request stays pending until its worker acks it, so a worker that dies leaves it pending and
-  a live one claims it (XAUTOCLAIM after `claim_idle_s`; live workers refresh the idle time of
-  what they hold on every heartbeat, so only a dead worker's messages go stale). Token events go
+- `RedisBus`: Redis Streams. Requests go on `kvserve:prefill` (shared) or on a worker's own
+  `kvserve:to:{name}` (routed), each read through a consumer group; a request stays pending
+  until its worker acks it, so a worker that dies leaves it pending and a live one claims it
+  (XAUTOCLAIM after `claim_idle_s`; live workers refresh the idle time of what they hold on every
+  heartbeat, so only a dead worker's messages go stale). A live worker also adopts the own
+  stream of a worker whose heartbeat stopped: it claims what that worker held, takes what it
+  never read, and removes its registration once the stream is empty. A group that disappeared
+  (Redis restarted empty) is created again on the next read. Token events go
   on `kvserve:out:{id}` (expiring), which a gateway reads for all its requests in one blocking
   XREAD (woken through its `kvserve:wake:{id}` when it submits one); cancels on the broadcast
   stream `kvserve:cancel` that every worker reads, plus a short-lived `kvserve:cancelled:{id}`
   key for requests not yet picked up. Workers register in the sorted set `kvserve:workers`
-  (score: last heartbeat) and publish their stats in the hash `kvserve:worker_stats`.
+  (score: last heartbeat; a worker that closes scores itself dead), describe themselves in the
+  hash `kvserve:worker_info` and publish their stats in `kvserve:worker_stats`, both refreshed
+  on every heartbeat (so a Redis that restarts empty learns them again). KV events go on the
+  bounded stream `kvserve:kv_events`.
 
 Ownership: the gateway owns a request's event stream (it deletes the Redis key on close); a
 worker owns a delivery from `receive()` until it acks it.
@@ -42,9 +53,11 @@ from kvserve.shared.protocol import (
     Cancel,
     ErrorInfo,
     GenerateRequest,
+    KVEvent,
     ProtocolError,
     TokenEvent,
     Work,
+    WorkerInfo,
     decode,
     encode,
 )
@@ -64,6 +77,7 @@ class Delivery:
     message_id: str
     request: Work
     redelivered: bool = False
+    stream: str = ""  # the Redis stream it came from ("" in process)
 
 
 class EventStream(abc.ABC):
@@ -126,8 +140,11 @@ class WorkerPort(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    async def start(self, stats_source: StatsSource | None = None) -> None:
-        """Register as a live worker; `stats_source()` is published as this worker's stats."""
+    async def start(
+        self, stats_source: StatsSource | None = None, info: WorkerInfo | None = None
+    ) -> None:
+        """Register as a live worker; `stats_source()` is published as this worker's stats,
+        `info` as its description (for routers)."""
 
     @abc.abstractmethod
     async def receive(self, max_count: int = 16, timeout: float = 1.0) -> list[Delivery]:
@@ -148,6 +165,9 @@ class WorkerPort(abc.ABC):
     async def ack(self, delivery: Delivery) -> None:
         """The request is done (finished, failed or cancelled): it is not redelivered."""
 
+    async def publish_kv_events(self, events: list[KVEvent]) -> None:  # noqa: B027
+        """Tell routers which blocks entered or left this worker's tiers (no-op in process)."""
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Deregister. Unacked deliveries stay pending (Redis) for another worker."""
@@ -161,9 +181,9 @@ class Bus(abc.ABC):
     """The gateway's end of the bus, and the factory of worker ports."""
 
     @abc.abstractmethod
-    async def submit(self, request: Work) -> EventStream:
-        """Queue a request (or an admin job); its events are readable from the returned
-        stream at once."""
+    async def submit(self, request: Work, worker: str | None = None) -> EventStream:
+        """Queue a request (or an admin job) for any worker, or for `worker`; its events are
+        readable from the returned stream at once."""
 
     @abc.abstractmethod
     async def cancel(self, request_id: str, reason: str = "client") -> None: ...
@@ -176,6 +196,16 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def stats(self) -> dict[str, dict[str, Any]]:
         """Latest stats of each live worker, by worker name."""
+
+    async def workers(self) -> dict[str, WorkerInfo]:
+        """Each live worker that described itself, by name."""
+        return {}
+
+    async def kv_events(self, block_ms: int = 1000) -> list[KVEvent]:
+        """The workers' KV events since the previous call (from the oldest retained on the
+        first), waiting at most `block_ms` for one."""
+        await asyncio.sleep(block_ms / 1000)
+        return []
 
     @abc.abstractmethod
     def worker(self, name: str | None = None) -> WorkerPort: ...
@@ -235,7 +265,7 @@ class InProcessBus(Bus):
         self._ports: dict[str, _InProcessPort] = {}
         self._cancelled = _BoundedSet()
 
-    async def submit(self, request: Work) -> EventStream:
+    async def submit(self, request: Work, worker: str | None = None) -> EventStream:
         stream = _QueueEventStream(self, request)
         self._streams[request.request_id] = stream
         self._requests.put_nowait(encode(request))
@@ -257,6 +287,9 @@ class InProcessBus(Bus):
             if p.started
         }
 
+    async def workers(self) -> dict[str, WorkerInfo]:
+        return {n: p.info for n, p in self._ports.items() if p.started and p.info is not None}
+
     def worker(self, name: str | None = None) -> WorkerPort:
         port = _InProcessPort(self, name or f"worker-{uuid.uuid4().hex[:8]}")
         self._ports[port.name] = port
@@ -270,10 +303,14 @@ class _InProcessPort(WorkerPort):
         self.cancel_queue: asyncio.Queue[bytes] = asyncio.Queue()
         self.started = False
         self.stats_source: StatsSource | None = None
+        self.info: WorkerInfo | None = None
         self._ids = 0
 
-    async def start(self, stats_source: StatsSource | None = None) -> None:
+    async def start(
+        self, stats_source: StatsSource | None = None, info: WorkerInfo | None = None
+    ) -> None:
         self.stats_source = stats_source
+        self.info = info
         self.started = True
 
     async def receive(self, max_count: int = 16, timeout: float = 1.0) -> list[Delivery]:
@@ -336,6 +373,7 @@ class RedisBusConfig:
     cancel_ttl_s: int = 600
     max_deliveries: int = 3  # a request delivered this often is failed, not retried again
     cancel_stream_maxlen: int = 10_000
+    kv_events_maxlen: int = 100_000  # a router that falls further behind resynchronises
     # redis-py 8 gives up on a reply after 5 s; a host whose cores are saturated by the engines
     # (or a Redis busy with large store writes) stalls longer than that without being down.
     socket_timeout_s: float = 30.0
@@ -471,7 +509,10 @@ class RedisBus(Bus):
         self.cancel_key = f"{p}:cancel"
         self.workers_key = f"{p}:workers"
         self.stats_key = f"{p}:worker_stats"
+        self.info_key = f"{p}:worker_info"
+        self.kv_events_key = f"{p}:kv_events"
         self.reader = _EventReader(self)
+        self._kv_cursor: bytes | str = "0-0"
 
     def out_key(self, request_id: str) -> str:
         return f"{self.config.prefix}:out:{request_id}"
@@ -479,11 +520,15 @@ class RedisBus(Bus):
     def cancelled_key(self, request_id: str) -> str:
         return f"{self.config.prefix}:cancelled:{request_id}"
 
-    async def submit(self, request: Work) -> EventStream:
+    def to_key(self, worker: str) -> str:
+        """The worker's own request stream (requests routed to it)."""
+        return f"{self.config.prefix}:to:{worker}"
+
+    async def submit(self, request: Work, worker: str | None = None) -> EventStream:
         stream = _RedisEventStream(self, request)
         self.reader.add(stream)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(self.request_key, {b"m": encode(request)})
+        pipe.xadd(self.to_key(worker) if worker else self.request_key, {b"m": encode(request)})
         pipe.xadd(self.reader.wake_key, {b"w": b""}, maxlen=1, approximate=False)
         pipe.expire(self.reader.wake_key, self.config.out_ttl_s)
         try:
@@ -507,7 +552,12 @@ class RedisBus(Bus):
     async def live_workers(self) -> list[str]:
         since = time.time() - self.config.worker_ttl_s
         names = await self.redis.zrangebyscore(self.workers_key, since, "+inf")
-        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+        return [_text(n) for n in names]
+
+    async def dead_workers(self) -> list[str]:
+        """Registered workers whose heartbeat stopped (or that closed)."""
+        since = time.time() - self.config.worker_ttl_s
+        return [_text(n) for n in await self.redis.zrangebyscore(self.workers_key, 0, since)]
 
     async def ready(self) -> bool:
         from redis.exceptions import RedisError
@@ -526,6 +576,31 @@ class RedisBus(Bus):
             n: msgpack.unpackb(r, raw=False) if r else {} for n, r in zip(names, raw, strict=True)
         }
 
+    async def workers(self) -> dict[str, WorkerInfo]:
+        names = await self.live_workers()
+        raw = await self.redis.hmget(self.info_key, names) if names else []
+        out: dict[str, WorkerInfo] = {}
+        for name, data in zip(names, raw, strict=True):
+            with contextlib.suppress(ProtocolError, TypeError):
+                msg = decode(data)
+                if isinstance(msg, WorkerInfo) and msg.name == name:
+                    out[name] = msg
+        return out
+
+    async def kv_events(self, block_ms: int = 1000) -> list[KVEvent]:
+        reply = await self.redis.xread(
+            {self.kv_events_key: self._kv_cursor}, count=4096, block=block_ms
+        )
+        events: list[KVEvent] = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._kv_cursor = entry_id
+                with contextlib.suppress(ProtocolError, KeyError):
+                    msg = decode(fields[b"m"])
+                    if isinstance(msg, KVEvent):
+                        events.append(msg)
+        return events
+
     def worker(self, name: str | None = None) -> WorkerPort:
         return _RedisPort(self, name or f"worker-{uuid.uuid4().hex[:8]}")
 
@@ -536,27 +611,40 @@ class RedisBus(Bus):
         await self.redis.aclose()
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class _RedisPort(WorkerPort):
     def __init__(self, bus: RedisBus, name: str) -> None:
         self.name = name
         self._bus = bus
         self._r: Any = bus.redis
         self._cfg = bus.config
+        self.own_key = bus.to_key(name)
         self._held: dict[str, Delivery] = {}  # received, not yet acked
         self._cancel_cursor: bytes | str | None = None
         self._stats_source: StatsSource | None = None
+        self._info: WorkerInfo | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._last_claim = 0.0
 
-    async def start(self, stats_source: StatsSource | None = None) -> None:
+    async def start(
+        self, stats_source: StatsSource | None = None, info: WorkerInfo | None = None
+    ) -> None:
         self._stats_source = stats_source
-        with contextlib.suppress(Exception):  # BUSYGROUP: it exists already
-            await self._r.xgroup_create(
-                self._bus.request_key, self._cfg.group, id="0", mkstream=True
-            )
+        self._info = info
+        await self._create_groups((self._bus.request_key, self.own_key))
         await self._init_cancel_cursor()
         await self.heartbeat()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+
+    async def _create_groups(self, keys: tuple[str, ...]) -> None:
+        """The consumer group on each stream, reading from its first entry (so requests added
+        before the group existed are delivered); one that exists already stays."""
+        for key in keys:
+            with contextlib.suppress(Exception):  # BUSYGROUP: it exists already
+                await self._r.xgroup_create(key, self._cfg.group, id="0", mkstream=True)
 
     async def _init_cancel_cursor(self) -> None:
         """Read cancels from now on (older ones reach us through the cancelled keys)."""
@@ -564,21 +652,21 @@ class _RedisPort(WorkerPort):
         self._cancel_cursor = last[0][0] if last else "0-0"
 
     async def heartbeat(self) -> None:
-        """Say we are alive, publish stats, and reset the idle time of every request we hold
-        (so XAUTOCLAIM takes only a dead worker's requests)."""
+        """Say we are alive, publish stats and info, and reset the idle time of every request
+        we hold (so XAUTOCLAIM takes only a dead worker's requests)."""
         pipe = self._r.pipeline(transaction=False)
         pipe.zadd(self._bus.workers_key, {self.name: time.time()})
         if self._stats_source is not None:
             stats = msgpack.packb(self._stats_source(), default=str)
             pipe.hset(self._bus.stats_key, self.name, stats)
-        if self._held:
+        if self._info is not None:
+            pipe.hset(self._bus.info_key, self.name, encode(self._info))
+        by_stream: dict[str, list[str]] = {}
+        for d in self._held.values():
+            by_stream.setdefault(d.stream, []).append(d.message_id)
+        for key, ids in by_stream.items():
             pipe.xclaim(
-                self._bus.request_key,
-                self._cfg.group,
-                self.name,
-                min_idle_time=0,
-                message_ids=list(self._held),
-                justid=True,
+                key, self._cfg.group, self.name, min_idle_time=0, message_ids=ids, justid=True
             )
         await pipe.execute()
 
@@ -594,53 +682,108 @@ class _RedisPort(WorkerPort):
         out = await self._claim_stale(max_count)
         if out:
             return out
-        reply = await self._r.xreadgroup(
-            self._cfg.group,
-            self.name,
-            {self._bus.request_key: ">"},
-            count=max_count,
-            block=max(1, int(timeout * 1000)),
+        return await self._read_new(
+            (self._bus.request_key, self.own_key), max_count, max(1, int(timeout * 1000))
         )
-        for _stream, entries in reply or []:
+
+    async def _read_new(
+        self, keys: tuple[str, ...], max_count: int, block_ms: int | None
+    ) -> list[Delivery]:
+        """Entries of `keys` never delivered to anyone; a missing group (Redis restarted
+        empty, or a stream created by a submit before its worker) is created again."""
+        from redis.exceptions import ResponseError
+
+        try:
+            reply = await self._r.xreadgroup(
+                self._cfg.group,
+                self.name,
+                dict.fromkeys(keys, ">"),
+                count=max_count,
+                block=block_ms,
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await self._create_groups(keys)
+            return []
+        out = []
+        for stream, entries in reply or []:
             for entry_id, fields in entries:
-                d = await self._delivery(entry_id, fields, redelivered=False)
+                d = await self._delivery(_text(stream), entry_id, fields, redelivered=False)
                 if d is not None:
                     out.append(d)
         return out
 
     async def _claim_stale(self, max_count: int) -> list[Delivery]:
-        """XAUTOCLAIM requests idle longer than claim_idle_s (their worker is dead). Checked
-        at most once per heartbeat period."""
+        """Requests whose worker died: XAUTOCLAIM those idle longer than claim_idle_s (on the
+        shared stream and our own, where a previous run of this worker may have left some),
+        then the own streams of dead workers. Checked at most once per heartbeat period."""
         now = time.monotonic()
         if now - self._last_claim < self._cfg.heartbeat_s:
             return []
         self._last_claim = now
-        reply = await self._r.xautoclaim(
-            self._bus.request_key,
-            self._cfg.group,
-            self.name,
-            min_idle_time=int(self._cfg.claim_idle_s * 1000),
-            start_id="0-0",
-            count=max_count,
-        )
+        out: list[Delivery] = []
+        for key in (self._bus.request_key, self.own_key):
+            out += await self._autoclaim(key, max_count - len(out))
+        for name in await self._bus.dead_workers():
+            if len(out) >= max_count:
+                break
+            if name != self.name:
+                out += await self._adopt(name, max_count - len(out))
+        return out
+
+    async def _adopt(self, name: str, max_count: int) -> list[Delivery]:
+        """A dead worker's own stream: what it held (once idle long enough) and what it never
+        read; its registration goes once the stream is empty."""
+        key = self._bus.to_key(name)
+        out = await self._autoclaim(key, max_count)
+        if len(out) < max_count:
+            out += await self._read_new((key,), max_count - len(out), None)
+        if not out and not await self._r.xlen(key):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.zrem(self._bus.workers_key, name)
+            pipe.hdel(self._bus.info_key, name)
+            pipe.hdel(self._bus.stats_key, name)
+            pipe.delete(key)
+            await pipe.execute()
+        elif out:
+            log.warning("adopted %d request(s) of dead worker %s", len(out), name)
+        return out
+
+    async def _autoclaim(self, key: str, max_count: int) -> list[Delivery]:
+        from redis.exceptions import ResponseError
+
+        if max_count <= 0:
+            return []
+        try:
+            reply = await self._r.xautoclaim(
+                key,
+                self._cfg.group,
+                self.name,
+                min_idle_time=int(self._cfg.claim_idle_s * 1000),
+                start_id="0-0",
+                count=max_count,
+            )
+        except ResponseError:  # NOGROUP: nothing was ever delivered from it
+            return []
         out = []
         for entry_id, fields in reply[1]:
             if fields is None:  # deleted while pending
                 continue
-            if await self._delivered_too_often(entry_id):
+            if await self._delivered_too_often(key, entry_id):
                 continue
-            d = await self._delivery(entry_id, fields, redelivered=True)
+            d = await self._delivery(key, entry_id, fields, redelivered=True)
             if d is not None:
                 out.append(d)
         return out
 
-    async def _delivered_too_often(self, entry_id: bytes) -> bool:
+    async def _delivered_too_often(self, key: str, entry_id: bytes) -> bool:
         info = await self._r.xpending_range(
-            self._bus.request_key, self._cfg.group, min=entry_id, max=entry_id, count=1
+            key, self._cfg.group, min=entry_id, max=entry_id, count=1
         )
         if not info or info[0]["times_delivered"] <= self._cfg.max_deliveries:
             return False
-        d = await self._delivery(entry_id, (await self._fields(entry_id)) or {}, True)
+        d = await self._delivery(key, entry_id, (await self._fields(key, entry_id)) or {}, True)
         if d is not None:
             err = ErrorInfo(
                 f"request failed on {self._cfg.max_deliveries} workers; not retried again",
@@ -649,26 +792,26 @@ class _RedisPort(WorkerPort):
             await self.emit(error_event(d.request.request_id, 0, err))
             await self.ack(d)
         else:
-            await self._ack_id(entry_id)
+            await self._ack_id(key, entry_id)
         return True
 
-    async def _fields(self, entry_id: bytes) -> dict[bytes, bytes] | None:
-        rows = await self._r.xrange(self._bus.request_key, min=entry_id, max=entry_id)
+    async def _fields(self, key: str, entry_id: bytes) -> dict[bytes, bytes] | None:
+        rows = await self._r.xrange(key, min=entry_id, max=entry_id)
         return dict(rows[0][1]) if rows else None
 
     async def _delivery(
-        self, entry_id: bytes | str, fields: dict[bytes, bytes], redelivered: bool
+        self, key: str, entry_id: bytes | str, fields: dict[bytes, bytes], redelivered: bool
     ) -> Delivery | None:
-        mid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        mid = _text(entry_id)
         try:
             msg = decode(fields[b"m"])
             if not isinstance(msg, GenerateRequest | AdminRequest):
                 raise ProtocolError(f"expected a generate request, got {type(msg).__name__}")
         except (ProtocolError, KeyError) as e:
             log.warning("dropping malformed request %s: %s", mid, e)
-            await self._ack_id(mid)
+            await self._ack_id(key, mid)
             return None
-        d = Delivery(mid, msg, redelivered)
+        d = Delivery(mid, msg, redelivered, key)
         self._held[mid] = d
         return d
 
@@ -700,21 +843,33 @@ class _RedisPort(WorkerPort):
         pipe.expire(key, self._cfg.out_ttl_s)
         await pipe.execute()
 
+    async def publish_kv_events(self, events: list[KVEvent]) -> None:
+        if not events:
+            return
+        pipe = self._r.pipeline(transaction=False)
+        for event in events:
+            pipe.xadd(
+                self._bus.kv_events_key,
+                {b"m": encode(event)},
+                maxlen=self._cfg.kv_events_maxlen,
+                approximate=True,
+            )
+        await pipe.execute()
+
     async def ack(self, delivery: Delivery) -> None:
         self._held.pop(delivery.message_id, None)
-        await self._ack_id(delivery.message_id)
+        await self._ack_id(delivery.stream or self._bus.request_key, delivery.message_id)
 
-    async def _ack_id(self, message_id: bytes | str) -> None:
+    async def _ack_id(self, key: str, message_id: bytes | str) -> None:
         pipe = self._r.pipeline(transaction=False)
-        pipe.xack(self._bus.request_key, self._cfg.group, message_id)
-        pipe.xdel(self._bus.request_key, message_id)
+        pipe.xack(key, self._cfg.group, message_id)
+        pipe.xdel(key, message_id)
         await pipe.execute()
 
     async def close(self) -> None:
+        """Score ourselves dead (not deregistered): what is left on our own stream goes to a
+        live worker, which removes the registration once the stream is empty."""
         if self._heartbeat_task is not None:
             await cancel_and_wait(self._heartbeat_task)
         with contextlib.suppress(Exception):
-            pipe = self._r.pipeline(transaction=False)
-            pipe.zrem(self._bus.workers_key, self.name)
-            pipe.hdel(self._bus.stats_key, self.name)
-            await pipe.execute()
+            await self._r.zadd(self._bus.workers_key, {self.name: 0})

@@ -1,4 +1,5 @@
-"""The messages on the bus: a generate request, an admin job, a token event, a cancel.
+"""The messages on the bus: a generate request, an admin job, a token event, a cancel, and the
+fleet's own: a worker's description (WorkerInfo) and its KV events (KVEvent).
 
 Each message is a small frozen dataclass; `encode` turns it into a msgpack map (never pickle)
 tagged with its kind and the protocol version, `decode` turns bytes back into the dataclass and
@@ -9,6 +10,10 @@ A generate request's SamplingParams travel as a map of their own (`encode_sampli
 `decode_sampling`): every field of SAMPLING_FIELDS, by name, plus the map's version
 `SAMPLING_VERSION`; decoding checks the version, the field set and each field's type, then
 builds the SamplingParams (whose own checks apply), so a worker holds typed, valid parameters.
+
+A worker's KV events carry `seq` = 0, 1, 2, ... per incarnation (a restarted worker has a new
+incarnation and starts at 0 again); a reader that sees a gap has missed events and must forget
+what it knew of that worker's blocks (services/gateway/router.py).
 
 Invariants:
 - A request's token events carry `seq` = 0, 1, 2, ... in emission order; a consumer keeps the
@@ -119,10 +124,48 @@ class Cancel:
     reason: str = "client"
 
 
-Message = GenerateRequest | AdminRequest | TokenEvent | Cancel
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a router needs to know of an engine worker: its `role` ("worker": prefill and decode
+    in one engine, "prefill", "decode"), its `incarnation` (new at every start), the identity of
+    its blocks (the parts of the chain's root hash besides the cache salt: `model_fp`,
+    `tokenizer_fp`, `kv_format`, `block_size`) and `store_id`, which names the persistent store
+    it shares with other workers ("" when its store is its own: memory or a local disk)."""
+
+    KIND: ClassVar[str] = "worker_info"
+    ROLES: ClassVar[tuple[str, ...]] = ("worker", "prefill", "decode")
+    name: str
+    role: str
+    incarnation: str
+    block_size: int
+    model_fp: str
+    tokenizer_fp: str
+    kv_format: str
+    store_id: str = ""
+    started_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """Blocks that entered (`stored`) or left (`removed`) one of a worker's tiers ("device",
+    "host"), or every block of its device and host tiers dropped at once (`cleared`, a flush).
+    `parent_hash` is the chain hash before the first of `block_hashes` when they are one run."""
+
+    KIND: ClassVar[str] = "kv"
+    KINDS: ClassVar[tuple[str, ...]] = ("stored", "removed", "cleared")
+    worker: str
+    incarnation: str
+    seq: int
+    kind: str
+    tier: str = ""
+    block_hashes: list[bytes] = field(default_factory=list)
+    parent_hash: bytes | None = None
+
+
+Message = GenerateRequest | AdminRequest | TokenEvent | Cancel | WorkerInfo | KVEvent
 Work = GenerateRequest | AdminRequest  # what goes on a request stream
-_KINDS: dict[str, type[GenerateRequest] | type[AdminRequest] | type[TokenEvent] | type[Cancel]] = {
-    c.KIND: c for c in (GenerateRequest, AdminRequest, TokenEvent, Cancel)
+_KINDS: dict[str, type[Message]] = {
+    c.KIND: c for c in (GenerateRequest, AdminRequest, TokenEvent, Cancel, WorkerInfo, KVEvent)
 }
 
 # Expected Python types of each field (after msgpack decoding), checked on decode.
@@ -163,6 +206,26 @@ _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "submitted_at": _NUM,
     },
     "cancel": {"request_id": _STR, "reason": _STR},
+    "worker_info": {
+        "name": _STR,
+        "role": _STR,
+        "incarnation": _STR,
+        "block_size": _INT,
+        "model_fp": _STR,
+        "tokenizer_fp": _STR,
+        "kv_format": _STR,
+        "store_id": _STR,
+        "started_at": _NUM,
+    },
+    "kv": {
+        "worker": _STR,
+        "incarnation": _STR,
+        "seq": _INT,
+        "kind": _STR,
+        "tier": _STR,
+        "block_hashes": (list,),
+        "parent_hash": (bytes, type(None)),
+    },
 }
 
 
@@ -287,6 +350,17 @@ def _check_fields(kind: str, body: dict[str, Any]) -> None:
             raise ProtocolError(f"{kind} message field {name!r} must hold ints")
     if kind == "admin":
         _check_admin(body)
+    elif kind == "worker_info" and body.get("role") not in WorkerInfo.ROLES:
+        raise ProtocolError(f"worker_info role must be one of {WorkerInfo.ROLES}")
+    elif kind == "kv":
+        _check_kv(body)
+
+
+def _check_kv(body: dict[str, Any]) -> None:
+    if body.get("kind") not in KVEvent.KINDS:
+        raise ProtocolError(f"kv event kind must be one of {KVEvent.KINDS}")
+    if not all(isinstance(h, bytes) for h in body.get("block_hashes", [])):
+        raise ProtocolError("kv event block_hashes must hold bytes")
 
 
 def _check_admin(body: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible gateway (aiohttp). Talks only to the bus; never imports torch.
 
 Request path: auth (bearer key -> tenant cache salt) -> body (size limit, JSON) -> schema
-(validate, tokenize, chat template) -> admission (bounded in-flight, draining) -> bus (one
+(validate, tokenize, chat template) -> admission (bounded in-flight, draining) -> route (with
+`GatewayConfig.routing`: the worker that holds most of the prompt's KV for its load) -> bus (one
 request per prompt) -> events -> response (JSON, or SSE chunks and `data: [DONE]`).
 
 Invariants:
@@ -38,6 +39,8 @@ from kvserve.services.gateway.openapi import (
 from kvserve.services.gateway.prefixes import check_prefix, prefix_ids
 from kvserve.services.gateway.ratelimit import RateLimiter
 from kvserve.services.gateway.responses import SSE_DONE, ResponseBuilder, sse
+from kvserve.services.gateway.router import Router
+from kvserve.services.gateway.routing import RoutingService
 from kvserve.services.gateway.schema import (
     GenerationPlan,
     ModelInfo,
@@ -95,6 +98,11 @@ class GatewayConfig:
     retry_after_s: int = 1
     rate_limit: float = 0.0  # requests per second per API key on POST /v1 (0: no limit)
     max_warmup_jobs: int = 100  # finished warm-up jobs remembered for their status endpoint
+    # The router (services/gateway/router.py): a policy, or None (no routing: `kvserve serve`)
+    routing: str | None = None
+    overlap_weight: float = 1.0
+    router_store_cost: float = 0.2
+    router_max_blocks: int = 100_000
 
 
 class Gateway:
@@ -117,6 +125,25 @@ class Gateway:
             self.app.router.add_route(r.method, r.path, handler)
         self.openapi = build_openapi([r for r, _ in self.routes], "kvserve", VERSION)
         self.app.on_cleanup.append(self._cancel_warmups)
+        self.routing = self._routing()
+
+    def _routing(self) -> RoutingService | None:
+        """The router, started and stopped with the app (None without a routing policy)."""
+        c = self.config
+        if c.routing is None:
+            return None
+        router = Router(c.routing, c.overlap_weight, c.router_max_blocks, c.router_store_cost)
+        routing = RoutingService(self.bus, router, self.metrics.registry)
+
+        async def start(_app: web.Application) -> None:
+            await routing.start()
+
+        async def stop(_app: web.Application) -> None:
+            await routing.stop()
+
+        self.app.on_startup.append(start)
+        self.app.on_cleanup.append(stop)
+        return routing
 
     def _routes(self) -> list[tuple[RouteDoc, Handler]]:
         json_errors = (400, 401, 404, 413, 429, 503)
@@ -287,7 +314,7 @@ class Gateway:
         ):
             call = BusGeneration(
                 self.bus, plan, rid, salt, self.config.request_timeout_s, self.metrics,
-                self.model.name,
+                self.model.name, routing=self.routing,
             )  # fmt: skip
             builder = ResponseBuilder(plan, rid, self.model.tokenizer, plan.model)
             status = "error"
@@ -441,6 +468,7 @@ class Gateway:
                 },
                 "totals": totals,
                 "workers": workers,
+                "router": self.routing.stats() if self.routing is not None else None,
             }
         )
 
@@ -485,10 +513,26 @@ class Gateway:
         return web.json_response(job.view())
 
     async def cache_flush(self, request: web.Request) -> web.Response:
+        """Flush every routed worker's cache (each on its own stream), or one worker's when
+        requests go to the shared stream."""
         await self._require_worker()
+        targets: list[str | None] = [*self.routing.targets()] if self.routing else []
+        infos = [await self._flush_one(worker) for worker in targets or [None]]
+        log.info("prefix cache flushed", workers=len(infos))
+        return web.json_response(
+            {
+                "object": "cache.flush",
+                "flushed": True,
+                "workers": [i["worker"] for i in infos if "worker" in i],
+                "device_blocks": sum(int(i.get("device_blocks", 0)) for i in infos),
+                "host_blocks": sum(int(i.get("host_blocks", 0)) for i in infos),
+            }
+        )
+
+    async def _flush_one(self, worker: str | None) -> dict[str, Any]:
         msg = AdminRequest("flush-" + uuid.uuid4().hex, "flush", [], current_traceparent())
         info: dict[str, Any] = {}
-        stream = await self.bus.submit(msg)
+        stream = await self.bus.submit(msg, worker)
         try:
             async with asyncio.timeout(self.config.request_timeout_s), stream:
                 async for ev in stream:
@@ -497,16 +541,7 @@ class Gateway:
                     info.update(ev.info or {})
         except TimeoutError:
             raise APIError(504, "the flush timed out", "timeout", None, "timeout") from None
-        log.info("prefix cache flushed", **info)
-        return web.json_response(
-            {
-                "object": "cache.flush",
-                "flushed": True,
-                "workers": [info["worker"]] if "worker" in info else [],
-                "device_blocks": int(info.get("device_blocks", 0)),
-                "host_blocks": int(info.get("host_blocks", 0)),
-            }
-        )
+        return info
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._json(request)

@@ -2,8 +2,10 @@
 
 It owns a bus request per prompt of the plan (ids `{request_id}-{p}` when there are several),
 merges their token events in arrival order, holds the request's deadline, observes time to
-first token and inter-token latency, and at the end cancels whatever has not finished. It
-imports no torch (the gateway never does)."""
+first token and inter-token latency, and at the end cancels whatever has not finished. With a
+`routing` service each bus request goes to the worker the router picks (the decision is given
+back, with the cached tokens the worker reported, at `close`). It imports no torch (the gateway
+never does)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ class BusGeneration:
     first_token_at: float | None = None
     error_type: str | None = None  # of the error event that ended the request, if one did
     _last_token: float | None = None
+    routing: Any = None  # a RoutingService, or None: the shared stream, any worker
+    decisions: list[Any] = field(default_factory=list)  # per prompt: the router's, or None
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt, as reported
 
     def _sub_id(self, p: int) -> str:
         return self.request_id if len(self.plan.prompts) == 1 else f"{self.request_id}-{p}"
@@ -60,7 +65,10 @@ class BusGeneration:
                 traceparent=traceparent,
                 deadline=deadline,
             )
-            self.streams.append(await self.bus.submit(req))
+            decision = self.routing.route(prompt, self.salt) if self.routing else None
+            self.decisions.append(decision)
+            worker = decision.worker if decision is not None else None
+            self.streams.append(await self.bus.submit(req, worker))
 
     @property
     def all_done(self) -> bool:
@@ -75,9 +83,12 @@ class BusGeneration:
         """(prompt index, event) until every stream ended (the caller bounds the wait by
         `deadline`: a timeout scope must not span a generator's yields)."""
         async for item in self._merged():
-            if item[1].error is not None:
-                self.error_type = item[1].error.type
-            self._observe(item[1])
+            p, ev = item
+            if ev.error is not None:
+                self.error_type = ev.error.type
+            else:
+                self.cached_tokens[p] = max(self.cached_tokens.get(p, 0), ev.num_cached_tokens)
+            self._observe(ev)
             yield item
 
     async def _merged(self) -> AsyncIterator[tuple[int, TokenEvent]]:
@@ -125,6 +136,9 @@ class BusGeneration:
         """Cancel every sub-request that has not ended; release the event streams. Shielded:
         this runs while the handler is being cancelled (client gone)."""
         pending = [(p, s) for p, s in enumerate(self.streams) if not s.done]
+        for p, decision in enumerate(self.decisions):
+            if decision is not None:
+                self.routing.finished(decision, self.cached_tokens.get(p))
         work = self._cancel_and_close(pending)
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(work)

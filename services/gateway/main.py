@@ -1,6 +1,8 @@
 """`kvserve gateway`: the OpenAI-compatible gateway on the Redis bus, with no engine in the
-process (it never imports torch). Requests go to the `kvserve:prefill` consumer group; /ready
-is 200 while any worker is alive. SIGTERM/SIGINT: drain like `kvserve serve`, then exit 0.
+process (it never imports torch). Each request goes to the worker that `--routing` picks (its
+own stream; cache-aware by default, from the workers' KV events), or to the shared
+`kvserve:prefill` consumer group while no worker is known; /ready is 200 while any worker is
+alive. SIGTERM/SIGINT: drain like `kvserve serve`, then exit 0.
 
 Also the gateway options and start-up that `kvserve serve` shares."""
 
@@ -19,6 +21,7 @@ from kvserve.services.cli_support import (
     run_service,
     stop_on_signals,
 )
+from kvserve.services.gateway.router import POLICIES
 from kvserve.shared.config import default_model_path
 
 
@@ -26,6 +29,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gateway", help="the OpenAI-compatible gateway on the Redis bus (no engine)")
     p.add_argument("--bus", required=True, help="redis://HOST:PORT/DB of the request bus")
     p.add_argument("--model", default=str(default_model_path()), help="for the tokenizer only")
+    p.add_argument("--routing", choices=POLICIES, default="cache-aware", help="worker choice")
+    p.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=1.0,
+        help="cache-aware cost = weight * blocks to prefill + the worker's load in blocks",
+    )
+    p.add_argument(
+        "--router-store-cost",
+        type=float,
+        default=0.2,
+        help="a block in the shared store costs this fraction of recomputing it (0..1)",
+    )
+    p.add_argument(
+        "--router-max-blocks", type=int, default=100_000, help="hashes remembered per worker"
+    )
     add_gateway_arguments(p)
     p.add_argument("--log-level", default=None)
     p.set_defaults(handler=run)
@@ -72,6 +91,9 @@ def check_gateway_arguments(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_bus_url(args.bus)
     check_gateway_arguments(args)
+    check_at_least_one(args, ("router_max_blocks",))
+    if args.overlap_weight < 0 or not 0 <= args.router_store_cost <= 1:
+        raise CliError("--overlap-weight must be >= 0 and --router-store-cost in [0, 1]")
     return run_service(args, "gateway", _serve)
 
 
@@ -112,6 +134,10 @@ async def start_gateway(args: argparse.Namespace, bus: Any, info: Any) -> tuple[
             api_keys=tuple(args.api_key),
             allow_client_cache_salt=args.allow_client_cache_salt,
             rate_limit=rate_limit(args.rate_limit),
+            routing=getattr(args, "routing", None),
+            overlap_weight=getattr(args, "overlap_weight", 1.0),
+            router_store_cost=getattr(args, "router_store_cost", 0.2),
+            router_max_blocks=getattr(args, "router_max_blocks", 100_000),
         ),
         bus,
         info,

@@ -27,6 +27,8 @@ tracer = get_tracer("kvserve.disagg")
 class DecodeWorker(EngineWorker):
     """Decode side: an EngineWorker with the prefilled tail fetched from the store."""
 
+    role = "decode"
+
     def _generate(self, req: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         return self._with_tail(req)
 

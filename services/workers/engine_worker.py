@@ -3,6 +3,10 @@
 One asyncio task per request. A cancel (client gone, deadline, shutdown) cancels that task; the
 AsyncEngine generator's cleanup then aborts the request in the engine, which frees its blocks.
 
+The worker describes itself on the bus (`info()`: role, incarnation, block identity, shared
+store); with `kv_events` it also publishes its KV-cache manager's tier changes
+(services/workers/kv_events.py), so that a gateway can route by cache contents.
+
 Invariants:
 - Every delivery is acked exactly once, after its request finished, failed or was cancelled
   (so a worker that dies mid-request leaves the request pending for another worker).
@@ -17,17 +21,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.services.workers.admin_jobs import run_admin_job
+from kvserve.services.workers.kv_events import KVEventPublisher
 from kvserve.services.workers.spans import request_span, set_cached_tokens
 from kvserve.services.workers.token_events import TokenEmitter
 from kvserve.shared.bus import Delivery, WorkerPort
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.outputs import RequestOutput
-from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest
+from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest, WorkerInfo
 from kvserve.shared.sampling_params import InvalidRequestError
 from kvserve.shared.tasks import cancel_all, cancel_and_wait
 from kvserve.shared.telemetry import (
@@ -50,6 +56,7 @@ class _Running:
 
 class EngineWorker:
     model_name: str | None = None  # for the spans' gen_ai.request.model
+    role = "worker"
 
     def __init__(
         self,
@@ -57,11 +64,16 @@ class EngineWorker:
         engine: AsyncEngine,
         max_receive: int = 64,
         poll_s: float = 1.0,
+        kv_events: bool = False,
     ) -> None:
         self.port = port
         self.engine = engine
         self.max_receive = max_receive
         self.poll_s = poll_s
+        self.incarnation = uuid.uuid4().hex
+        self.kv_events = (
+            KVEventPublisher(port, engine.engine.kv, self.incarnation) if kv_events else None
+        )
         self._running: dict[str, _Running] = {}
         self._accepting = True
         self._loops: list[asyncio.Task[None]] = []
@@ -74,8 +86,26 @@ class EngineWorker:
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "worker_requests": len(self._running)}
 
+    def info(self) -> WorkerInfo:
+        """This worker as a router sees it: its blocks' identity and the store it shares."""
+        kv = self.engine.engine.kv
+        meta = kv.identity.meta
+        store = kv.store_config.url if kv.store_config is not None else None
+        return WorkerInfo(
+            name=self.port.name,
+            role=self.role,
+            incarnation=self.incarnation,
+            block_size=meta.block_size,
+            model_fp=meta.model_fp,
+            tokenizer_fp=kv.identity.tokenizer_fingerprint,
+            kv_format=meta.kv_format,
+            store_id=shared_store_id(store) if kv.connector is not None else "",
+        )
+
     async def start(self) -> None:
-        await self.port.start(self.stats)
+        await self.port.start(self.stats, self.info())
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._loops = [
             asyncio.create_task(self._receive_loop(), name="worker-receive"),
             asyncio.create_task(self._cancel_loop(), name="worker-cancels"),
@@ -94,6 +124,8 @@ class EngineWorker:
             await cancel_all(pending)
         await cancel_all(self._loops[1:])
         await asyncio.gather(*self._cancelling)  # their requests have ended by now
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.port.close()
         log.info("worker stopped", worker=self.port.name)
 
@@ -237,3 +269,18 @@ class EngineWorker:
         return self.engine.generate(
             req.request_id, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt
         )
+
+
+def shared_store_id(url: str | None) -> str:
+    """The name under which workers share a store: a Redis (Cluster) URL without credentials
+    or options; "" for a store of the process's own (memory, a local disk, none)."""
+    from urllib.parse import urlsplit
+
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    if not parts.scheme.startswith(("redis", "rediss", "unix")):
+        return ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"

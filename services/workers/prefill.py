@@ -45,6 +45,8 @@ class PrefillWorker(EngineWorker):
     """Prefill side of the handoff (see the module docstring). `forward` puts a prefilled
     request on the decode stream."""
 
+    role = "prefill"
+
     def __init__(self, port: WorkerPort, engine: AsyncEngine, forward: Forward, **kw: Any):
         super().__init__(port, engine, **kw)
         self.forward = forward

@@ -23,7 +23,11 @@ Invariants:
   (BlockPool). An evicted cached block goes to the host tier (when there is one) before any
   write can reach it: every allocation goes through `_allocate`.
 - Every block that enters or leaves a tier passes through `_entered` / `_left`, which count it
-  by (tier, kind) in `tier_events` (reported by `stats`).
+  by (tier, kind) in `tier_events` (reported by `stats`) and, once `enable_events()` was called,
+  log it as a TierEvent for `take_events()` (a worker publishes them as KV events for routers;
+  `reset` logs one "cleared"). The log is a deque: the engine thread appends, the worker's event
+  loop takes; past `max_events` unread it is replaced by a single "cleared" (readers forget this
+  engine's blocks rather than keep a wrong picture).
 - Only this class touches the pool, the host tier and the connector; the cache tensors it reads
   and writes whole blocks of (the model writes tokens into them during a step).
 """
@@ -33,7 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +77,16 @@ class KVIdentity:
         )
 
 
+@dataclass(frozen=True)
+class TierEvent:
+    """Blocks that entered ("stored") or left ("removed") a tier, or "cleared" (the device and
+    host tiers dropped everything unreferenced)."""
+
+    kind: str
+    tier: str
+    hashes: tuple[BlockHash, ...] = ()
+
+
 @dataclass
 class _Fetch:
     """A sequence parked while its prefix blocks come from the store."""
@@ -110,7 +124,11 @@ class KVCacheManager:
                 store.write_queue_blocks,
                 store.fetch_timeout_s,
             )
-        self.tier_events: Counter[tuple[str, str]] = Counter()
+        self.tier_events: Counter[tuple[str, str]] = Counter(
+            {(t, k): 0 for t in TIERS for k in ("stored", "removed")}
+        )
+        self._events: deque[TierEvent] | None = None
+        self.max_events = 100_000
         self._fetching: dict[str, _Fetch] = {}
         # Running estimate of prefill seconds per token, for the store's cost rule.
         self.prefill_s_per_token = 1 / 300
@@ -130,13 +148,35 @@ class KVCacheManager:
 
     # ---- where blocks enter and leave tiers ---------------------------------------------------
 
+    def enable_events(self) -> None:
+        """Log every tier change from now on, for `take_events`."""
+        if self._events is None:
+            self._events = deque()
+
+    def take_events(self) -> list[TierEvent]:
+        """The tier changes logged since the previous call, oldest first (any thread)."""
+        out: list[TierEvent] = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+    def _log(self, event: TierEvent) -> None:
+        if self._events is None:
+            return
+        if len(self._events) >= self.max_events:
+            self._events.clear()
+            event = TierEvent("cleared", "")
+        self._events.append(event)
+
     def _entered(self, tier: str, hashes: Seq[BlockHash]) -> None:
         if hashes:
             self.tier_events[(tier, "stored")] += len(hashes)
+            self._log(TierEvent("stored", tier, tuple(hashes)))
 
     def _left(self, tier: str, hashes: Seq[BlockHash]) -> None:
         if hashes:
             self.tier_events[(tier, "removed")] += len(hashes)
+            self._log(TierEvent("removed", tier, tuple(hashes)))
 
     def _allocate(self, n: int) -> list[BlockId] | None:
         """`n` fresh device blocks, or None. Cached blocks evicted to make room leave the
@@ -457,6 +497,7 @@ class KVCacheManager:
         self._left("device", [h for _, h in dropped])
         host = self.host_tier.clear() if self.host_tier is not None else []
         self._left("host", host)
+        self._log(TierEvent("cleared", ""))
         return {"device_blocks": len(dropped), "host_blocks": len(host)}
 
     @property

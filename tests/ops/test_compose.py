@@ -1,5 +1,7 @@
-"""compose.yaml, ops/Dockerfile and ops/otel-collector.yaml: the disaggregated topology that
-DESIGN.md section 2 fixes (Redis bus + store, gateway, prefill, decode, collector, Jaeger)."""
+"""compose.yaml, .env, ops/Dockerfile and ops/otel-collector.yaml: Redis (bus + store), the
+gateway, the collector and Jaeger in every profile, and the workers of one of two topologies by
+compose profile: `aggregated` (`worker` replicas behind the routing gateway; the default, set in
+.env) or `disagg` (`prefill` and `decode`, DESIGN.md section 2)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-APP_SERVICES = ("gateway", "prefill", "decode")
+APP_SERVICES = ("gateway", "worker", "prefill", "decode")
+WORKERS = ("worker", "prefill", "decode")
+PROFILES = {"worker": ["aggregated"], "prefill": ["disagg"], "decode": ["disagg"]}
 REDIS_URL = "redis://redis:6379/0"
 
 
@@ -38,11 +42,25 @@ def _flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-def test_six_services(services: dict[str, dict[str, Any]]) -> None:
-    assert set(services) == {"redis", "gateway", "prefill", "decode", "otel-collector", "jaeger"}
+def test_seven_services(services: dict[str, dict[str, Any]]) -> None:
+    assert set(services) == {
+        "redis", "gateway", "worker", "prefill", "decode", "otel-collector", "jaeger"
+    }  # fmt: skip
+
+
+def test_profiles(services: dict[str, dict[str, Any]]) -> None:
+    """The workers of each topology under its profile; everything else runs under both."""
+    assert {name: s["profiles"] for name, s in services.items() if "profiles" in s} == PROFILES
+
+
+def test_the_default_profile_is_aggregated() -> None:
+    lines = (ROOT / ".env").read_text().splitlines()
+    settings = [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    assert settings == ["COMPOSE_PROFILES=aggregated"]
 
 
 def test_replicas(services: dict[str, dict[str, Any]]) -> None:
+    assert services["worker"]["deploy"]["replicas"] == 2
     assert services["prefill"]["deploy"]["replicas"] == 2
     assert services["decode"]["deploy"]["replicas"] == 1
 
@@ -83,12 +101,23 @@ def test_commands(services: dict[str, dict[str, Any]]) -> None:
     assert gateway[0] == "gateway"
     assert _flag(gateway, "--bus") == REDIS_URL
     assert (_flag(gateway, "--host"), _flag(gateway, "--port")) == ("0.0.0.0", "8000")
-    for name in ("prefill", "decode"):
+    assert _flag(gateway, "--routing") == "cache-aware"
+    for name in WORKERS:
         command = [str(c) for c in services[name]["command"]]
         assert command[0] == name
         assert _flag(command, "--bus") == REDIS_URL
         assert _flag(command, "--store") == REDIS_URL
         assert _flag(command, "--metrics-port") == "9100"
+    worker = [str(c) for c in services["worker"]["command"]]
+    assert _flag(worker, "--store-format") == "native"
+
+
+def test_workers_alike(services: dict[str, dict[str, Any]]) -> None:
+    """The aggregated worker runs like prefill and decode: same health check and drain grace."""
+    for name in WORKERS:
+        test = services[name]["healthcheck"]["test"]
+        assert any("127.0.0.1:9100/metrics" in str(part) for part in test)
+        assert services[name]["stop_grace_period"] == "40s"
 
 
 def test_gateway_published_and_checked(services: dict[str, dict[str, Any]]) -> None:
@@ -99,7 +128,7 @@ def test_gateway_published_and_checked(services: dict[str, dict[str, Any]]) -> N
 
 
 def test_workers_wait_for_redis(services: dict[str, dict[str, Any]]) -> None:
-    for name in ("prefill", "decode"):
+    for name in WORKERS:
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
@@ -109,7 +138,7 @@ def test_tracing_env(services: dict[str, dict[str, Any]]) -> None:
         env = services[name]["environment"]
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
         names.add(env["OTEL_SERVICE_NAME"])
-    assert names == {"kvserve-gateway", "kvserve-prefill", "kvserve-decode"}
+    assert names == {"kvserve-gateway", "kvserve-worker", "kvserve-prefill", "kvserve-decode"}
 
 
 def test_collector_and_jaeger(services: dict[str, dict[str, Any]]) -> None:
@@ -151,6 +180,7 @@ def test_collector_scrapes_the_metrics_ports(collector: dict[str, Any]) -> None:
     }
     assert targets == {
         "kvserve-gateway": ["gateway:8000"],
+        "kvserve-worker": ["worker:9100"],
         "kvserve-prefill": ["prefill:9100"],
         "kvserve-decode": ["decode:9100"],
     }
@@ -174,14 +204,15 @@ def test_dockerfile() -> None:
 
 def test_dockerignore() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
-    for path in (".venv", ".git"):
+    for path in (".venv", ".git", ".env"):
         assert path in ignored or f"{path}/" in ignored
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not on PATH")
-def test_docker_compose_config() -> None:
+@pytest.mark.parametrize("profile", ["aggregated", "disagg"])
+def test_docker_compose_config(profile: str) -> None:
     result = subprocess.run(
-        ["docker-compose", "-f", "compose.yaml", "config", "-q"],
+        ["docker-compose", "-f", "compose.yaml", "--profile", profile, "config", "-q"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,13 +1,30 @@
-"""`kvserve stack`'s command lines for its processes (the gateway gets the request timeout, the
-workers share the cores) and the one-line errors for bad values."""
+"""`kvserve stack`'s command lines for its processes in both topologies (the gateway gets the
+request timeout and the routing policy, the workers the store and its format and share the
+cores) and the one-line errors for bad values."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from kvserve.services import cli, stack
 from kvserve.services.cli import build_parser
+from kvserve.services.gateway.router import POLICIES
+
+REDIS = "redis://127.0.0.1:6379/3"
+
+
+def _commands(*flags: str) -> list[list[str]]:
+    argv = ["stack", "--redis", REDIS, "--model", "m.gguf", *flags]
+    return stack.commands(build_parser(argv).parse_args(argv))
+
+
+def _args(command: list[str], subcommand: str) -> list[str]:
+    """The command line after `python -m kvserve.services.cli SUBCOMMAND`."""
+    assert command[:3] == [sys.executable, "-m", "kvserve.services.cli"]
+    assert command[3] == subcommand
+    return command[4:]
 
 
 def test_the_gateway_gets_the_request_timeout() -> None:
@@ -38,15 +55,96 @@ def test_workers_share_the_cores() -> None:
         (["stack", "--redis", "redis://h:1/0", "--grace", "-1"], "--grace"),
         (["stack", "--redis", "redis://h:1/0", "--threads-per-worker", "0"],
          "--threads-per-worker"),
+        (["stack", "--redis", "redis://h:1/0", "--workers", "2", "--prefill", "2"],
+         "--prefill/--decode"),
+        (["stack", "--redis", "redis://h:1/0", "--workers", "1", "--decode", "1"],
+         "--prefill/--decode"),
+        (["stack", "--redis", "redis://h:1/0", "--workers", "-1"], "--workers"),
+        (["stack", "--redis", "redis://h:1/0", "--prefill", "0"], "--prefill"),
+        (["stack", "--redis", "redis://h:1/0", "--worker-store", "local"], "--worker-store"),
         (["serve", "--threads", "0"], "--threads"),
         (["prefill", "--bus", "redis://h:1/0", "--store", "redis://h:1/0", "--threads", "0"],
          "--threads"),
     ],
 )  # fmt: skip
-def test_bad_values_one_line_error(capsys, argv: list[str], message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_values_one_line_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_aggregated_workers_on_the_shared_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stack.os, "cpu_count", lambda: 8)
+    gateway, *workers = _commands("--workers", "2")
+    assert _args(gateway, "gateway") == [
+        "--bus", REDIS, "--host", "127.0.0.1", "--port", "8000", "--model", "m.gguf",
+        "--request-timeout", "600.0", "--routing", "cache-aware",
+    ]  # fmt: skip
+    assert [_args(w, "worker") for w in workers] == [
+        ["--bus", REDIS, "--store", REDIS, "--store-format", "native", "--model", "m.gguf",
+         "--metrics-port", str(9100 + i), "--threads", "4", "--name", f"worker-{i}"]
+        for i in range(2)
+    ]  # fmt: skip
+
+
+def test_aggregated_workers_on_local_stores() -> None:
+    _, *workers = _commands("--workers", "2", "--worker-store", "local", "--metrics-port", "0")
+    assert len(workers) == 2
+    for i, w in enumerate(workers):
+        args = _args(w, "worker")
+        assert args[args.index("--bus") + 1] == REDIS
+        assert args[args.index("--store") + 1] == "memory://"
+        assert args[args.index("--metrics-port") + 1] == "0"
+        assert args[-2:] == ["--name", f"worker-{i}"]
+
+
+def test_disaggregated_by_default() -> None:
+    _, *workers = _commands()
+    assert [w[3] for w in workers] == ["prefill", "prefill", "decode"]
+    assert all("--name" not in w for w in workers)  # each keeps its role-host-pid name
+    assert [w[w.index("--metrics-port") + 1] for w in workers] == ["9100", "9101", "9102"]
+    assert all(w[w.index("--store") + 1] == REDIS for w in workers)
+    _, *workers = _commands("--prefill", "1", "--decode", "2")
+    assert [w[3] for w in workers] == ["prefill", "decode", "decode"]
+
+
+@pytest.mark.parametrize("topology", [[], ["--workers", "3"]])
+def test_the_gateway_gets_the_routing(topology: list[str]) -> None:
+    gateway = _commands(*topology)[0]
+    assert gateway[gateway.index("--routing") + 1] == "cache-aware"
+    for routing in POLICIES:
+        gateway, *workers = _commands(*topology, "--routing", routing)
+        assert gateway[gateway.index("--routing") + 1] == routing
+        assert all("--routing" not in w for w in workers)
+
+
+@pytest.mark.parametrize("topology", [[], ["--workers", "3"]])
+def test_every_worker_gets_the_store_format(topology: list[str]) -> None:
+    gateway, *workers = _commands(*topology, "--store-format", "int8")
+    assert len(workers) == 3 and "--store-format" not in gateway
+    assert [w[w.index("--store-format") + 1] for w in workers] == ["int8"] * 3
+
+
+def test_aggregated_workers_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stack.os, "cpu_count", lambda: 8)
+    for count, threads in (("1", "8"), ("3", "2"), ("16", "1")):
+        _, *workers = _commands("--workers", count)
+        assert [w[w.index("--threads") + 1] for w in workers] == [threads] * int(count)
+    _, *workers = _commands("--workers", "3", "--threads-per-worker", "5")
+    assert [w[w.index("--threads") + 1] for w in workers] == ["5"] * 3
+
+
+def test_the_banner_names_the_topology() -> None:
+    argv = ["stack", "--redis", REDIS, "--workers", "2", "--worker-store", "local"]
+    line = stack.banner(build_parser(argv).parse_args(argv))
+    assert line.startswith("kvserve stack (aggregated): gateway on http://127.0.0.1:8000/v1")
+    assert "(cache-aware routing), 2 worker(s) on a local store" in line
+    argv = ["stack", "--redis", REDIS, "--routing", "least-load"]
+    line = stack.banner(build_parser(argv).parse_args(argv))
+    assert line.startswith("kvserve stack (disaggregated): gateway on")
+    assert "(least-load routing), 2 prefill, 1 decode worker(s)" in line
 
 
 def test_threads_reach_the_engine_config() -> None:

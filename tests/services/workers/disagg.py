@@ -92,8 +92,8 @@ class AckRecordingPort(WorkerPort):
         self.acks: list[str] = []
         self._acked = asyncio.Condition()
 
-    async def start(self, stats_source: Any = None) -> None:
-        await self.port.start(stats_source)
+    async def start(self, stats_source: Any = None, info: Any = None) -> None:
+        await self.port.start(stats_source, info)
 
     async def receive(self, max_count: int = 16, timeout: float = 1.0) -> list[Delivery]:
         return await self.port.receive(max_count, timeout)

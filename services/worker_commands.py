@@ -1,10 +1,16 @@
-"""`kvserve prefill` and `kvserve decode`: the workers of the disaggregated topology
-(DESIGN.md section 2; the workers themselves are services/workers/prefill.py and decode.py).
+"""`kvserve worker`, `kvserve prefill` and `kvserve decode`: the engine workers on the Redis bus
+(DESIGN.md section 2; the workers themselves are services/workers/).
 
-Both read their requests from a Redis consumer group (`kvserve:prefill`, `kvserve:decode`):
-any number of workers of a role share the work, and a request that a dead worker held is
-claimed by another after `--claim-idle` seconds. They meet only in the prefix store (`--store`,
-required). Both serve Prometheus /metrics (the engine's stats) on `--metrics-port` (0: off).
+- `worker`: prefill and decode in one engine (as inside `kvserve serve`); N of them behind
+  `kvserve gateway`, which routes each request to one of them (its own stream `kvserve:to:NAME`).
+- `prefill` / `decode`: the disaggregated topology; they meet only in the prefix store.
+
+Every worker reads its own stream and its role's shared stream (`kvserve:prefill` for workers
+and prefill workers, `kvserve:decode`) through a consumer group: a request that a dead worker
+held is claimed by another after `--claim-idle` seconds, and a dead worker's own stream is
+adopted. Workers and prefill workers publish their KV events for the gateway's router. `--store`
+is required (a redis:// URL shares blocks between workers; `memory://` keeps them to the
+worker). Each serves Prometheus /metrics (the engine's stats) on `--metrics-port` (0: off).
 """
 
 from __future__ import annotations
@@ -33,9 +39,14 @@ from kvserve.services.engine_options import (
 from kvserve.shared.config import STORE_FORMATS, default_model_path
 
 HELP = {
+    "worker": "engine worker (prefill and decode in one engine) behind `kvserve gateway`",
     "prefill": "prefill worker: computes prompts into the prefix store, hands off to decode",
     "decode": "decode worker: loads prefilled blocks from the store and streams tokens",
 }
+
+
+def register_worker(sub: argparse._SubParsersAction) -> None:
+    _register(sub, "worker")
 
 
 def register_prefill(sub: argparse._SubParsersAction) -> None:
@@ -69,7 +80,7 @@ def _register(sub: argparse._SubParsersAction, role: str) -> None:
 def _check(args: argparse.Namespace) -> None:
     check_bus_url(args.bus)
     if args.store == "none":
-        raise CliError("--store is required: prefill and decode meet only in the store")
+        raise CliError("--store must name a store (redis://... to share blocks, or memory://)")
     check_port("--metrics-port", args.metrics_port)
     check_positive(args, ("claim_idle", "drain_timeout"))
     check_engine_arguments(args)
@@ -98,18 +109,24 @@ def _start_metrics(args: argparse.Namespace, name: str, worker: Any) -> str:
 
 
 def _make_worker(args: argparse.Namespace, role: str, name: str, engine: Any) -> tuple[Any, Any]:
-    """The role's worker on its Redis consumer group, and the bus it reads (to close)."""
+    """The role's worker on its Redis consumer group, and the bus it reads (to close).
+    Aggregated and prefill workers share the `prefill` stream (a gateway's unrouted work)."""
     from kvserve.shared.bus import RedisBus, RedisBusConfig
 
-    cfg = RedisBusConfig(request_stream=role, group=role, claim_idle_s=args.claim_idle)
+    stream = "decode" if role == "decode" else "prefill"
+    cfg = RedisBusConfig(request_stream=stream, group=stream, claim_idle_s=args.claim_idle)
     bus = RedisBus(args.bus, cfg)
     worker: Any
-    if role == "prefill":
+    if role == "worker":
+        from kvserve.services.workers.engine_worker import EngineWorker
+
+        worker = EngineWorker(bus.worker(name), engine, kv_events=True)
+    elif role == "prefill":
         from kvserve.services.workers.prefill import PrefillWorker
 
         decode_cfg = dataclasses.replace(cfg, request_stream="decode", group="decode")
         out = RedisBus(args.bus, decode_cfg, bus.redis)
-        worker = PrefillWorker(bus.worker(name), engine, out.submit)
+        worker = PrefillWorker(bus.worker(name), engine, out.submit, kv_events=True)
     else:
         from kvserve.services.workers.decode import DecodeWorker
 

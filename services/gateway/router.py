@@ -1,0 +1,373 @@
+"""KV-cache-aware routing: which engine worker gets a request.
+
+Workers publish KVEvents; the router keeps, per live worker, a `WorkerIndex` of the chain hashes
+its device and host tiers hold, and, per shared persistent store (a non-empty
+`WorkerInfo.store_id`), one index of the hashes any worker wrote there. `route` hashes the prompt
+with each candidate's block identity, predicts how many leading blocks each one already holds
+and picks one by policy:
+
+- "round-robin": the next candidate in sorted-name order.
+- "least-load": the smallest load.
+- "cache-aware": the smallest cost = overlap_weight * prefill_blocks + load, where
+  prefill_blocks = prompt_blocks - own - (1 - store_cost) * shared (NVIDIA Dynamo's KV router
+  cost, with a block from the shared store counted as partly cached).
+
+Invariants:
+- A worker's index only holds blocks from events of its current incarnation, applied in `seq`
+  order; a gap in `seq` drops the whole index (it is rebuilt from later events), a restart
+  (new incarnation) starts an empty one. Both indexes are LRU-bounded: the least recently
+  stored hash goes first.
+- The shared-store index is only fed ("stored", tier "store"); a store evicts silently, so a stale
+  entry costs a misprediction, never a wrong block (the engine checks every block it reads).
+- In-flight load and pending hashes count exactly the decisions not yet `finished`; pending
+  hashes make back-to-back requests of one prefix see each other before any event arrives.
+- load = max(blocks of in-flight requests routed here, the worker's reported num_used_blocks).
+- Ties go to fewer in-flight requests, then to a rotating order, so equal workers alternate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.shared.protocol import KVEvent, WorkerInfo
+from kvserve.shared.store.hashing import block_hashes, root_hash
+
+POLICIES = ("round-robin", "least-load", "cache-aware")
+STORE_TIER = "store"
+# A worker's own tiers as bits, so one hash can be in several at once.
+_TIER_BITS = {"device": 1, "host": 2}
+# A shared-store index holds this many times a worker's bound.
+_STORE_FACTOR = 4
+
+Identity = tuple[str, str, str, int]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where one request went and why. `hashes` are the prompt's chain hashes under the chosen
+    worker's identity; `load_blocks` is what the request adds to its in-flight load."""
+
+    worker: str
+    reason: str
+    predicted_cached_tokens: int
+    prompt_blocks: int
+    hashes: tuple[bytes, ...]
+    load_blocks: int
+    incarnation: str = ""
+
+
+class WorkerIndex:
+    """One worker's blocks as its events describe them: hash -> tier bits, in LRU order (the
+    most recently stored last), at most `max_blocks` hashes. Tier-"store" blocks and unknown
+    tiers are sequenced but not held here."""
+
+    def __init__(self, info: WorkerInfo, max_blocks: int) -> None:
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be at least 1")
+        self.info = info
+        self.max_blocks = max_blocks
+        self.last_seq: int | None = None
+        self.resyncs = 0
+        self._tiers: OrderedDict[bytes, int] = OrderedDict()
+
+    def apply(self, event: KVEvent) -> str:
+        """Apply one event; the outcome is "applied", "duplicate", "stale" or "gap"."""
+        outcome = self._sequence(event)
+        if outcome in ("stale", "duplicate"):
+            return outcome
+        if outcome == "gap":
+            self._tiers.clear()
+            self.resyncs += 1
+        self.last_seq = event.seq
+        self._change(event)
+        return outcome
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        """How many leading `hashes` are present in any tier."""
+        return _leading(hashes, self._tiers.__contains__)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._tiers
+
+    def __len__(self) -> int:
+        return len(self._tiers)
+
+    def _sequence(self, event: KVEvent) -> str:
+        if event.incarnation != self.info.incarnation:
+            return "stale"
+        if self.last_seq is None:
+            return "gap" if event.seq > 0 else "applied"
+        if event.seq <= self.last_seq:
+            return "duplicate"
+        return "gap" if event.seq > self.last_seq + 1 else "applied"
+
+    def _change(self, event: KVEvent) -> None:
+        if event.kind == "cleared":
+            self._tiers.clear()  # device and host are the only tiers held here
+            return
+        bit = _TIER_BITS.get(event.tier)
+        if bit is None:
+            return
+        if event.kind == "stored":
+            self._store(event.block_hashes, bit)
+        elif event.kind == "removed":
+            self._remove(event.block_hashes, bit)
+
+    def _store(self, hashes: Iterable[bytes], bit: int) -> None:
+        for h in hashes:
+            self._tiers[h] = self._tiers.get(h, 0) | bit
+            self._tiers.move_to_end(h)
+        while len(self._tiers) > self.max_blocks:
+            self._tiers.popitem(last=False)
+
+    def _remove(self, hashes: Iterable[bytes], bit: int) -> None:
+        for h in hashes:
+            rest = self._tiers.get(h, 0) & ~bit
+            if rest:
+                self._tiers[h] = rest
+            else:
+                self._tiers.pop(h, None)
+
+
+@dataclass
+class _Worker:
+    """The router's view of one live worker: its index and the decisions not yet finished."""
+
+    index: WorkerIndex
+    used_blocks: int = 0
+    requests: int = 0
+    blocks: int = 0
+    pending: Counter[bytes] = field(default_factory=Counter)
+
+    def load(self) -> int:
+        return max(self.blocks, self.used_blocks)
+
+    def own(self, hashes: Sequence[bytes]) -> int:
+        """Leading hashes in the index or pending on this worker."""
+        index, pending = self.index, self.pending
+        return _leading(hashes, lambda h: h in index or h in pending)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One worker's prediction for one prompt."""
+
+    name: str
+    hashes: tuple[bytes, ...]
+    own: int
+    shared: int
+    load: int
+    requests: int
+
+
+class Router:
+    """Picks a worker per request (see the module docstring). Owns every index; mutated only
+    by `set_workers`, `apply`, `route` and `finished`."""
+
+    def __init__(
+        self,
+        policy: str = "cache-aware",
+        overlap_weight: float = 1.0,
+        max_blocks_per_worker: int = 100_000,
+        store_cost: float = 0.2,
+    ) -> None:
+        _check_config(policy, overlap_weight, max_blocks_per_worker, store_cost)
+        self.policy = policy
+        self.overlap_weight = overlap_weight
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self.store_cost = store_cost
+        self._workers: dict[str, _Worker] = {}
+        self._stores: dict[str, OrderedDict[bytes, None]] = {}
+        self._turn = 0
+        self._decisions: Counter[str] = Counter()
+        self._events: Counter[str] = Counter()
+
+    def set_workers(
+        self, infos: Mapping[str, WorkerInfo], stats: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """Make `infos` the live set; a worker gone is forgotten, a restarted one starts empty."""
+        for name in [n for n in self._workers if n not in infos]:
+            del self._workers[name]
+        for name, info in infos.items():
+            worker = self._workers.get(name)
+            if worker is None or worker.index.info.incarnation != info.incarnation:
+                worker = _Worker(WorkerIndex(info, self.max_blocks_per_worker))
+                self._workers[name] = worker
+            worker.index.info = info
+            worker.used_blocks = _used_blocks(stats.get(name, {}))
+        live_stores = {info.store_id for info in infos.values()}
+        for store_id in [s for s in self._stores if s not in live_stores]:
+            del self._stores[store_id]
+
+    def apply(self, events: Iterable[KVEvent]) -> Counter[str]:
+        """Apply events in order; the outcomes counted ("unknown": no such live worker)."""
+        outcomes: Counter[str] = Counter(self._apply_one(e) for e in events)
+        self._events.update(outcomes)
+        return outcomes
+
+    def route(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None, role: str = "worker"
+    ) -> Decision | None:
+        """Pick a worker of `role` for the prompt and count the request in flight there; None
+        when no live worker has that role."""
+        names = sorted(n for n, w in self._workers.items() if w.index.info.role == role)
+        if not names:
+            return None
+        hasher = _PromptHasher(prompt_token_ids, cache_salt)
+        candidates = [self._candidate(n, hasher) for n in names]
+        chosen, reason = self._choose(candidates)
+        return self._record(chosen, reason, len(prompt_token_ids))
+
+    def finished(self, decision: Decision) -> None:
+        """Undo `decision`'s in-flight load and pending hashes (nothing if its worker is gone
+        or restarted since)."""
+        worker = self._workers.get(decision.worker)
+        if worker is None or worker.index.info.incarnation != decision.incarnation:
+            return
+        worker.requests = max(0, worker.requests - 1)
+        worker.blocks = max(0, worker.blocks - decision.load_blocks)
+        for h in decision.hashes:
+            left = worker.pending[h] - 1
+            if left > 0:
+                worker.pending[h] = left
+            else:
+                worker.pending.pop(h, None)
+
+    def workers(self) -> list[str]:
+        return sorted(self._workers)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "decisions": dict(self._decisions),
+            "events": dict(self._events),
+            "workers": {name: _worker_stats(w) for name, w in sorted(self._workers.items())},
+            "stores": {store_id: len(index) for store_id, index in self._stores.items()},
+        }
+
+    def _apply_one(self, event: KVEvent) -> str:
+        worker = self._workers.get(event.worker)
+        if worker is None:
+            return "unknown"
+        outcome = worker.index.apply(event)
+        shared = event.kind == "stored" and event.tier == STORE_TIER
+        if shared and outcome in ("applied", "gap"):
+            self._store_blocks(worker.index.info.store_id, event.block_hashes)
+        return outcome
+
+    def _store_blocks(self, store_id: str, hashes: Iterable[bytes]) -> None:
+        if not store_id:
+            return
+        index = self._stores.setdefault(store_id, OrderedDict())
+        for h in hashes:
+            index[h] = None
+            index.move_to_end(h)
+        while len(index) > self.max_blocks_per_worker * _STORE_FACTOR:
+            index.popitem(last=False)
+
+    def _candidate(self, name: str, hasher: _PromptHasher) -> _Candidate:
+        worker = self._workers[name]
+        hashes = hasher.hashes(worker.index.info)
+        own = worker.own(hashes)
+        store = self._stores.get(worker.index.info.store_id)
+        shared = _leading(hashes[own:], store.__contains__) if store else 0
+        return _Candidate(name, hashes, own, shared, worker.load(), worker.requests)
+
+    def _choose(self, candidates: list[_Candidate]) -> tuple[_Candidate, str]:
+        n = len(candidates)
+        turn = {c.name: (i - self._turn) % n for i, c in enumerate(candidates)}
+        if self.policy == "round-robin":
+            return min(candidates, key=lambda c: turn[c.name]), "round-robin"
+        if self.policy == "least-load":
+            return min(candidates, key=lambda c: (c.load, turn[c.name])), "least-load"
+        chosen = min(candidates, key=lambda c: (self._cost(c), c.requests, turn[c.name]))
+        best = max(self._overlap(c) for c in candidates)
+        overlap = self._overlap(chosen)
+        return chosen, "cache" if overlap > 0 and overlap >= best else "balance"
+
+    def _overlap(self, c: _Candidate) -> float:
+        """Blocks the candidate saves from prefill, a shared-store block counted partly."""
+        return c.own + (1.0 - self.store_cost) * c.shared
+
+    def _cost(self, c: _Candidate) -> float:
+        return self.overlap_weight * (len(c.hashes) - self._overlap(c)) + c.load
+
+    def _record(self, c: _Candidate, reason: str, prompt_len: int) -> Decision:
+        worker = self._workers[c.name]
+        info = worker.index.info
+        # The blocks the request holds while it runs, less the prefix it shares with requests
+        # in flight there (the engine holds those blocks once).
+        shared = _leading(c.hashes, worker.pending.__contains__)
+        load_blocks = prompt_len // info.block_size + 1 - shared
+        self._turn += 1
+        self._decisions[reason] += 1
+        worker.requests += 1
+        worker.blocks += load_blocks
+        worker.pending.update(c.hashes)
+        predicted = (c.own + c.shared) * info.block_size
+        return Decision(
+            c.name, reason, predicted, len(c.hashes), c.hashes, load_blocks, info.incarnation
+        )
+
+
+class _PromptHasher:
+    """A prompt's chain hashes, computed once per block identity."""
+
+    def __init__(self, tokens: Sequence[int], cache_salt: str | None) -> None:
+        self.tokens = tokens
+        self.cache_salt = cache_salt
+        self._memo: dict[Identity, tuple[bytes, ...]] = {}
+
+    def hashes(self, info: WorkerInfo) -> tuple[bytes, ...]:
+        key = (info.model_fp, info.tokenizer_fp, info.kv_format, info.block_size)
+        if key not in self._memo:
+            self._memo[key] = self._compute(key)
+        return self._memo[key]
+
+    def _compute(self, key: Identity) -> tuple[bytes, ...]:
+        bs = key[3]
+        limit = max(0, (len(self.tokens) - 1) // bs)  # the last token is always computed
+        root = root_hash(*key, self.cache_salt)
+        return tuple(block_hashes(root, self.tokens[: limit * bs], bs))
+
+
+def _leading(hashes: Sequence[bytes], present: Callable[[bytes], bool]) -> int:
+    """Length of the leading run of `hashes` for which `present` holds."""
+    n = 0
+    for h in hashes:
+        if not present(h):
+            break
+        n += 1
+    return n
+
+
+def _check_config(policy: str, weight: float, max_blocks: int, store_cost: float) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r}; one of {POLICIES}")
+    if not math.isfinite(weight) or weight < 0:
+        raise ValueError("overlap_weight must be a finite number >= 0")
+    if max_blocks < 1:
+        raise ValueError("max_blocks_per_worker must be at least 1")
+    if not 0.0 <= store_cost <= 1.0:
+        raise ValueError("store_cost must be in [0, 1]")
+
+
+def _used_blocks(stats: Mapping[str, Any]) -> int:
+    value = stats.get("num_used_blocks", 0)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return max(0, int(value)) if ok else 0
+
+
+def _worker_stats(worker: _Worker) -> dict[str, Any]:
+    return {
+        "indexed_blocks": len(worker.index),
+        "in_flight": worker.requests,
+        "in_flight_blocks": worker.blocks,
+        "last_seq": worker.index.last_seq,
+        "incarnation": worker.index.info.incarnation,
+        "resyncs": worker.index.resyncs,
+    }

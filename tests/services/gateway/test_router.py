@@ -1,0 +1,251 @@
+"""The gateway's KV-cache-aware router on hand-built workers and events (block_size 4): exact
+routing choices, predicted cached tokens, event sequencing, restarts and the LRU bounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvserve.services.gateway.router import Decision, Router, WorkerIndex
+from kvserve.shared.protocol import KVEvent, WorkerInfo
+from kvserve.shared.store.hashing import block_hashes, root_hash
+
+BS = 4
+PROMPT = list(range(1, 14))  # 13 tokens: 3 full blocks are considered (the last token computes)
+
+
+def info(name: str, inc: str = "i1", role: str = "worker", store_id: str = "") -> WorkerInfo:
+    return WorkerInfo(name, role, inc, BS, "m", "t", "fp32", store_id=store_id)
+
+
+def hashes(tokens: list[int], salt: str | None = None) -> list[bytes]:
+    """Chain hashes of every full block of `tokens`."""
+    return list(block_hashes(root_hash("m", "t", "fp32", BS, salt), tokens, BS))
+
+
+def stored(
+    worker: str, seq: int, hs: list[bytes], tier: str = "device", inc: str = "i1"
+) -> KVEvent:
+    return KVEvent(worker, inc, seq, "stored", tier, list(hs))
+
+
+def make_router(*infos: WorkerInfo, stats: dict[str, Any] | None = None, **kw: Any) -> Router:
+    router = Router(**kw)
+    router.set_workers({i.name: i for i in infos}, stats or {})
+    return router
+
+
+def route(router: Router, prompt: list[int], salt: str | None = None) -> Decision:
+    decision = router.route(prompt, salt)
+    assert decision is not None
+    return decision
+
+
+def summary(d: Decision) -> tuple[str, str, int]:
+    return d.worker, d.reason, d.predicted_cached_tokens
+
+
+def worker_stats(router: Router, name: str) -> dict[str, Any]:
+    stats: dict[str, Any] = router.stats()["workers"][name]
+    return stats
+
+
+def test_cache_aware_follows_the_prefix_across_turns() -> None:
+    router = make_router(info("A"), info("B"))
+    router.apply([stored("A", 0, hashes(PROMPT[:12]))])
+    first = route(router, PROMPT)
+    assert summary(first) == ("A", "cache", 12)
+    assert first.prompt_blocks == 3 and first.hashes == tuple(hashes(PROMPT[:12]))
+    assert first.load_blocks == 13 // BS + 1
+    router.finished(first)
+    second_turn = [*PROMPT, *range(100, 112)]  # 25 tokens, 6 blocks considered
+    second = route(router, second_turn)
+    assert (second.worker, second.predicted_cached_tokens, second.prompt_blocks) == ("A", 12, 6)
+
+
+def test_routes_on_the_whole_prompt_not_the_first_block() -> None:
+    router = make_router(info("A"), info("B"))
+    prefix = hashes(PROMPT[:12])
+    router.apply([stored("A", 0, prefix[:1]), stored("B", 0, prefix)])
+    decision = route(router, PROMPT)
+    assert summary(decision) == ("B", "cache", 12)
+
+
+def test_another_cache_salt_has_no_overlap() -> None:
+    router = make_router(info("A"), info("B"))
+    router.apply([stored("A", 0, hashes(PROMPT[:12]))])
+    decision = route(router, PROMPT, salt="tenant-b")
+    assert (decision.reason, decision.predicted_cached_tokens) == ("balance", 0)
+    assert decision.hashes == tuple(hashes(PROMPT[:12], "tenant-b"))
+
+
+def test_pending_requests_attract_their_twin_and_finish_to_zero() -> None:
+    router = make_router(info("A"), info("B"), overlap_weight=2.0)
+    first = route(router, PROMPT)
+    second = route(router, PROMPT)
+    assert second.worker == first.worker
+    assert (first.predicted_cached_tokens, second.predicted_cached_tokens) == (0, 12)
+    assert worker_stats(router, first.worker)["in_flight"] == 2
+    router.finished(first)
+    router.finished(second)
+    router.finished(second)  # a repeated finish never goes negative
+    after = worker_stats(router, first.worker)
+    assert (after["in_flight"], after["in_flight_blocks"]) == (0, 0)
+    assert route(router, PROMPT).predicted_cached_tokens == 0  # pending is gone
+
+
+def test_load_outweighs_overlap() -> None:
+    router = make_router(info("A"), info("B"), stats={"A": {"num_used_blocks": 1000}, "B": {}})
+    router.apply([stored("A", 0, hashes(PROMPT[:12]))])
+    decision = route(router, PROMPT)
+    assert summary(decision) == ("B", "balance", 0)
+
+
+def test_equal_workers_alternate_without_overlap() -> None:
+    router = make_router(info("A"), info("B"))
+    chosen = []
+    for i in range(4):
+        decision = route(router, [1000 * (i + 1) + t for t in range(13)])
+        assert decision.reason == "balance"
+        chosen.append(decision.worker)
+        router.finished(decision)
+    assert chosen in (["A", "B", "A", "B"], ["B", "A", "B", "A"])
+
+
+def test_round_robin_ignores_the_cache() -> None:
+    router = make_router(info("A"), info("B"), policy="round-robin")
+    router.apply([stored("A", 0, hashes(PROMPT[:12]))])
+    decisions = []
+    for _ in range(4):
+        decisions.append(route(router, PROMPT))
+        router.finished(decisions[-1])  # else B's pending copy predicts a hit there too
+    assert [d.worker for d in decisions] == ["A", "B", "A", "B"]
+    assert {d.reason for d in decisions} == {"round-robin"}
+    assert [d.predicted_cached_tokens for d in decisions] == [12, 0, 12, 0]
+
+
+def test_least_load_picks_the_lower_load() -> None:
+    stats = {"A": {"num_used_blocks": 10}, "B": {"num_used_blocks": 2}}
+    router = make_router(info("A"), info("B"), policy="least-load", stats=stats)
+    router.apply([stored("A", 0, hashes(PROMPT[:12]))])
+    decisions = [route(router, PROMPT) for _ in range(2)]
+    assert [(d.worker, d.reason) for d in decisions] == [("B", "least-load")] * 2
+    # 13 tokens hold 4 blocks; the second request shares its 3 full blocks with the first
+    assert [d.load_blocks for d in decisions] == [4, 1]
+    assert worker_stats(router, "B")["in_flight_blocks"] == 5
+
+
+def test_restart_empties_the_index_and_old_events_are_stale() -> None:
+    router = make_router(info("A"), info("B"))
+    router.apply([stored("A", 0, hashes(PROMPT[:12]))])
+    router.set_workers({"A": info("A", inc="i2"), "B": info("B")}, {})
+    assert worker_stats(router, "A")["indexed_blocks"] == 0
+    assert route(router, PROMPT).predicted_cached_tokens == 0
+    outcomes = router.apply([stored("A", 1, hashes(PROMPT[:12]), inc="i1")])
+    assert outcomes == {"stale": 1}
+    assert worker_stats(router, "A")["indexed_blocks"] == 0
+    assert router.apply([stored("A", 0, hashes(PROMPT[:4]), inc="i2")]) == {"applied": 1}
+    assert worker_stats(router, "A")["incarnation"] == "i2"
+
+
+def test_cleared_and_removed() -> None:
+    index = WorkerIndex(info("A"), max_blocks=100)
+    hs = hashes(PROMPT[:12])
+    index.apply(stored("A", 0, hs, tier="device"))
+    index.apply(stored("A", 1, hs[:2], tier="host"))
+    assert index.apply(KVEvent("A", "i1", 2, "removed", "device", list(hs))) == "applied"
+    assert (len(index), index.match(hs)) == (2, 2)  # the host copies remain
+    assert index.apply(KVEvent("A", "i1", 3, "cleared")) == "applied"
+    assert (len(index), index.match(hs)) == (0, 0)
+
+
+def test_gap_resyncs_and_duplicates_change_nothing() -> None:
+    index = WorkerIndex(info("A"), max_blocks=100)
+    h = hashes(list(range(20)))
+    assert [index.apply(stored("A", s, [h[s]])) for s in (0, 1)] == ["applied"] * 2
+    assert index.apply(stored("A", 3, [h[3]])) == "gap"
+    assert (len(index), h[3] in index, h[0] in index, h[1] in index) == (1, True, False, False)
+    assert (index.last_seq, index.resyncs) == (3, 1)
+    assert index.apply(stored("A", 3, [h[4]])) == "duplicate"
+    assert index.apply(stored("A", 2, [h[2]])) == "duplicate"
+    assert (len(index), h[4] in index, h[2] in index, index.last_seq) == (1, False, False, 3)
+
+
+def test_first_event_after_zero_is_a_gap() -> None:
+    router = make_router(info("A"))
+    assert router.apply([stored("A", 5, hashes(PROMPT[:4]))]) == {"gap": 1}
+    assert worker_stats(router, "A")["resyncs"] == 1
+    assert router.apply([stored("A", 6, [])]) == {"applied": 1}
+    assert router.stats()["events"] == {"gap": 1, "applied": 1}
+
+
+def test_lru_bound_drops_the_least_recently_stored() -> None:
+    router = make_router(info("A"), max_blocks_per_worker=8)
+    h = hashes(list(range(48)))  # 12 hashes
+    router.apply([stored("A", i, [x]) for i, x in enumerate(h)])
+    assert worker_stats(router, "A")["indexed_blocks"] == 8
+    index = WorkerIndex(info("A"), max_blocks=8)
+    index.apply(stored("A", 0, h[:8]))
+    index.apply(stored("A", 1, h[:1]))  # touching h[0] makes h[1] the oldest
+    index.apply(stored("A", 2, h[8:12]))
+    assert len(index) == 8
+    assert [x in index for x in h] == [True] + [False] * 4 + [True] * 7
+
+
+def test_shared_store_blocks_count_for_workers_of_that_store() -> None:
+    writer = info("W", role="prefill", store_id="redis://x")
+    router = make_router(writer, info("B", store_id="redis://x"), info("C", store_id="redis://y"))
+    assert router.apply([stored("W", 0, hashes(PROMPT[:12]), tier="store")]) == {"applied": 1}
+    assert worker_stats(router, "W")["indexed_blocks"] == 0  # not in the writer's own tiers
+    for _ in range(2):
+        decision = route(router, PROMPT)
+        assert (decision.worker, decision.reason) == ("B", "cache")
+        assert decision.predicted_cached_tokens == 12
+        router.finished(decision)
+    assert router.stats()["stores"] == {"redis://x": 3}
+
+
+def test_own_blocks_then_store_blocks() -> None:
+    router = make_router(info("B", store_id="redis://x"), info("W", store_id="redis://x"))
+    hs = hashes(PROMPT[:12])
+    router.apply([stored("B", 0, hs[:1]), stored("W", 0, hs, tier="store")])
+    router.set_workers({"B": info("B", store_id="redis://x")}, {})
+    decision = route(router, PROMPT)
+    assert (decision.worker, decision.predicted_cached_tokens) == ("B", 12)
+
+
+def test_workers_gone_and_roles() -> None:
+    router = make_router(info("A"), info("B"), info("D", role="decode"))
+    router.apply([stored("D", 0, hashes(PROMPT[:12])), stored("A", 0, hashes(PROMPT[:12]))])
+    router.set_workers({"B": info("B"), "D": info("D", role="decode")}, {})
+    assert router.workers() == ["B", "D"]
+    for _ in range(3):
+        assert route(router, PROMPT).worker == "B"
+    assert router.route(PROMPT, None, role="prefill") is None
+    decode = router.route(PROMPT, None, role="decode")
+    assert decode is not None and decode.worker == "D"
+    assert router.apply([stored("A", 1, [])]) == {"unknown": 1}
+
+
+def test_finished_after_the_worker_restarted_leaves_the_new_one_alone() -> None:
+    router = make_router(info("A"))
+    old = route(router, PROMPT)
+    router.set_workers({"A": info("A", inc="i2")}, {})
+    new = route(router, PROMPT)
+    router.finished(old)
+    assert (worker_stats(router, "A")["in_flight"], new.incarnation) == (1, "i2")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"policy": "random"},
+        {"overlap_weight": -1.0},
+        {"overlap_weight": float("nan")},
+        {"max_blocks_per_worker": 0},
+        {"store_cost": 1.5},
+    ],
+)
+def test_bad_config_is_refused(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        Router(**kw)
