@@ -657,7 +657,8 @@ class _RedisPort(WorkerPort):
         pipe = self._r.pipeline(transaction=False)
         pipe.zadd(self._bus.workers_key, {self.name: time.time()})
         if self._stats_source is not None:
-            stats = msgpack.packb(self._stats_source(), default=str)
+            report = {**self._stats_source(), "published_at": time.time()}
+            stats = msgpack.packb(report, default=str)
             pipe.hset(self._bus.stats_key, self.name, stats)
         if self._info is not None:
             pipe.hset(self._bus.info_key, self.name, encode(self._info))

@@ -147,16 +147,16 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class KVEvent:
-    """Blocks that entered (`stored`) or left (`removed`) one of a worker's tiers ("device",
+    """`op`: blocks that entered (`stored`) or left (`removed`) one of a worker's tiers ("device",
     "host"), or every block of its device and host tiers dropped at once (`cleared`, a flush).
     `parent_hash` is the chain hash before the first of `block_hashes` when they are one run."""
 
     KIND: ClassVar[str] = "kv"
-    KINDS: ClassVar[tuple[str, ...]] = ("stored", "removed", "cleared")
+    OPS: ClassVar[tuple[str, ...]] = ("stored", "removed", "cleared")
     worker: str
     incarnation: str
     seq: int
-    kind: str
+    op: str
     tier: str = ""
     block_hashes: list[bytes] = field(default_factory=list)
     parent_hash: bytes | None = None
@@ -221,7 +221,7 @@ _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "worker": _STR,
         "incarnation": _STR,
         "seq": _INT,
-        "kind": _STR,
+        "op": _STR,
         "tier": _STR,
         "block_hashes": (list,),
         "parent_hash": (bytes, type(None)),
@@ -357,8 +357,8 @@ def _check_fields(kind: str, body: dict[str, Any]) -> None:
 
 
 def _check_kv(body: dict[str, Any]) -> None:
-    if body.get("kind") not in KVEvent.KINDS:
-        raise ProtocolError(f"kv event kind must be one of {KVEvent.KINDS}")
+    if body.get("op") not in KVEvent.OPS:
+        raise ProtocolError(f"kv event op must be one of {KVEvent.OPS}")
     if not all(isinstance(h, bytes) for h in body.get("block_hashes", [])):
         raise ProtocolError("kv event block_hashes must hold bytes")
 

@@ -3,7 +3,8 @@
 - llama.cpp's `llama-server`, built on demand into `cache_dir() / "llama.cpp"` from the llama.cpp
   sources vendored in PyPI's `llama-cpp-python` sdist (`ensure_llama_server`).
 - Hugging Face transformers behind the minimal OpenAI-compatible shim in `hf_shim`.
-- kvserve itself (`kvserve serve`) and the disaggregated stack (`kvserve stack`), the stack on a
+- kvserve itself (`kvserve serve`) and `kvserve stack` (`stack_server`: the topology its flags
+  describe, e.g. the disaggregated arm's 2 prefill + 1 decode workers), the stack on a
   redis-server the harness starts like compose.yaml's (`OwnRedis`: maxmemory, allkeys-lru, no
   persistence) unless a Redis URL is given.
 
@@ -15,6 +16,7 @@ Differences the client has to know about llama-server: see `LLAMA_SERVER_NOTES`.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -28,6 +30,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvserve.shared import config
 
@@ -225,10 +228,22 @@ class OwnRedis:
             self.workdir = None
 
 
+def gateway_stats(base_url: str) -> dict[str, Any]:
+    """A kvserve gateway's GET /v1/cache/stats; {} when it does not answer with a JSON object."""
+    try:
+        with urllib.request.urlopen(base_url + "/v1/cache/stats", timeout=10) as resp:
+            stats = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    return stats if isinstance(stats, dict) else {}
+
+
 @dataclass
 class ServerProcess:
     """One arm's server: started in its own process group, stopped with the whole group (and
-    after it, the arm's own Redis if it has one)."""
+    after it, the arm's own Redis if it has one). Ready when `ready_path` answers 200 and, for a
+    kvserve gateway given `workers`, once it lists that many live workers (its /ready needs
+    one)."""
 
     name: str
     cmd: list[str]
@@ -238,6 +253,7 @@ class ServerProcess:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     redis: OwnRedis | None = None
+    workers: int = 0
 
     @property
     def base_url(self) -> str:
@@ -274,18 +290,24 @@ class ServerProcess:
                     f"{self.name}: the server exited with {self.proc.returncode} before it was "
                     f"ready; log {self.log}:\n{_tail(self.log)}"
                 )
-            try:
-                with urllib.request.urlopen(url, timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass  # not listening yet, or 503 while loading
+            if self._ready(url):
+                return
             if time.monotonic() > deadline:
                 raise ArmSetupError(
                     f"{self.name}: not ready at {url} after {timeout:.0f} s; log {self.log}:\n"
                     + _tail(self.log)
                 )
             time.sleep(0.5)
+
+    def _ready(self, url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False  # not listening yet, or 503 while loading
+        live = gateway_stats(self.base_url).get("workers") if self.workers else None
+        return not self.workers or len(live or {}) >= self.workers
 
     def stop(self, grace: float = 20.0) -> None:
         try:
@@ -361,23 +383,48 @@ ARMS = ("kvserve", "kvserve-bf16", "kvserve-disagg", "llama-server", "hf")
 DISAGG_REDIS_MAXMEMORY = "2gb"  # compose.yaml's default
 
 
-def _stack_cmd(redis_url: str, model: Path, port: int, threads: int) -> list[str]:
-    """`kvserve stack` with 2 prefill and 1 decode worker, the arm's threads divided among
-    them."""
-    cmd = [
-        _kvserve_exe(),
-        "stack",
-        "--redis",
-        redis_url,
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-    ]
+def _threads_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def _disagg_flags(threads: int) -> list[str]:
+    """2 prefill and 1 decode worker, the arm's threads divided among them."""
     workers = {"--prefill": 2, "--decode": 1}
-    cmd += [str(x) for flag, n in workers.items() for x in (flag, n)]
-    cmd += ["--threads-per-worker", str(max(1, threads // sum(workers.values())))]
-    return cmd
+    flags = [str(x) for flag, n in workers.items() for x in (flag, n)]
+    return [*flags, "--threads-per-worker", str(max(1, threads // sum(workers.values())))]
+
+
+def stack_server(
+    name: str,
+    flags: list[str],
+    model: Path,
+    port: int,
+    log_dir: Path,
+    threads: int = 2,
+    redis_url: str | None = None,
+    redis_maxmemory: str = DISAGG_REDIS_MAXMEMORY,
+    request_timeout: float = 3600.0,
+    workers: int = 0,
+) -> ServerProcess:
+    """`kvserve stack ... FLAGS` (the topology), not started, on `redis_url`, or when that is
+    None on an `OwnRedis` of `redis_maxmemory` started and stopped with it; ready once its
+    gateway lists `workers` live workers."""
+    own = None if redis_url else OwnRedis(free_port(), redis_maxmemory, log_dir / "redis.log")
+    url = own.url if own is not None else str(redis_url)
+    cmd = [_kvserve_exe(), "stack", "--redis", url, "--model", str(model), "--port", str(port)]
+    cmd += [*flags, "--request-timeout", str(request_timeout)]
+    log = log_dir / f"{name}.log"
+    env = _threads_env(threads)
+    return ServerProcess(name, cmd, port, "/ready", log, env, redis=own, workers=workers)
+
+
+def llama_server(
+    model: Path, port: int, log_dir: Path, threads: int = 2, slots: int = SLOTS
+) -> ServerProcess:
+    """llama-server with `slots` slots (`llama_server_cmd`), not started; builds it first if
+    needed (ArmSetupError when that fails)."""
+    cmd = llama_server_cmd(ensure_llama_server(), model, port, threads, slots)
+    return ServerProcess("llama-server", cmd, port, "/health", log_dir / "llama-server.log")
 
 
 def make_server(
@@ -396,7 +443,7 @@ def make_server(
     still unfinished after `request_timeout` seconds (the other servers have no such limit: give
     the client's timeout)."""
     timeout = ["--request-timeout", str(request_timeout)]
-    threads_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    threads_env = _threads_env(threads)
     log = log_dir / f"{arm}.log"
     if arm in ("kvserve", "kvserve-bf16"):
         cmd = [_kvserve_exe(), "serve", "--model", str(model), "--port", str(port)]
@@ -405,13 +452,12 @@ def make_server(
             cmd += ["--matmul-dtype", "bfloat16"]
         return ServerProcess(arm, cmd, port, "/ready", log, threads_env)
     if arm == "kvserve-disagg":
-        own = None if redis_url else OwnRedis(free_port(), redis_maxmemory, log_dir / "redis.log")
-        url = own.url if own is not None else str(redis_url)
-        cmd = [*_stack_cmd(url, model, port, threads), *timeout]
-        return ServerProcess(arm, cmd, port, "/ready", log, threads_env, redis=own)
+        flags = _disagg_flags(threads)
+        return stack_server(
+            arm, flags, model, port, log_dir, threads, redis_url, redis_maxmemory, request_timeout
+        )
     if arm == "llama-server":
-        cmd = llama_server_cmd(ensure_llama_server(), model, port, threads)
-        return ServerProcess(arm, cmd, port, "/health", log)
+        return llama_server(model, port, log_dir, threads)
     if arm == "hf":
         cmd = [sys.executable, "-m", "kvserve.services.bench.hf_shim", "--model", str(model)]
         cmd += ["--port", str(port), "--threads", str(threads)]

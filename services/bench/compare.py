@@ -111,8 +111,8 @@ def run_arm(
         except arms.ArmSetupError as e:
             return {"error": str(e), "runs": runs}
         try:
-            summary = _bench_serve(args, server.base_url, vocab, out / arm / f"repeat-{r}")
-        except _RunFailed as e:
+            summary = bench_serve(args, server.base_url, vocab, out / arm / f"repeat-{r}")
+        except RunFailed as e:
             return {"error": str(e), "runs": runs}
         finally:
             server.stop()
@@ -124,7 +124,7 @@ def run_arm(
     return {"runs": runs}
 
 
-class _RunFailed(Exception):
+class RunFailed(Exception):
     """Why a repeat does not count."""
 
 
@@ -151,11 +151,11 @@ def _start_server(
     return server
 
 
-def _bench_serve(
+def bench_serve(
     args: argparse.Namespace, base_url: str, vocab: int, run_dir: Path
 ) -> dict[str, Any]:
     """`kvserve bench serve` against the server: its summary (its output in
-    run_dir/stdout.txt); _RunFailed when it fails, times out, or a request failed."""
+    run_dir/stdout.txt); RunFailed when it fails, times out, or a request failed."""
     cmd = [arms._kvserve_exe(), "bench", "serve", "--base-url", base_url, *serve_argv(args)]
     cmd += ["--vocab-size", str(vocab), "--out", str(run_dir)]
     cmd += ["--warmup-requests", str(args.warmup_requests)]
@@ -164,16 +164,16 @@ def _bench_serve(
             cmd, capture_output=True, text=True, timeout=args.run_timeout, check=False
         )
     except subprocess.TimeoutExpired:
-        raise _RunFailed(f"bench serve ran past {args.run_timeout:.0f} s") from None
+        raise RunFailed(f"bench serve ran past {args.run_timeout:.0f} s") from None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise _RunFailed(f"bench serve exited with {proc.returncode}:\n{tail}")
+        raise RunFailed(f"bench serve exited with {proc.returncode}:\n{tail}")
     summary: dict[str, Any] = json.loads(lines[-1])
     if (why := failed_run(summary)) is not None:
-        raise _RunFailed(why)
+        raise RunFailed(why)
     return summary
 
 

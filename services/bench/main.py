@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "compare": Benchmark(
         "compare", "bench serve against kvserve, llama-server and HF, side by side"
     ),
+    "scale": Benchmark("scale", "2 workers on 2 cores: shared KV store and cache-aware routing"),
 }
 
 

@@ -4,9 +4,11 @@ Streaming /v1/completions requests with the prompt as token ids (every server se
 tokens), greedy (temperature 0), `ignore_eos` and a fixed `max_tokens` per request,
 `stream_options.include_usage`. Per request: TTFT, inter-token latencies (ITL), TPOT
 ((e2e - TTFT) / (output tokens - 1)), end-to-end latency, prompt and cached tokens
-(usage.prompt_tokens_details.cached_tokens where the server reports it). Overall: request and
-output-token throughput, goodput under --slo (requests/s meeting every SLO given), mean / median /
-p99 of TTFT, TPOT, ITL and e2e.
+(usage.prompt_tokens_details.cached_tokens where the server reports it) and reusable tokens
+(what a perfect prefix cache could have served: see kvserve.services.bench.reuse). Overall:
+request and output-token throughput, goodput under --slo (requests/s meeting every SLO given),
+mean / median / p99 of TTFT, TPOT, ITL and e2e, the cached and the reused fraction (cached /
+prompt tokens, cached / reusable tokens).
 
 Arrivals: Poisson at --request-rate (seeded), all at once for `inf`, the trace's own times for
 `mooncake` unless a rate is given; --max-concurrency bounds the requests in flight. A comma list
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.services.bench import workloads as wl
+from kvserve.services.bench.reuse import DEFAULT_BLOCK_SIZE, ReuseTracker
 from kvserve.services.cli_support import CliError
 
 NOT_RATES = ("inf", "trace")
@@ -67,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="short random requests sent first, not measured")  # fmt: skip
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--reuse-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="reusable tokens are counted in whole blocks of this many (the "
+                        "server's KV block size)")  # fmt: skip
     _add_workload_arguments(p)
 
 
@@ -133,7 +139,7 @@ def validate(args: argparse.Namespace) -> None:
         raise CliError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
     positive = ("max_concurrency", "num_requests", "vocab_size", "max_tokens", "input_len",
                 "output_len", "groups", "prompts_per_group", "question_len", "users", "rounds",
-                "scale", "max_context")  # fmt: skip
+                "scale", "max_context", "reuse_block_size")  # fmt: skip
     for name in positive:
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -223,6 +229,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None  # as the server counted them
     cached_tokens: int | None = None
+    reusable_tokens: int = 0  # what a perfect prefix cache could have served when it was sent
     text: str = ""
 
 
@@ -392,7 +399,8 @@ class _SessionRunner:
     """One run's sessions: each waits for its start time, then sends its turns in order (a
     multi-round one carries its history: the prompt plus the answer's token ids, from the
     server, else re-tokenized, else stand-ins of the same count). At most --max-concurrency
-    requests are in flight."""
+    requests are in flight. Each request's prompt goes to the `ReuseTracker` when it is sent,
+    its prompt and answer when it finishes."""
 
     def __init__(
         self,
@@ -409,15 +417,19 @@ class _SessionRunner:
         self.progress = progress  # progress(n): n more requests done
         self.sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         self.results: list[RequestResult] = []
+        self.reuse = ReuseTracker(args.reuse_block_size)
         self.t_start = time.perf_counter()
 
     async def request(self, prompt: list[int], res: RequestResult) -> list[int] | None:
         if self.sem is None:
-            res.start_s = time.perf_counter() - self.t_start
-            return await self.client.complete(prompt, res)
+            return await self._send(prompt, res)
         async with self.sem:
-            res.start_s = time.perf_counter() - self.t_start
-            return await self.client.complete(prompt, res)
+            return await self._send(prompt, res)
+
+    async def _send(self, prompt: list[int], res: RequestResult) -> list[int] | None:
+        res.start_s = time.perf_counter() - self.t_start
+        res.reusable_tokens = self.reuse.observe(prompt)
+        return await self.client.complete(prompt, res)
 
     async def session(self, k: int, s: wl.Session, at: float) -> None:
         delay = at - (time.perf_counter() - self.t_start)
@@ -431,11 +443,14 @@ class _SessionRunner:
             ids = await self.request(prompt, res)
             self.progress(1)
             if not s.carry_history:
+                if ids:
+                    self.reuse.add(prompt + ids)
                 continue
             if not res.success:
                 self._skip_rest(k, s, j)  # the conversation cannot go on
                 break
             history = prompt + await self._answer_ids(ids, res, k, j)
+            self.reuse.add(history)
 
     def _skip_rest(self, k: int, s: wl.Session, j: int) -> None:
         for rest in s.turns[j + 1 :]:
@@ -487,6 +502,7 @@ def summarize(
     out_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_len for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
+    reusable = sum(r.reusable_tokens for r in ok)
 
     def good(r: RequestResult) -> bool:
         if "ttft" in slo and (r.ttft_s is None or r.ttft_s > slo["ttft"]):
@@ -512,6 +528,8 @@ def summarize(
         "cached_tokens_total": cached,
         "cached_fraction": cached / prompt_tokens if prompt_tokens else 0.0,
         "cached_tokens_reported": any(r.cached_tokens is not None for r in ok),
+        "reusable_tokens_total": reusable,
+        "reused_fraction": cached / reusable if reusable else None,
     }
     s |= _stats([r.ttft_s for r in ok if r.ttft_s is not None], "ttft")
     s |= _stats([r.tpot_s for r in ok if r.tpot_s is not None], "tpot")
@@ -539,6 +557,7 @@ def table(s: dict[str, Any]) -> str:
         ("total throughput (tok/s)", fmt(s["total_tok_s"])),
         ("goodput (req/s)", fmt(s["goodput"])),
         ("prompt / cached tokens", f"{s['prompt_tokens_total']} / {s['cached_tokens_total']}"),
+        ("reusable tokens / reused", f"{s['reusable_tokens_total']} / {fmt(s['reused_fraction'])}"),
     ]
     for m in ("ttft", "tpot", "itl", "e2e"):
         vals = [fmt(s[f"{m}_{k}_s"], ms=True) for k in ("mean", "median", "p99")]

@@ -22,12 +22,16 @@ Invariants:
 - In-flight load and pending hashes count exactly the decisions not yet `finished`; pending
   hashes make back-to-back requests of one prefix see each other before any event arrives.
 - load = max(blocks of in-flight requests routed here, the worker's reported num_used_blocks).
+  A report is used only when the worker published it after the last request this router saw
+  finish there (its `published_at`): a report up to a heartbeat old would still count a
+  finished conversation's blocks and send its next round away from its cache.
 - Ties go to fewer in-flight requests, then to a rotating order, so equal workers alternate.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -106,15 +110,15 @@ class WorkerIndex:
         return "gap" if event.seq > self.last_seq + 1 else "applied"
 
     def _change(self, event: KVEvent) -> None:
-        if event.kind == "cleared":
+        if event.op == "cleared":
             self._tiers.clear()  # device and host are the only tiers held here
             return
         bit = _TIER_BITS.get(event.tier)
         if bit is None:
             return
-        if event.kind == "stored":
+        if event.op == "stored":
             self._store(event.block_hashes, bit)
-        elif event.kind == "removed":
+        elif event.op == "removed":
             self._remove(event.block_hashes, bit)
 
     def _store(self, hashes: Iterable[bytes], bit: int) -> None:
@@ -142,6 +146,7 @@ class _Worker:
     requests: int = 0
     blocks: int = 0
     pending: Counter[bytes] = field(default_factory=Counter)
+    finished_at: float = 0.0  # wall time of the last request seen finishing here
 
     def load(self) -> int:
         return max(self.blocks, self.used_blocks)
@@ -198,7 +203,9 @@ class Router:
                 worker = _Worker(WorkerIndex(info, self.max_blocks_per_worker))
                 self._workers[name] = worker
             worker.index.info = info
-            worker.used_blocks = _used_blocks(stats.get(name, {}))
+            report = stats.get(name, {})
+            fresh = _number(report.get("published_at", math.inf)) > worker.finished_at
+            worker.used_blocks = int(_number(report.get("num_used_blocks", 0))) if fresh else 0
         live_stores = {info.store_id for info in infos.values()}
         for store_id in [s for s in self._stores if s not in live_stores]:
             del self._stores[store_id]
@@ -228,6 +235,7 @@ class Router:
         worker = self._workers.get(decision.worker)
         if worker is None or worker.index.info.incarnation != decision.incarnation:
             return
+        worker.finished_at = time.time()
         worker.requests = max(0, worker.requests - 1)
         worker.blocks = max(0, worker.blocks - decision.load_blocks)
         for h in decision.hashes:
@@ -254,7 +262,7 @@ class Router:
         if worker is None:
             return "unknown"
         outcome = worker.index.apply(event)
-        shared = event.kind == "stored" and event.tier == STORE_TIER
+        shared = event.op == "stored" and event.tier == STORE_TIER
         if shared and outcome in ("applied", "gap"):
             self._store_blocks(worker.index.info.store_id, event.block_hashes)
         return outcome
@@ -356,10 +364,10 @@ def _check_config(policy: str, weight: float, max_blocks: int, store_cost: float
         raise ValueError("store_cost must be in [0, 1]")
 
 
-def _used_blocks(stats: Mapping[str, Any]) -> int:
-    value = stats.get("num_used_blocks", 0)
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    return max(0, int(value)) if ok else 0
+def _number(value: Any) -> float:
+    """A reported number, 0 for anything else (a report is untrusted input)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+    return max(0.0, float(value)) if ok else 0.0
 
 
 def _worker_stats(worker: _Worker) -> dict[str, Any]:

@@ -87,7 +87,7 @@ class KVEventPublisher:
             worker=self.port.name,
             incarnation=self.incarnation,
             seq=self.seq,
-            kind=e.kind,
+            op=e.kind,
             tier=e.tier,
             block_hashes=[bytes(h) for h in e.hashes],
         )

@@ -1,16 +1,24 @@
 """`kvserve bench serve`: the workloads (deterministic, the requested shapes), the Mooncake trace
-loader on the real trace, bad arguments, and a tiny end-to-end run against `kvserve serve`."""
+loader on the real trace, the reusable-token count (alone and fed by the session runner), bad
+arguments, and a tiny end-to-end run against `kvserve serve`."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import itertools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvserve.services import cli
+from kvserve.services.bench import serve
 from kvserve.services.bench import workloads as wl
+from kvserve.services.bench.reuse import ReuseTracker
 
 from tests.services.kvserve_process import ServeProcess
 
@@ -102,7 +110,65 @@ def test_mooncake_loader_on_the_real_trace() -> None:
             wl.parse_window(bad)
 
 
-def test_bad_arguments_are_one_line_errors(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_reuse_counts_a_shared_system_prompt_from_the_second_request() -> None:
+    system = list(range(1000, 1040))  # 40 tokens: two whole 16-token blocks and 8 more
+    reuse = ReuseTracker(16)
+    assert reuse.observe(system + list(range(1, 11))) == 0
+    assert reuse.observe(system + list(range(11, 21))) == 32  # whole blocks only, not 40
+    assert reuse.observe(list(range(2000, 2050))) == 0
+
+
+def test_reuse_counts_the_previous_prompt_and_answer_of_a_follow_up_round() -> None:
+    prompt, answer, question = list(range(1000, 1044)), [7, 8, 9, 10], list(range(1, 13))
+    reuse = ReuseTracker(16)
+    assert reuse.observe(prompt) == 0
+    follow_up = prompt + answer + question  # 60 tokens; the 3rd block ends with the answer
+    assert reuse.reusable(follow_up) == 32  # the prompt's two whole blocks
+    reuse.add(prompt + answer)
+    assert reuse.observe(follow_up) == 48
+
+
+def test_reuse_never_counts_the_last_prompt_token() -> None:
+    reuse = ReuseTracker(16)
+    reuse.add(list(range(1000, 1064)))
+    assert reuse.reusable(list(range(1000, 1032))) == 16  # at most (32 - 1) // 16 blocks
+    assert reuse.reusable(list(range(1000, 1033))) == 32
+    assert reuse.reusable([1000]) == 0 and reuse.reusable([]) == 0
+    with pytest.raises(ValueError):
+        ReuseTracker(0)
+
+
+class AnsweringClient:
+    """Stands in for serve.Client: every completion succeeds with 4 new token ids."""
+
+    def __init__(self) -> None:
+        self.ids = itertools.count(60000)
+
+    async def complete(self, prompt: list[int], res: serve.RequestResult) -> list[int]:
+        await asyncio.sleep(0)  # let the other sessions send theirs
+        res.success, res.ttft_s, res.output_tokens = True, 0.01, 4
+        return [next(self.ids) for _ in range(4)]
+
+    async def tokenize(self, text: str) -> None:
+        return None
+
+
+def test_the_session_runner_feeds_reuse_in_send_order() -> None:
+    """Two users, two rounds, a 32-token system prompt, 12-token questions, 4-token answers:
+    the second user's first round reuses the system prompt's two blocks; every second round
+    its own history's three (prompt 44 + answer 4 = 48 tokens)."""
+    sessions = wl.multi_round_workload(2, 2, 32, 12, 4, VOCAB, seed=0)
+    args = argparse.Namespace(seed=0, max_concurrency=None, reuse_block_size=16)
+    client: Any = AnsweringClient()
+    results, duration = asyncio.run(serve.run_once(args, client, sessions, math.inf, VOCAB))
+    reusable = {(r.index, r.turn): r.reusable_tokens for r in results}
+    assert reusable == {(0, 0): 0, (1, 0): 32, (0, 1): 48, (1, 1): 48}
+    summary = serve.summarize(results, duration, {}, math.inf)
+    assert summary["reusable_tokens_total"] == 128 and summary["reused_fraction"] == 0.0
+    assert serve.summarize([], 1.0, {}, None)["reused_fraction"] is None
+
+
+def test_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["bench", "serve", "--base-url", "http://127.0.0.1:9"]
     for args in (
         [*base, "--workload", "nope"],

@@ -16,8 +16,10 @@ from kvserve.shared.protocol import (
     Cancel,
     ErrorInfo,
     GenerateRequest,
+    KVEvent,
     ProtocolError,
     TokenEvent,
+    WorkerInfo,
     decode,
     decode_sampling,
     encode,
@@ -49,6 +51,9 @@ MESSAGES = [
     ),
     TokenEvent("r", 0, error=ErrorInfo("bad", "invalid_request_error", "max_tokens", "x")),
     Cancel("cmpl-1", "client"),
+    WorkerInfo("worker-0", "worker", "inc1", 16, "m", "t", "float32", "redis://h:6379/0", 1.0),
+    KVEvent("worker-0", "inc1", 7, "stored", "device", [b"\x00" * 32, b"\xff" * 32]),
+    KVEvent("worker-0", "inc1", 8, "cleared"),
 ]
 
 
@@ -86,6 +91,33 @@ def _token(**over: Any) -> bytes:
         (_token(token_ids=[1, True]), "token_ids"),
         (_token(error={"type": "x"}), "bad error"),
         (_token(error={"message": "m", "type": 3}), "bad error"),
+        (_raw(kind="kv", v=PROTOCOL_VERSION, worker="w", incarnation="i", seq=0, op="x"), "op"),
+        (
+            _raw(
+                kind="kv",
+                v=PROTOCOL_VERSION,
+                worker="w",
+                incarnation="i",
+                seq=0,
+                op="stored",
+                block_hashes=["not bytes"],
+            ),
+            "bytes",
+        ),
+        (
+            _raw(
+                kind="worker_info",
+                v=PROTOCOL_VERSION,
+                name="w",
+                role="boss",
+                incarnation="i",
+                block_size=16,
+                model_fp="m",
+                tokenizer_fp="t",
+                kv_format="f",
+            ),
+            "role",
+        ),
         (
             _raw(
                 kind="generate",

@@ -3,6 +3,7 @@ routing choices, predicted cached tokens, event sequencing, restarts and the LRU
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -99,6 +100,20 @@ def test_load_outweighs_overlap() -> None:
     router.apply([stored("A", 0, hashes(PROMPT[:12]))])
     decision = route(router, PROMPT)
     assert summary(decision) == ("B", "balance", 0)
+
+
+def test_a_load_report_older_than_the_last_finish_there_is_ignored() -> None:
+    router = make_router(info("A"), info("B"))
+    router.apply([stored("A", 0, hashes(PROMPT[:12]))])
+    first = route(router, PROMPT)
+    assert first.worker == "A"
+    busy = {"A": {"num_used_blocks": 1000, "published_at": time.time() - 1.0}, "B": {}}
+    router.finished(first)  # after the report: the report still counts this request
+    router.set_workers({"A": info("A"), "B": info("B")}, busy)
+    assert summary(route(router, PROMPT)) == ("A", "cache", 12)
+    busy["A"]["published_at"] = time.time() + 1.0  # a report after that finish: A is busy
+    router.set_workers({"A": info("A"), "B": info("B")}, busy)
+    assert route(router, PROMPT).reason == "balance"
 
 
 def test_equal_workers_alternate_without_overlap() -> None:
