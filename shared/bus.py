@@ -168,6 +168,10 @@ class WorkerPort(abc.ABC):
     async def publish_kv_events(self, events: list[KVEvent]) -> None:  # noqa: B027
         """Tell routers which blocks entered or left this worker's tiers (no-op in process)."""
 
+    async def resync_requested(self) -> bool:
+        """Has a router asked for a snapshot of this worker's blocks since the last call?"""
+        return False
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Deregister. Unacked deliveries stay pending (Redis) for another worker."""
@@ -175,6 +179,14 @@ class WorkerPort(abc.ABC):
 
 class BusUnavailableError(ConnectionError):
     """The bus itself (Redis) cannot be reached."""
+
+
+def is_bus_error(error: BaseException) -> bool:
+    """Did a bus call fail for want of the bus (a connection lost, refused or timed out)?"""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    return isinstance(error, OSError | RedisConnectionError | RedisTimeoutError)
 
 
 class Bus(abc.ABC):
@@ -206,6 +218,9 @@ class Bus(abc.ABC):
         first), waiting at most `block_ms` for one."""
         await asyncio.sleep(block_ms / 1000)
         return []
+
+    async def request_resync(self, worker: str) -> None:  # noqa: B027
+        """Ask `worker` to publish a snapshot of its blocks (a router missed some events)."""
 
     @abc.abstractmethod
     def worker(self, name: str | None = None) -> WorkerPort: ...
@@ -519,6 +534,12 @@ class RedisBus(Bus):
 
     def cancelled_key(self, request_id: str) -> str:
         return f"{self.config.prefix}:cancelled:{request_id}"
+
+    def resync_key(self, worker: str) -> str:
+        return f"{self.config.prefix}:resync:{worker}"
+
+    async def request_resync(self, worker: str) -> None:
+        await self.redis.set(self.resync_key(worker), b"1", ex=60)
 
     def to_key(self, worker: str) -> str:
         """The worker's own request stream (requests routed to it)."""
@@ -856,6 +877,9 @@ class _RedisPort(WorkerPort):
                 approximate=True,
             )
         await pipe.execute()
+
+    async def resync_requested(self) -> bool:
+        return bool(await self._r.getdel(self._bus.resync_key(self.name)))
 
     async def ack(self, delivery: Delivery) -> None:
         self._held.pop(delivery.message_id, None)

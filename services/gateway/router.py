@@ -190,6 +190,7 @@ class Router:
         self._turn = 0
         self._decisions: Counter[str] = Counter()
         self._events: Counter[str] = Counter()
+        self._lost_track: set[str] = set()  # workers whose events had a gap
 
     def set_workers(
         self, infos: Mapping[str, WorkerInfo], stats: Mapping[str, Mapping[str, Any]]
@@ -245,6 +246,11 @@ class Router:
             else:
                 worker.pending.pop(h, None)
 
+    def take_lost_track(self) -> list[str]:
+        """Workers whose events had a gap since the last call (to ask for a snapshot)."""
+        out, self._lost_track = sorted(self._lost_track), set()
+        return out
+
     def workers(self) -> list[str]:
         return sorted(self._workers)
 
@@ -262,6 +268,8 @@ class Router:
         if worker is None:
             return "unknown"
         outcome = worker.index.apply(event)
+        if outcome == "gap":
+            self._lost_track.add(event.worker)
         shared = event.op == "stored" and event.tier == STORE_TIER
         if shared and outcome in ("applied", "gap"):
             self._store_blocks(worker.index.info.store_id, event.block_hashes)

@@ -2,8 +2,9 @@
 
 Two tasks keep the router current: one refreshes the live workers and their stats every
 `refresh_s` (a worker whose heartbeat stopped drops out within the bus's worker TTL, a restarted
-one comes back with a new incarnation and an empty index), one reads the workers' KV events.
-Both log a bus failure and try again, so routing resumes by itself when Redis returns.
+one comes back with a new incarnation and an empty index), one reads the workers' KV events
+and asks a worker whose events had a gap for a snapshot of its blocks. Both log a bus failure
+and try again, so routing resumes by itself when Redis returns.
 
 `route` picks a worker for a prompt under a `kvserve.route` span: an aggregated worker when any
 is live, else a prefill worker (the disaggregated topology), else None (the request goes to the
@@ -81,6 +82,8 @@ class RoutingService:
         outcomes = self.router.apply(await self.bus.kv_events(block_ms=1000))
         for outcome, n in outcomes.items():
             self.metrics.events.labels(outcome).inc(n)
+        for worker in self.router.take_lost_track():
+            await self.bus.request_resync(worker)
 
     def route(self, prompt: Sequence[int], cache_salt: str | None) -> Decision | None:
         with tracer.start_as_current_span("kvserve.route") as span:

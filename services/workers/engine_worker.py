@@ -9,7 +9,8 @@ store); with `kv_events` it also publishes its KV-cache manager's tier changes
 
 Invariants:
 - Every delivery is acked exactly once, after its request finished, failed or was cancelled
-  (so a worker that dies mid-request leaves the request pending for another worker).
+  (so a worker that dies mid-request leaves the request pending for another worker); a request
+  during which a bus call failed is not acked but run again here after a pause.
 - A request's events carry seq 0, 1, 2, ... in order; one event per completion delta that has
   tokens, text or a finish reason; an error event is the last one.
 - A request id runs at most once at a time on this worker (a redelivery of a request still
@@ -30,7 +31,7 @@ from kvserve.services.workers.admin_jobs import run_admin_job
 from kvserve.services.workers.kv_events import KVEventPublisher
 from kvserve.services.workers.spans import request_span, set_cached_tokens
 from kvserve.services.workers.token_events import TokenEmitter
-from kvserve.shared.bus import Delivery, WorkerPort
+from kvserve.shared.bus import Delivery, WorkerPort, is_bus_error
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest, WorkerInfo
@@ -71,13 +72,19 @@ class EngineWorker:
         self.max_receive = max_receive
         self.poll_s = poll_s
         self.incarnation = uuid.uuid4().hex
+        kv = engine.engine.kv
         self.kv_events = (
-            KVEventPublisher(port, engine.engine.kv, self.incarnation) if kv_events else None
+            KVEventPublisher(
+                port, kv, self.incarnation, snapshot=lambda: engine.call(kv.log_snapshot)
+            )
+            if kv_events
+            else None
         )
         self._running: dict[str, _Running] = {}
         self._accepting = True
         self._loops: list[asyncio.Task[None]] = []
         self._cancelling: set[asyncio.Task[None]] = set()  # cancel_and_wait of cancelled requests
+        self._failures: dict[str, int] = {}  # bus failures per delivery, while it runs again
 
     @property
     def num_running(self) -> int:
@@ -207,16 +214,39 @@ class EngineWorker:
     # ---- one request ----------------------------------------------------------------------
 
     async def _serve(self, d: Delivery) -> None:
-        """The request under its `kvserve.worker.generate` span; acked at the end."""
+        """The request under its `kvserve.worker.generate` span; acked at the end, unless a
+        bus call failed on the way (then its answer may not have reached the gateway: it runs
+        again after a pause, and its events, re-emitted from seq 0, are deduplicated)."""
         req = d.request
         assert isinstance(req, GenerateRequest)
+        done = True
         try:
             with request_span(tracer, "kvserve.worker.generate", req, self.model_name) as span:
                 emitted = await self._run(req)
                 span.set_attribute(GEN_AI_OUTPUT_TOKENS, emitted.output_tokens)
                 set_cached_tokens(span, emitted.cached_tokens)
+        except Exception as e:  # _run lets only bus errors through
+            if not is_bus_error(e):
+                raise
+            done = False
+            self._run_again(d, e)
         finally:
-            await self._ack(d)
+            if done:
+                self._failures.pop(d.message_id, None)
+                await self._ack(d)
+
+    def _run_again(self, d: Delivery, error: Exception) -> None:
+        """Admit `d` again after a pause that doubles with each failure (at most 10 s)."""
+        tries = self._failures[d.message_id] = self._failures.get(d.message_id, 0) + 1
+        pause = min(10.0, self.poll_s * 2 ** (tries - 1))
+        rid = d.request.request_id
+        log.warning("bus failed mid-request; running it again", request_id=rid, error=str(error))
+
+        def again() -> None:
+            if self._accepting:
+                self._admit(d)
+
+        asyncio.get_running_loop().call_later(pause, again)
 
     async def _run(self, req: GenerateRequest) -> TokenEmitter:
         """Run the request to its end: its outputs, or its error, as events."""
@@ -233,6 +263,8 @@ class EngineWorker:
             with contextlib.suppress(Exception):
                 await out.error(ErrorInfo("request cancelled", "cancelled"))
         except Exception as e:
+            if is_bus_error(e):
+                raise  # the answer may not reach the gateway: _serve runs it again
             log.exception("request failed", request_id=req.request_id)
             await out.error(ErrorInfo(f"internal error: {type(e).__name__}", "server_error"))
             await self._leave_if_engine_failed()

@@ -4,13 +4,17 @@ Every `interval_s` it takes what the manager logged (the engine thread appends; 
 runs on it), merges consecutive changes of the same kind and tier into one event (at most
 `max_hashes` hashes each), numbers them `seq` = 0, 1, 2, ... for this incarnation and publishes
 them in one pipeline. A failed publish loses those events but not their numbers, so a router
-sees the gap and resynchronises (services/gateway/router.py).
+sees the gap and asks for a snapshot (services/gateway/router.py); every `resync_every`
+flushes the publisher checks for such a request and has the engine log one (a "cleared", then
+every block it holds), on the engine thread so that it is in order with the other changes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from kvserve.shared.bus import WorkerPort
 from kvserve.shared.engine.kv_cache_manager import KVCacheManager, TierEvent
@@ -44,12 +48,17 @@ class KVEventPublisher:
         port: WorkerPort,
         manager: KVCacheManager,
         incarnation: str,
+        snapshot: Callable[[], Awaitable[Any]] | None = None,
         interval_s: float = 0.05,
+        resync_every: int = 20,
     ) -> None:
         self.port = port
         self.manager = manager
         self.incarnation = incarnation
         self.interval_s = interval_s
+        self.snapshot = snapshot
+        self.resync_every = resync_every
+        self.snapshots = 0
         self.seq = 0
         self.published = 0
         self.failed = 0
@@ -67,9 +76,22 @@ class KVEventPublisher:
             await self.flush()
 
     async def _run(self) -> None:
+        n = 0
         while True:
             await asyncio.sleep(self.interval_s)
+            n += 1
+            if self.snapshot is not None and n % self.resync_every == 0:
+                await self._resync_if_asked()
             await self.flush()
+
+    async def _resync_if_asked(self) -> None:
+        assert self.snapshot is not None
+        try:
+            if await self.port.resync_requested():
+                await self.snapshot()
+                self.snapshots += 1
+        except Exception as e:  # the router asks again on its next gap
+            log.warning("KV snapshot failed", error=str(e))
 
     async def flush(self) -> None:
         events = [self._numbered(e) for e in merge(self.manager.take_events())]

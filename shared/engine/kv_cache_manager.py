@@ -25,9 +25,10 @@ Invariants:
 - Every block that enters or leaves a tier passes through `_entered` / `_left`, which count it
   by (tier, kind) in `tier_events` (reported by `stats`) and, once `enable_events()` was called,
   log it as a TierEvent for `take_events()` (a worker publishes them as KV events for routers;
-  `reset` logs one "cleared"). The log is a deque: the engine thread appends, the worker's event
-  loop takes; past `max_events` unread it is replaced by a single "cleared" (readers forget this
-  engine's blocks rather than keep a wrong picture).
+  `reset` logs one "cleared"; `log_snapshot` logs "cleared" and then every block the device and
+  host tiers hold, for a reader that lost track). The log is a deque: the engine thread
+  appends, the worker's event loop takes; past `max_events` unread it is replaced by a single
+  "cleared" (readers forget this engine's blocks rather than keep a wrong picture).
 - Only this class touches the pool, the host tier and the connector; the cache tensors it reads
   and writes whole blocks of (the model writes tokens into them during a step).
 """
@@ -159,6 +160,15 @@ class KVCacheManager:
         while self._events:
             out.append(self._events.popleft())
         return out
+
+    def log_snapshot(self, chunk: int = 512) -> None:
+        """Log what the device and host tiers hold now, after a "cleared" (engine thread)."""
+        self._log(TierEvent("cleared", ""))
+        device = self.pool.index.hashes() if self.pool.index is not None else []
+        host = self.host_tier.hashes() if self.host_tier is not None else []
+        for tier, hashes in (("device", device), ("host", host)):
+            for i in range(0, len(hashes), chunk):
+                self._log(TierEvent("stored", tier, tuple(hashes[i : i + chunk])))
 
     def _log(self, event: TierEvent) -> None:
         if self._events is None:

@@ -49,6 +49,10 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def hashes(self) -> list[BlockHash]:
+        """Every cached block's hash."""
+        return list(self._by_hash)
+
     def __contains__(self, block: BlockId) -> bool:
         return block in self._by_block
 

@@ -137,6 +137,9 @@ class HostTier:
     def __contains__(self, h: BlockHash) -> bool:
         return h in self._entries or h in self._pinned
 
+    def hashes(self) -> list[BlockHash]:
+        return [*self._entries, *self._pinned]
+
     def pin(self, h: BlockHash, data: BlockData, source: str) -> None:
         """Keep this block regardless of the byte bound (warm-up prefixes)."""
         old = self._entries.pop(h, None)

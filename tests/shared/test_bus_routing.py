@@ -109,6 +109,15 @@ async def test_kv_events_are_read_once_in_order(rbus: RedisBus) -> None:
     await a.close()
 
 
+async def test_a_resync_request_is_seen_once(rbus: RedisBus) -> None:
+    a = await started(rbus, "a")
+    assert not await a.resync_requested()
+    await rbus.request_resync("a")
+    assert await a.resync_requested()
+    assert not await a.resync_requested()
+    await a.close()
+
+
 async def test_a_bus_whose_keys_vanished_recovers(rbus: RedisBus) -> None:
     """As after a Redis restart without persistence: groups, registrations and streams gone."""
     a = await started(rbus, "a")

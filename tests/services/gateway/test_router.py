@@ -186,6 +186,14 @@ def test_gap_resyncs_and_duplicates_change_nothing() -> None:
     assert (len(index), h[4] in index, h[2] in index, index.last_seq) == (1, False, False, 3)
 
 
+def test_a_gap_asks_once_for_that_workers_snapshot() -> None:
+    router = make_router(info("A"), info("B"))
+    h = hashes(PROMPT[:12])
+    router.apply([stored("A", 0, h[:1]), stored("A", 2, h[1:2]), stored("B", 0, h[:1])])
+    assert router.take_lost_track() == ["A"]
+    assert router.take_lost_track() == []
+
+
 def test_first_event_after_zero_is_a_gap() -> None:
     router = make_router(info("A"))
     assert router.apply([stored("A", 5, hashes(PROMPT[:4]))]) == {"gap": 1}

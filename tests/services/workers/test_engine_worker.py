@@ -97,3 +97,39 @@ async def test_bad_requests_become_error_events(  # type: ignore[no-untyped-def]
     req = GenerateRequest("bad", [1, 2, 3, 4], sampling, deadline=deadline)
     (ev,) = await collect(await bus.submit(req))
     assert ev.error is not None and ev.error.type == etype and ev.error.param == param
+
+
+async def test_a_request_during_which_the_bus_failed_runs_again(  # type: ignore[no-untyped-def]
+    engine, chat_prompt_ids
+) -> None:
+    """The first cancel check and the first emit fail (Redis gone for a moment): the request is
+    not acked and lost but runs again, and the client gets its whole answer once."""
+    from tests.services.workers.disagg import AckRecordingPort
+
+    bus = InProcessBus()
+    port = AckRecordingPort(bus.worker("w"))
+    failures = {"is_cancelled": 1, "emit": 1}
+
+    def flaky(name: str, call: Any) -> Any:
+        async def wrapped(*args: Any) -> Any:
+            if failures[name]:
+                failures[name] -= 1
+                raise ConnectionError("Connection closed by server.")
+            return await call(*args)
+
+        return wrapped
+
+    port.is_cancelled = flaky("is_cancelled", port.is_cancelled)  # type: ignore[method-assign]
+    port.emit = flaky("emit", port.emit)  # type: ignore[method-assign]
+    worker = EngineWorker(port, AsyncEngine(engine), poll_s=0.01)
+    await worker.start()
+    try:
+        sp = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+        events = await collect(await bus.submit(GenerateRequest("a", chat_prompt_ids[1], sp)))
+        await port.acked("a")
+    finally:
+        await worker.stop(drain_timeout=0)
+        worker.engine.stop()
+    assert failures == {"is_cancelled": 0, "emit": 0}
+    assert [e.seq for e in events] == list(range(len(events))) and events[-1].finish_reason
+    assert len([t for e in events for t in e.token_ids]) == 4 and port.acks == ["a"]

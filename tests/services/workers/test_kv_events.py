@@ -18,13 +18,19 @@ GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class RecordingPort:
-    """What a worker's port does with KV events, recorded; `fail` makes the next publish fail."""
+    """What a worker's port does with KV events, recorded; `fail` makes the next publish fail;
+    `resync` is the next answer to `resync_requested`."""
 
     name = "w"
 
     def __init__(self) -> None:
         self.events: list[KVEvent] = []
         self.fail = False
+        self.resync = False
+
+    async def resync_requested(self) -> bool:
+        asked, self.resync = self.resync, False
+        return asked
 
     async def publish_kv_events(self, events: list[KVEvent]) -> None:
         if self.fail:
@@ -92,3 +98,30 @@ async def test_the_publisher_numbers_events_and_a_lost_batch_leaves_a_gap(
     await publisher.flush()
     assert [e.seq for e in port.events] == [0, 3] and publisher.failed == 2
     assert all(e.worker == "w" and e.incarnation == "inc-1" for e in port.events)
+
+
+@pytest.mark.asyncio
+async def test_a_requested_snapshot_is_cleared_then_every_block(
+    make_engine: Any, tokenizer: Any
+) -> None:
+    engine = make_engine(num_blocks=32, block_size=16)
+    port = RecordingPort()
+
+    async def snapshot() -> None:
+        engine.kv.log_snapshot(chunk=2)
+
+    publisher = KVEventPublisher(port, engine.kv, "inc-1", snapshot, resync_every=1)  # type: ignore[arg-type]
+    prompt = long_ids(tokenizer, 0)[:50]
+    run_one(engine, "a", prompt, GREEDY)
+    await publisher.flush()
+    port.events.clear()
+    await publisher._resync_if_asked()  # not asked: nothing
+    assert publisher.snapshots == 0
+    port.resync = True
+    await publisher._resync_if_asked()
+    await publisher.flush()
+    # logged in chunks of 2, published merged
+    assert [(e.op, len(e.block_hashes)) for e in port.events] == [("cleared", 0), ("stored", 3)]
+    assert [h for e in port.events for h in e.block_hashes] == engine.kv.prefix_hashes(
+        prompt[:48], None
+    )

@@ -1,0 +1,205 @@
+"""The scale-out fleet end to end: a throwaway redis-server (bus and shared prefix store), the real
+`kvserve gateway` (cache-aware routing) and two `kvserve worker` processes, the official `openai`
+client. A conversation follows its cache; KV events lost or repeated on purpose cost at most a
+recompute; a SIGKILLed worker loses no request, drops out of routing and comes back with an
+empty index; Redis killed and restarted empty: 503 with Retry-After meanwhile, then routing
+resumes without a restart."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis
+from kvserve.shared.protocol import GenerateRequest, decode, encode
+from kvserve.shared.sampling_params import SamplingParams
+
+from tests.redis_servers import RedisServer, free_port, redis_binaries_present
+from tests.services.kvserve_process import Http, ServeProcess, poll_until
+from tests.services.openai_suite import MODEL, NUM_BLOCKS
+
+pytestmark = pytest.mark.redis
+
+WORKERS = ("worker-0", "worker-1")
+EVENTS = "kvserve:kv_events"
+SYSTEM = (
+    "You are a careful assistant for a public library. You answer questions about opening "
+    "hours, borrowing rules, rooms for study groups and the catalogue, in short sentences."
+)
+# The bus's worker TTL (10 s) plus a refresh and a heartbeat: when a dead worker is out.
+DEAD_S = 20.0
+
+
+class Fleet:
+    def __init__(self, model_path: Path) -> None:
+        self.redis = RedisServer()
+        self.redis.start()
+        self.model_path = model_path
+        self.procs: dict[str, ServeProcess] = {}
+
+    def start(self, name: str, command: tuple[str, ...], *args: str) -> ServeProcess:
+        p = ServeProcess(["--model", str(self.model_path), *args], None, command)
+        self.procs[name] = p
+        return p
+
+    def worker(self, name: str) -> ServeProcess:
+        url = self.redis.url
+        return self.start(
+            name, ("worker",), "--bus", url, "--store", url, "--name", name, "--threads", "1",
+            "--metrics-port", str(free_port()), "--num-blocks", str(NUM_BLOCKS),
+            "--claim-idle", "3", "--drain-timeout", "5",
+        )  # fmt: skip
+
+    def router(self) -> dict[str, Any]:
+        """The gateway's router stats (asked again while Redis, just back, refuses a call)."""
+        http = Http(self.procs["gateway"].url)
+        reply = poll_until(lambda: (r := http.get("/v1/cache/stats")).status_code == 200 and r)
+        return dict(reply.json()["router"])
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.stop()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(model_path: Path) -> Iterator[Fleet]:
+    if not redis_binaries_present():
+        pytest.skip("redis-server not installed")
+    f = Fleet(model_path)
+    try:
+        gw = f.start(
+            "gateway", ("gateway", "--port", "0"), "--bus", f.redis.url,
+            "--served-model-name", MODEL, "--routing", "cache-aware",
+        )  # fmt: skip
+        for p in [gw, *(f.worker(n) for n in WORKERS)]:
+            p.wait_ready()
+        poll_until(lambda: set(f.router()["workers"]) == set(WORKERS), timeout=30)
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.fixture(scope="module")
+def client(fleet: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.procs["gateway"].url + "/v1", api_key="x", max_retries=0)
+
+
+def chat(client: openai.OpenAI, messages: list[Any], max_tokens: int = 8) -> Any:
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0
+    )
+
+
+def conversation(client: openai.OpenAI, rounds: int) -> list[Any]:
+    """A user's rounds, each carrying the conversation so far."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    replies = []
+    for r in range(rounds):
+        messages.append({"role": "user", "content": f"Question {r}: may I borrow {r + 2} books?"})
+        reply = chat(client, messages)
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    return replies
+
+
+def cached(reply: Any) -> int:
+    return int(reply.usage.prompt_tokens_details.cached_tokens or 0)
+
+
+def test_a_conversation_follows_its_cache(client: openai.OpenAI, fleet: Fleet) -> None:
+    before = fleet.router()["decisions"].get("cache", 0)
+    replies = conversation(client, 4)
+    assert all(cached(r) > 0 for r in replies[1:])  # every later round finds the earlier ones
+    assert [cached(r) for r in replies[1:]] == sorted(cached(r) for r in replies[1:])
+    router = fleet.router()
+    assert router["decisions"].get("cache", 0) - before >= 3
+    assert router["predicted_cached_tokens"] > 0
+
+
+def test_lost_and_repeated_kv_events_cost_at_most_a_recompute(
+    client: openai.OpenAI, fleet: Fleet
+) -> None:
+    """Repeat the latest KV events, and lose some: with the gateway stopped (SIGSTOP), requests
+    put straight on worker-0's stream make it publish events, and those between the first (a
+    stopped reader may hold it already) and the last are deleted before the gateway reads."""
+    reference = [r.choices[0].message.content for r in conversation(client, 2)]
+    r = redis.Redis.from_url(fleet.redis.url)
+    latest: Any = r.xrevrange(EVENTS, count=4)
+    for _id, fields in reversed(latest):
+        mark = r.xadd(EVENTS, fields)
+    before = fleet.router()["workers"]["worker-0"]
+    gateway = fleet.procs["gateway"].proc
+    gateway.send_signal(signal.SIGSTOP)
+    try:
+        for k in range(2):  # 5 full blocks each, stored in new events
+            tokens = list(range(1000 + 100 * k, 1000 + 100 * k + 5 * 16 + 1))
+            request = GenerateRequest(f"lost-events-{k}", tokens, SamplingParams(max_tokens=1))
+            r.xadd("kvserve:to:worker-0", {b"m": encode(request)})
+        mine = poll_until(lambda: ours(r, mark, "worker-0", 3), timeout=30)
+        r.xdel(EVENTS, *mine[1:-1])
+    finally:
+        gateway.send_signal(signal.SIGCONT)
+    # The gap asks worker-0 for a snapshot: the router knows its blocks again, the lost ones too.
+    poll_until(lambda: fleet.router()["workers"]["worker-0"]["resyncs"] > before["resyncs"])
+    want = before["indexed_blocks"] + 10
+    poll_until(lambda: fleet.router()["workers"]["worker-0"]["indexed_blocks"] >= want)
+    assert fleet.router()["events"].get("duplicate", 0) >= len(latest)
+    again = [r.choices[0].message.content for r in conversation(client, 2)]
+    assert again == reference  # a misprediction recomputes; it never changes an answer
+
+
+def ours(r: redis.Redis, after: Any, worker: str, n: int) -> list[Any] | None:
+    """The ids of `worker`'s events after entry `after`, once there are at least `n`."""
+    entries: Any = r.xrange(EVENTS, min=b"(" + after)
+    ids = [i for i, f in entries if getattr(decode(f[b"m"]), "worker", None) == worker]
+    return ids if len(ids) >= n else None
+
+
+def test_a_killed_worker_loses_no_request_and_comes_back_empty(
+    client: openai.OpenAI, fleet: Fleet
+) -> None:
+    prompts = [f"Write a list of {n} fruits, one per line, numbered." for n in range(3, 9)]
+    old = fleet.router()["workers"]["worker-1"]["incarnation"]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(chat, client, [{"role": "user", "content": p}], 48) for p in prompts]
+        poll_until(lambda: fleet.router()["workers"]["worker-1"]["in_flight"] > 0, timeout=30)
+        fleet.procs["worker-1"].kill()
+        replies = [f.result(timeout=120) for f in futures]
+    assert all(r.choices[0].finish_reason in ("length", "stop") for r in replies)  # none lost
+    # The same greedy requests, uninterrupted, on the survivor: the same texts.
+    texts = [r.choices[0].message.content for r in replies]
+    again = [chat(client, [{"role": "user", "content": p}], 48) for p in prompts]
+    assert [r.choices[0].message.content for r in again] == texts
+    poll_until(lambda: "worker-1" not in fleet.router()["workers"], timeout=DEAD_S)
+    fleet.worker("worker-1").wait_ready()
+    poll_until(lambda: "worker-1" in fleet.router()["workers"], timeout=DEAD_S)
+    back = fleet.router()["workers"]["worker-1"]
+    assert back["indexed_blocks"] == 0 and back["incarnation"] != old
+    for n in range(4):  # raw prompts that share no block: equal workers alternate
+        text = f"{n} {uuid.uuid4().hex} is a code; spell it out slowly, one character at a time"
+        client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)
+    poll_until(lambda: fleet.router()["workers"]["worker-1"]["indexed_blocks"] > 0)
+
+
+def test_redis_down_is_503_then_routing_resumes(client: openai.OpenAI, fleet: Fleet) -> None:
+    http = Http(fleet.procs["gateway"].url)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    fleet.redis.kill()
+    down = http.post("/v1/completions", body)
+    assert down.status_code == 503 and down.headers.get("Retry-After")
+    assert down.json()["error"]["type"]
+    fleet.redis.restart()  # empty: no groups, no registrations, no store
+    poll_until(lambda: http.post("/v1/completions", body).status_code == 200, timeout=30)
+    before = sum(fleet.router()["decisions"].values())
+    poll_until(lambda: set(fleet.router()["workers"]) == set(WORKERS), timeout=DEAD_S)
+    replies = [chat(client, [{"role": "user", "content": f"Say {uuid.uuid4().hex[:4]}"}])]
+    replies += [chat(client, [{"role": "user", "content": "Say hello."}])]
+    assert all(r.choices[0].finish_reason for r in replies)
+    assert sum(fleet.router()["decisions"].values()) >= before + 2
