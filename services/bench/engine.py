@@ -25,7 +25,9 @@ asserted):
   linear_share_b32   = bare linear time at batch 32 / engine step at batch 32    (>= 0.8)
   flop_frac_b32      = 2 * params * 32 / engine step at batch 32 / matmul peak
 The last line printed is one JSON object with every number; --out DIR also gets engine.json
-(the same plus every recorded step), --plot PATH a PNG.
+(the same plus every recorded step), --plot PATH a PNG. `--kv-events`: the engine logs its tier
+changes and a thread does with them every 50 ms what a worker's KV event publisher does (take,
+merge, number, encode; all but the Redis write), to compare W1 with and without it.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=9, help="timed runs per bare-linear median")
     p.add_argument("--out", default="bench-out", metavar="DIR", help="writes DIR/engine.json")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot here")
+    p.add_argument("--kv-events", action="store_true", help="publish KV events (no Redis)")
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -277,6 +280,38 @@ def run_kvserve(engine: Engine, requests: list[BenchRequest]) -> tuple[ArmResult
     if generated != useful:
         raise RuntimeError(f"engine generated {generated} tokens, the workload asked {useful}")
     return ArmResult("kvserve", wall, useful, generated), steps
+
+
+@contextlib.contextmanager
+def kv_event_drain(engine: Engine, enabled: bool) -> Iterator[dict[str, int]]:
+    """With `enabled`, a thread publishes the engine's KV events as a worker does, but into
+    nothing: yields its running counts {"events", "bytes"}."""
+    import threading
+
+    from kvserve.services.workers.kv_events import merge
+    from kvserve.shared.protocol import KVEvent, encode
+
+    counts = {"events": 0, "bytes": 0}
+    if not enabled:
+        yield counts
+        return
+    engine.kv.enable_events()
+    stop = threading.Event()
+
+    def drain() -> None:
+        while not stop.wait(0.05):
+            for e in merge(engine.kv.take_events()):
+                data = encode(KVEvent("w", "i", counts["events"], e.kind, e.tier, list(e.hashes)))
+                counts["events"] += 1
+                counts["bytes"] += len(data)
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        thread.join()
 
 
 # ---- the engine's decode step ---------------------------------------------------------------
@@ -595,7 +630,10 @@ def measure_engine(
     the machine figures it is divided by: a bandwidth sample and the engine's linear kernels
     alone (batch 1), the bare linear chain at the same batch (batch 32)."""
     engine = Engine(engine_config(model_path, requests, args, weights.config), weights=weights)
-    kv, steps = _timed_phase("kvserve arm", functools.partial(run_kvserve, engine, requests))
+    with kv_event_drain(engine, args.kv_events) as events:
+        kv, steps = _timed_phase("kvserve arm", functools.partial(run_kvserve, engine, requests))
+    if args.kv_events:
+        print(f"KV events: {events['events']} encoded, {events['bytes']} bytes", flush=True)
     ones = torch.ones((args.bandwidth_mib << 20) // FP32_BYTES)
     kernels = KernelChain(chain)
     x1 = torch.randn(PROBE_BATCHES[0], chain.weights[0].shape[1])

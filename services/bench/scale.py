@@ -74,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-requests", type=int, default=4, help="per run, not measured")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to start a server")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for one bench run")
+    p.add_argument("--router-only", action="store_true", help="only the cost of a routing decision")
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -343,12 +344,29 @@ def _run_all(
     return results
 
 
+def _router_cost() -> dict[str, Any]:
+    from kvserve.services.bench.router_cost import measure
+
+    cost = measure()
+    print(
+        f"router: {cost['us_median']:.0f} us per decision (p99 {cost['us_p99']:.0f} us), "
+        f"{cost['workers']} workers x {cost['blocks_per_worker']} blocks, "
+        f"{cost['prompt_tokens']}-token prompts",
+        flush=True,
+    )
+    return cost
+
+
 def run(args: argparse.Namespace) -> int:
     chosen = validate(args)
+    if args.router_only:
+        print(json.dumps({"router": _router_cost()}), flush=True)
+        return 0
     if args.report:
         saved = Path(args.out) / "scale.json"
         if not saved.is_file():
             raise CliError(f"--report: no {saved}")
         return _finish(args, json.loads(saved.read_text())["results"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    _router_cost()
     return _finish(args, _run_all(args, chosen, Path(args.out)))

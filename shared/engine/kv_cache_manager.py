@@ -125,9 +125,7 @@ class KVCacheManager:
                 store.write_queue_blocks,
                 store.fetch_timeout_s,
             )
-        self.tier_events: Counter[tuple[str, str]] = Counter(
-            {(t, k): 0 for t in TIERS for k in ("stored", "removed")}
-        )
+        self.tier_events: Counter[tuple[str, str]] = Counter()
         self._events: deque[TierEvent] | None = None
         self.max_events = 100_000
         self._fetching: dict[str, _Fetch] = {}

@@ -232,3 +232,11 @@ def test_report_prints_and_plots_a_saved_run(
     assert report["mooncake"]["one-worker"]["vs_rr_local"]["output_tok_s"] is None
     assert "== mooncake" in out and "== multi-round" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_router_cost_fills_every_index_and_times_decisions() -> None:
+    from kvserve.services.bench.router_cost import measure
+
+    cost = measure(workers=3, blocks=40, prompt_tokens=128, decisions=5)
+    assert cost["indexed_blocks"] == [40, 40, 40]
+    assert 0 < cost["us_median"] <= cost["us_p99"]
