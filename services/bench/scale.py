@@ -5,8 +5,9 @@ Arms, `kvserve stack`s on 2 cores (with `--store-format`, no metrics ports) and 
 `one-worker` (1 worker of 2 threads, its own memory store), `rr-local` (2 workers of 1 thread,
 round-robin, each its own memory store), `rr-shared` (the same on the shared Redis store),
 `cache-shared` (the shared store, KV-cache-aware routing), `llama-server` (2 slots, 2 threads).
-Workloads (`kvserve bench serve`'s): `multi-round` (--users x --rounds, a 512-token system
-prompt, 128-token questions, 32-token answers, each user's rounds in turn), `shared-prefix`
+Workloads (`kvserve bench serve`'s): `multi-round` (--users x --rounds, as LMCache's multi-round
+QA: a 256-token system prompt shared by all, a 1,024-token context of each user's own,
+64-token questions, 32-token answers, each user's rounds in turn), `shared-prefix`
 (4 groups x 8 prompts of 512 + 64 tokens, 32-token answers, 8 in flight), `mooncake` (--window
 of the trace at its arrival times).
 
@@ -127,8 +128,9 @@ def serve_options(workload: str, args: argparse.Namespace) -> argparse.Namespace
     """`compare.bench_serve`'s arguments for the workload (bench serve's options by dest)."""
     opts: dict[str, Any] = {"workload": workload}
     if workload == "multi-round":
-        opts |= {"users": args.users, "rounds": args.rounds, "system_len": 512,
-                 "question_len": 128, "output_len": 32, "max_concurrency": args.users}  # fmt: skip
+        opts |= {"users": args.users, "rounds": args.rounds, "system_len": 256,
+                 "user_context_len": 1024, "question_len": 64, "output_len": 32,
+                 "max_concurrency": args.users}  # fmt: skip
     elif workload == "shared-prefix":
         opts |= {"groups": 4, "prompts_per_group": 8, "prefix_len": 512, "question_len": 64,
                  "output_len": 32, "max_concurrency": 8}  # fmt: skip

@@ -91,6 +91,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--users", type=int, default=4)
     g.add_argument("--rounds", type=int, default=4)
     g.add_argument("--system-len", type=int, default=512)
+    g.add_argument("--user-context-len", type=int, default=0, help="each user's own context")
     g = p.add_argument_group("mooncake")
     g.add_argument("--trace", default=str(wl.MOONCAKE_TRACE))
     g.add_argument("--window", default="0:200", help="START:COUNT of the trace's requests")
@@ -144,7 +145,7 @@ def validate(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    for name in ("prefix_len", "system_len", "warmup_requests"):
+    for name in ("prefix_len", "system_len", "user_context_len", "warmup_requests"):
         if getattr(args, name) < 0:
             raise CliError(f"--{name.replace('_', '-')} must be >= 0")
     if not 0 <= args.range_ratio < 1:
@@ -178,7 +179,7 @@ def build_workload(args: argparse.Namespace, vocab_size: int, run: int = 0) -> l
     elif name == "multi-round":
         sessions = wl.multi_round_workload(
             args.users, args.rounds, args.system_len, args.question_len, args.output_len,
-            vocab_size, seed,
+            vocab_size, seed, args.user_context_len,
         )  # fmt: skip
     else:
         path = Path(args.trace)
@@ -638,7 +639,9 @@ async def _main(
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    connector = aiohttp.TCPConnector(limit=0)
+    # A connection per request: llama-server closes an idle kept-alive connection, and the next
+    # request on it would fail (a local connect costs well under a millisecond).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         model, vocab = await server_model(args, http)
         try:

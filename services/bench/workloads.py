@@ -116,7 +116,10 @@ def multi_round_workload(
     output_len: int,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     seed: int = 0,
+    context_len: int = 0,
 ) -> list[Session]:
+    """`context_len`: a context of each user's own (a document, a profile) after the shared
+    system prompt in the first round, as in LMCache's multi-round QA benchmark."""
     _check_vocab(vocab_size)
     rng = random.Random(f"multi-round:{seed}")
     system = random_tokens(rng, system_len, vocab_size)
@@ -125,7 +128,8 @@ def multi_round_workload(
         turns = [
             Turn(random_tokens(rng, question_len, vocab_size), output_len) for _ in range(rounds)
         ]
-        turns[0] = Turn(system + turns[0].tokens, output_len)
+        context = random_tokens(rng, context_len, vocab_size)
+        turns[0] = Turn(system + context + turns[0].tokens, output_len)
         out.append(Session(turns, carry_history=True, tag=f"u{u}"))
     return out
 

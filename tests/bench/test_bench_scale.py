@@ -94,10 +94,10 @@ def test_llama_server_has_two_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_workloads_become_bench_serve_options() -> None:
     args = parse("--users", "3", "--rounds", "2", "--window", "10:20")
     argv = {w: compare.serve_argv(scale.serve_options(w, args)) for w in scale.WORKLOADS}
-    # The 512-token system prompt and the 8 prompts per group are bench serve's defaults.
+    # The 64-token questions and the 8 prompts per group are bench serve's defaults.
     assert argv["multi-round"] == [
         "--workload", "multi-round", "--max-concurrency", "3", "--output-len", "32",
-        "--question-len", "128", "--users", "3", "--rounds", "2",
+        "--users", "3", "--rounds", "2", "--system-len", "256", "--user-context-len", "1024",
     ]  # fmt: skip
     assert argv["shared-prefix"] == [
         "--workload", "shared-prefix", "--max-concurrency", "8", "--output-len", "32",

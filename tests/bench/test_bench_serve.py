@@ -223,3 +223,13 @@ def test_bench_serve_end_to_end(model_path: Path, tmp_path: Path) -> None:
     assert json.loads((out / "summary.json").read_text()) == summary
     for png in ("ttft.png", "tpot.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_multi_round_users_have_contexts_of_their_own() -> None:
+    from kvserve.services.bench import workloads as wl
+
+    sessions = wl.multi_round_workload(3, 2, 8, 4, 2, vocab_size=1000, context_len=16)
+    firsts = [s.turns[0].tokens for s in sessions]
+    assert all(len(t) == 8 + 16 + 4 for t in firsts)
+    assert len({tuple(t[:8]) for t in firsts}) == 1  # the shared system prompt
+    assert len({tuple(t[8:24]) for t in firsts}) == 3  # each user's own context
