@@ -206,6 +206,7 @@ def row(
     ttft = np.asarray([r["ttft_s"] for r in ok], dtype=float)
     rounds = sorted({r["turn"] for r in ok})
     by_round = [float(np.mean([r["ttft_s"] for r in ok if r["turn"] == t])) for t in rounds]
+    later = [r["ttft_s"] for r in ok if r["turn"] > 0]  # after the first round (warm caches)
     cached = bool(summary.get("cached_tokens_reported"))
     requests_routed = (router or {}).get("requests")
     return {
@@ -214,6 +215,7 @@ def row(
         "ttft_p90_s": float(np.percentile(ttft, 90)) if ok else None,
         "ttft_mean_s": float(ttft.mean()) if ok else None,
         "ttft_by_round_s": by_round,
+        "ttft_p90_later_rounds_s": float(np.percentile(later, 90)) if later else None,
         "hit_rate": summary.get("cached_fraction") if cached else None,
         "reused_fraction": summary.get("reused_fraction") if cached else None,
         "failed": summary["failed"],
@@ -238,7 +240,8 @@ def with_ratios(cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for base, key in BASES.items():
             ref = cells.get(base) or {}
             out[arm][key] = {
-                k: _ratio(cell.get(k), ref.get(k)) for k in ("output_tok_s", "ttft_p90_s")
+                k: _ratio(cell.get(k), ref.get(k))
+                for k in ("output_tok_s", "ttft_p90_s", "ttft_p90_later_rounds_s")
             }
     return out
 
@@ -279,11 +282,16 @@ def table(workload: str, rows: dict[str, dict[str, Any]]) -> str:
 
 
 def _round_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
-    ok = {a: r["ttft_by_round_s"] for a, r in rows.items() if len(r.get("ttft_by_round_s", [])) > 1}
+    """Per round: mean TTFT, then the p90 TTFT of the rounds after the first (x rr-local)."""
+    ok = {a: r for a, r in rows.items() if len(r.get("ttft_by_round_s", [])) > 1}
     if not ok:
         return []
-    return ["mean TTFT per round (ms):"] + [
-        f"  {arm:<12} " + " ".join(_num(t, 1e3, 0) for t in ts) for arm, ts in ok.items()
+    return ["mean TTFT per round (ms) | p90 TTFT after round 1 (ms, x rr-local):"] + [
+        f"  {arm:<12} "
+        + " ".join(_num(t, 1e3, 0) for t in r["ttft_by_round_s"])
+        + f" | {_num(r.get('ttft_p90_later_rounds_s'), 1e3, 0)}"
+        + f" ({_num(r.get('vs_rr_local', {}).get('ttft_p90_later_rounds_s'))})"
+        for arm, r in ok.items()
     ]
 
 

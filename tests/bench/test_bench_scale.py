@@ -125,6 +125,7 @@ def test_row_from_a_summary_and_its_requests() -> None:
     assert row["ttft_p50_s"] == pytest.approx(0.25) and row["ttft_mean_s"] == pytest.approx(0.25)
     assert row["ttft_p90_s"] == pytest.approx(0.37)  # numpy's linear interpolation
     assert row["ttft_by_round_s"] == pytest.approx([0.3, 0.2])
+    assert row["ttft_p90_later_rounds_s"] == pytest.approx(0.28)  # rounds after the first
     assert row["hit_rate"] == 0.5 and row["reused_fraction"] == 0.8
     assert row["router_error_per_request"] == 10.0 and row["router"] == ROUTER
     # llama-server: no cached tokens in its usage, no router.
@@ -138,7 +139,7 @@ def cell(tok_s: float, p90: float, rounds: list[float] | None = None) -> dict[st
     return {"output_tok_s": tok_s, "ttft_p50_s": p90 / 2, "ttft_p90_s": p90,
             "ttft_mean_s": p90 / 2, "ttft_by_round_s": rounds or [p90 / 2], "hit_rate": 0.25,
             "reused_fraction": 0.5, "failed": 0, "num_requests": 8, "router": None,
-            "router_error_per_request": None}  # fmt: skip
+            "router_error_per_request": None, "ttft_p90_later_rounds_s": p90 / 4}  # fmt: skip
 
 
 CELLS = {
@@ -151,12 +152,21 @@ CELLS = {
 
 def test_ratios_against_one_worker_and_rr_local() -> None:
     rows = scale.with_ratios(CELLS)
-    assert rows["cache-shared"]["vs_one_worker"] == {"output_tok_s": 2.0, "ttft_p90_s": 0.25}
-    assert rows["cache-shared"]["vs_rr_local"] == {"output_tok_s": 80 / 60, "ttft_p90_s": 0.5}
-    assert rows["one-worker"]["vs_one_worker"] == {"output_tok_s": 1.0, "ttft_p90_s": 1.0}
+    later = "ttft_p90_later_rounds_s"
+    assert rows["cache-shared"]["vs_one_worker"] == {
+        "output_tok_s": 2.0, "ttft_p90_s": 0.25, later: 0.25
+    }  # fmt: skip
+    assert rows["cache-shared"]["vs_rr_local"] == {
+        "output_tok_s": 80 / 60, "ttft_p90_s": 0.5, later: 0.5
+    }  # fmt: skip
+    assert rows["one-worker"]["vs_one_worker"] == {
+        "output_tok_s": 1.0,
+        "ttft_p90_s": 1.0,
+        later: 1.0,
+    }
     assert rows["llama-server"] == CELLS["llama-server"]
     alone = scale.with_ratios({"rr-shared": cell(10.0, 1.0)})["rr-shared"]
-    assert alone["vs_one_worker"] == {"output_tok_s": None, "ttft_p90_s": None}
+    assert alone["vs_one_worker"] == {"output_tok_s": None, "ttft_p90_s": None, later: None}
     assert "vs_one_worker" not in CELLS["cache-shared"]  # the input is left as it was
 
 
@@ -169,7 +179,7 @@ def test_table_shows_ratios_rounds_and_arms_not_run() -> None:
     assert cache[4:9] == ["250", "500", "250", "0.25", "0.50"]  # TTFT ms, p90 x1w, p90 xrr
     assert cache[9:] == ["0.25", "0.50", "0", "-"]  # hit, reused, failed, router error
     assert "llama-server    not run: could not build" in text
-    assert "mean TTFT per round (ms):" in text and "  one-worker   3000 1000" in text
+    assert "mean TTFT per round (ms)" in text and "  one-worker   3000 1000 | 500 (2.00)" in text
 
 
 def test_one_run_with_the_server_and_client_stood_in_for(
