@@ -15,7 +15,11 @@ map with exactly the fields of `FRAME_FIELDS`:
 - `payload`: zstd(bytes of K then V), each [num_layers, block_size, num_kv_heads, head_dim] in
   the element type of `fmt` (fp8 e4m3 as its raw bytes); for `compact`, zstd of the sections
   that store/quant.py lays out. The zstd frame records its size.
-- `checksum`: sha256 over `msgpack([every other field, in FRAME_FIELDS order])`.
+- `checksum`: xxh3-128 over msgpack([the header fields, token_ids, parent, fmt, dtype]) and
+  then, in place (no copy, no re-pack), the scales' length, the scales and the payload. It
+  guards the bytes against corruption at memory speed; identity stays with the SHA-256 chain
+  hash, which the reader checks against the key. `v` is FRAME_VERSION (2 since the checksum
+  became xxh3; a frame of another version is a miss).
 
 Invariants of `decode_block`:
 - it never raises, whatever the input bytes; every failure is a `Miss` with a reason from
@@ -31,7 +35,6 @@ Byte order is the host's (little-endian on every supported platform).
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import math
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from typing import Any, Final, Literal
 
 import msgpack
 import torch
+import xxhash
 import zstandard
 from kvserve.kernels.reference import dequantize_kv, quantize_kv
 from kvserve.shared.store import quant
@@ -48,6 +52,9 @@ MAX_FRAME_BYTES: Final = 8 * 1024 * 1024
 MAX_TOKENS: Final = 4096  # upper bound on block_size a frame may carry
 MAX_STR_LEN: Final = 256
 HASH_LEN: Final = 32
+CHECKSUM_LEN: Final = 16
+FRAME_VERSION: Final = 2
+_UNHASHED: Final = frozenset({"scales", "payload", "checksum"})  # fed to the checksum in place
 ZSTD_LEVEL: Final = 3
 
 FORMATS: Final = ("native", "bf16", "fp16", "int8", "fp8", "compact")
@@ -142,9 +149,18 @@ class Miss:
 
 
 def frame_checksum(fields: dict[str, Any]) -> bytes:
-    """sha256 over msgpack of every field but `checksum`, in FRAME_FIELDS order."""
-    body = [fields[name] for name in FRAME_FIELDS if name != "checksum"]
-    return hashlib.sha256(msgpack.packb(body, use_bin_type=True)).digest()
+    """xxh3-128 over msgpack of the small fields, then the scales and payload bytes in place."""
+    h = xxhash.xxh3_128(msgpack.packb([fields[n] for n in FRAME_FIELDS if n not in _UNHASHED]))
+    scales, payload = _raw_bytes(fields["scales"]), _raw_bytes(fields["payload"])
+    h.update(len(scales).to_bytes(8, "little"))
+    h.update(scales)
+    h.update(payload)
+    return h.digest()
+
+
+def _raw_bytes(value: Any) -> bytes | bytearray | memoryview:
+    """A bytes field as it is (a forged frame's field of another type: its msgpack)."""
+    return value if isinstance(value, bytes | bytearray | memoryview) else msgpack.packb(value)
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -158,6 +174,14 @@ def _tensor_from(buf: bytes | bytearray | memoryview, dtype: torch.dtype, shape:
     """A tensor of `dtype` and `shape` over a copy of `buf` (whose length must match exactly)."""
     raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
     return raw.view(dtype).view(shape)
+
+
+def _tensor_in(buf: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]):
+    """A tensor of `dtype` and `shape` over `buf`'s bytes from `offset`, without a copy."""
+    count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return (
+        torch.frombuffer(buf, dtype=torch.uint8, count=count, offset=offset).view(dtype).view(shape)
+    )
 
 
 def _element_size(fmt: str, native: torch.dtype) -> int:
@@ -202,7 +226,7 @@ def encode_block(
     first = root is not None and bytes(parent) == bytes(root)
     scales, payload = _encode_payload(k, v, fmt, first)
     fields: dict[str, Any] = {
-        "v": meta.version,
+        "v": FRAME_VERSION,
         "model_fp": meta.model_fp,
         "kv_format": meta.kv_format,
         "block_size": meta.block_size,
@@ -282,7 +306,7 @@ def _check_types(obj: object) -> dict[str, Any] | None:
     toks = obj["token_ids"]
     if not isinstance(toks, list) or not all(_is_int(t) and 0 <= t < 2**32 for t in toks):
         return None
-    if len(obj["parent"]) != HASH_LEN or len(obj["checksum"]) != HASH_LEN:
+    if len(obj["parent"]) != HASH_LEN or len(obj["checksum"]) != CHECKSUM_LEN:
         return None
     if obj["fmt"] not in FORMATS or obj["dtype"] not in NATIVE_DTYPES:
         return None
@@ -352,7 +376,7 @@ def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[s
     except Exception:  # msgpack raises ValueError / its own errors / TypeError on bad input
         return Miss("not_msgpack")
     # The version is checked first: another version may define its fields differently.
-    if not isinstance(obj, dict) or obj.get("v") != expected.version:
+    if not isinstance(obj, dict) or obj.get("v") != FRAME_VERSION:
         return Miss("bad_schema")
     f = _check_types(obj)
     return Miss("bad_schema") if f is None else f
@@ -374,34 +398,43 @@ def _identity_miss(f: dict[str, Any], expected: BlockMeta) -> Miss | None:
     return None
 
 
-def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytes | Miss:
-    """The payload's raw bytes, never more than the format's size for this shape."""
+def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytearray | Miss:
+    """The payload's raw bytes, decompressed straight into a buffer of exactly the format's
+    size for this shape (the frame's declared size is checked first: nothing larger is ever
+    allocated or written)."""
     scales_len, raw_len = _sizes(f["fmt"], NATIVE_DTYPES[f["dtype"]], shape)
     if len(f["scales"]) != scales_len:
         return Miss("bad_payload")
+    buf = bytearray(raw_len)
     try:
         if zstandard.frame_content_size(f["payload"]) != raw_len:
             return Miss("bad_payload")
-        raw = zstandard.ZstdDecompressor().decompress(f["payload"], max_output_size=raw_len)
+        with zstandard.ZstdDecompressor().stream_reader(f["payload"]) as reader:
+            filled = 0
+            while filled < raw_len and (n := reader.readinto(memoryview(buf)[filled:])):
+                filled += n
+            if filled != raw_len or reader.read(1):
+                return Miss("bad_payload")
     except zstandard.ZstdError:
         return Miss("bad_payload")
-    return raw if len(raw) == raw_len else Miss("bad_payload")
+    return buf
 
 
 def _tensors(
-    f: dict[str, Any], raw: bytes, shape: tuple[int, int, int, int], root: BlockHash
+    f: dict[str, Any], raw: bytearray, shape: tuple[int, int, int, int], root: BlockHash
 ) -> DecodedBlock | Miss:
-    """K and V as float32 from the payload in the frame's format."""
+    """K and V as float32 from the payload in the frame's format (views of `raw` where the
+    stored type is float32 already: no copy)."""
     fmt, native = f["fmt"], NATIVE_DTYPES[f["dtype"]]
     if fmt == "compact":
-        kv = quant.decode(f["scales"], raw, _compact_layout(shape))
+        kv = quant.decode(f["scales"], bytes(raw), _compact_layout(shape))
         if kv is None:
             return Miss("bad_payload")
         return _block(f, kv[0], kv[1], root)
     half = len(raw) // 2
     stored = native if fmt == "native" else _FMT_DTYPES[fmt]
-    k = _tensor_from(memoryview(raw)[:half], stored, shape)
-    v = _tensor_from(memoryview(raw)[half:], stored, shape)
+    k = _tensor_in(raw, 0, stored, shape)
+    v = _tensor_in(raw, half, stored, shape)
     if fmt in _QUANTIZED:
         s = _tensor_from(f["scales"], torch.float32, (2, *shape[:3]))
         if not bool(torch.isfinite(s).all()):
