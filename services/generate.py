@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prefix store: memory://, file:///dir, redis://host:port/db, redis+cluster://..., "
         "'default' (disk tier under the cache directory) or 'none' (the default here)",
     )
-    p.add_argument("--store-format", choices=STORE_FORMATS, default="native")
+    p.add_argument("--store-format", choices=STORE_FORMATS, default="auto")
     p.add_argument(
         "--timings",
         action="store_true",

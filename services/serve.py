@@ -41,7 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "redis://HOST:PORT/DB, or 'none'",
     )
     p.add_argument(
-        "--store-format", choices=STORE_FORMATS, default="native", help="block format in the store"
+        "--store-format",
+        choices=STORE_FORMATS,
+        default="auto",
+        help="block format in the store (auto: int8 in Redis, native in memory or on disk)",
     )
     add_gateway_arguments(p)
     add_engine_arguments(p)

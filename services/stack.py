@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="shared",
         help="shared: every worker on the Redis store; local: each its own memory:// store",
     )
-    p.add_argument("--store-format", choices=STORE_FORMATS, default="native")
+    p.add_argument("--store-format", choices=STORE_FORMATS, default="auto")
     p.add_argument("--model", default=str(default_model_path()))
     p.add_argument("--metrics-port", type=int, default=9100, help="first worker's; 0: off")
     p.add_argument("--grace", type=float, default=40.0, help="seconds before SIGKILL on stop")

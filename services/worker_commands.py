@@ -61,7 +61,7 @@ def _register(sub: argparse._SubParsersAction, role: str) -> None:
     p = sub.add_parser(role, help=HELP[role])
     p.add_argument("--bus", required=True, help="redis://HOST:PORT/DB of the request bus")
     p.add_argument("--store", required=True, help="prefix store URL (redis://HOST:PORT/DB)")
-    p.add_argument("--store-format", choices=STORE_FORMATS, default="native")
+    p.add_argument("--store-format", choices=STORE_FORMATS, default="auto")
     p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics; 0: off")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--name", default=None, help="worker name on the bus (default: role-host-pid)")

@@ -69,9 +69,10 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if bad or not parts:
         raise CliError(f"--parts: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
     formats = [x for x in args.formats.split(",") if x]
-    wrong = [f for f in [*formats, args.format] if f not in STORE_FORMATS]
+    codec_formats = [f for f in STORE_FORMATS if f != "auto"]
+    wrong = [f for f in [*formats, args.format] if f not in codec_formats]
     if wrong:
-        raise CliError(f"--formats/--format: unknown {wrong}; choose from {STORE_FORMATS}")
+        raise CliError(f"--formats/--format: unknown {wrong}; choose from {codec_formats}")
     if args.prefix_tokens < 64 or args.repeats < 1 or args.blocks < 1 or args.batch < 1:
         raise CliError("--prefix-tokens >= 64, --repeats, --blocks and --batch >= 1")
     return parts, formats

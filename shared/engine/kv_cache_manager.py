@@ -120,7 +120,7 @@ class KVCacheManager:
             self.connector = StoreConnector(
                 open_store(store_url(store.url)),
                 identity.meta,
-                store.format,
+                store.frame_format,
                 cache.dtype,
                 store.write_queue_blocks,
                 store.fetch_timeout_s,

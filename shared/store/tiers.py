@@ -299,11 +299,12 @@ class StoreConnector:
         asyncio.run_coroutine_threadsafe(self.store.pin(list(hashes)), self._loop).result(timeout)
 
     def put_tail(self, request_id: str, tail: KVTail, timeout: float = 10.0) -> bool:
-        """Write a prompt's tail block (native format) under its per-request key; blocking."""
+        """Write a prompt's tail block (in the store's format) under its per-request key;
+        blocking."""
         bs = self.meta.block_size
         k, v = tail.data.to_float()
         toks = _pad(tail.token_ids, bs)
-        frame = encode_block(self.meta, toks, k, v, "native", _tail_parent(request_id))
+        frame = encode_block(self.meta, toks, k, v, self.fmt, _tail_parent(request_id))
         h = tail_hash(request_id, tail.token_ids, bs)
         coro = self._timed("put", self.store.put_many([(h, frame)]))
         return bool(asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout))

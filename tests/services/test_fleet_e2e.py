@@ -51,7 +51,8 @@ class Fleet:
     def worker(self, name: str) -> ServeProcess:
         url = self.redis.url
         return self.start(
-            name, ("worker",), "--bus", url, "--store", url, "--name", name, "--threads", "1",
+            name, ("worker",), "--bus", url, "--store", url, "--store-format", "native",
+            "--name", name, "--threads", "1",
             "--metrics-port", str(free_port()), "--num-blocks", str(NUM_BLOCKS),
             "--claim-idle", "3", "--drain-timeout", "5",
         )  # fmt: skip

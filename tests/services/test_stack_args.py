@@ -83,7 +83,7 @@ def test_aggregated_workers_on_the_shared_store(monkeypatch: pytest.MonkeyPatch)
         "--request-timeout", "600.0", "--routing", "cache-aware",
     ]  # fmt: skip
     assert [_args(w, "worker") for w in workers] == [
-        ["--bus", REDIS, "--store", REDIS, "--store-format", "native", "--model", "m.gguf",
+        ["--bus", REDIS, "--store", REDIS, "--store-format", "auto", "--model", "m.gguf",
          "--metrics-port", str(9100 + i), "--threads", "4", "--name", f"worker-{i}"]
         for i in range(2)
     ]  # fmt: skip
