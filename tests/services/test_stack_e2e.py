@@ -48,8 +48,19 @@ class Stack:
     def worker(self, role: str, name: str) -> ServeProcess:
         url = self.redis.url
         return self.start(
-            name, (role,), "--bus", url, "--store", url, "--store-format", "native",
-            "--name", name, "--metrics-port", str(free_port()), *WORKER_FLAGS,
+            name,
+            (role,),
+            "--bus",
+            url,
+            "--store",
+            url,
+            "--store-format",
+            "native",
+            "--name",
+            name,
+            "--metrics-port",
+            str(free_port()),
+            *WORKER_FLAGS,
         )  # fmt: skip  (native frames: the suite compares texts with recomputation)
 
     def stop(self) -> None:
