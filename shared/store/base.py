@@ -60,8 +60,12 @@ class BlockStore(ABC):
         """The stored value of each hash, or None (missing, evicted, or store unavailable)."""
 
     @abstractmethod
-    async def put_many(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
-        """Store each (hash, value); returns how many were written (the rest were skipped)."""
+    async def put_many(
+        self, items: Sequence[tuple[BlockHash, bytes]], ttl_s: int | None = None
+    ) -> int:
+        """Store each (hash, value); returns how many were written (the rest were skipped).
+        `ttl_s`: a shorter life than the store's own for these values (a hand-off's tail);
+        stores without expiry (memory, disk) evict by size alone."""
 
     @abstractmethod
     async def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:

@@ -165,7 +165,9 @@ class DiskStore(BlockStore):
                 result.append(None)
         return result
 
-    async def put_many(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
+    async def put_many(
+        self, items: Sequence[tuple[BlockHash, bytes]], ttl_s: int | None = None
+    ) -> int:
         await self._ensure_open()
         written = 0
         async with self._lock:

@@ -123,7 +123,9 @@ class MemoryStore(BlockStore):
             out.append(v)
         return out
 
-    async def put_many(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
+    async def put_many(
+        self, items: Sequence[tuple[BlockHash, bytes]], ttl_s: int | None = None
+    ) -> int:
         written = 0
         for h, value in items:
             evicted = self._index.admit(h, len(value))

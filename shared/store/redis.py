@@ -380,13 +380,16 @@ class RedisStore(BlockStore):
                 flags.extend(bool(v) for v in reply)
         return flags
 
-    async def put_many(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
+    async def put_many(
+        self, items: Sequence[tuple[BlockHash, bytes]], ttl_s: int | None = None
+    ) -> int:
         """Pinned flags first (one call to the pinned set's shard), then the SETs grouped by shard.
         If the flags cannot be read, that shard is not called again (its writes are counted with
         the failed read) and the other shards' blocks are written with the TTL."""
         if not items:
             return 0
         keys = [self.key(h) for h, _ in items]
+        ttl = ttl_s or self.ttl_s
         flags = await self._pinned_flags([h.hex() for h, _ in items])
         pinned = [False] * len(items) if isinstance(flags, Unserved) else flags
         written = 0
@@ -396,7 +399,7 @@ class RedisStore(BlockStore):
 
             def build(pipe: Any) -> None:
                 for i in idx:
-                    pipe.set(keys[i], items[i][1], ex=None if pinned[i] else self.ttl_s)
+                    pipe.set(keys[i], items[i][1], ex=None if pinned[i] else ttl)
 
             if isinstance(flags, Unserved) and shard == self._pinned_shard():
                 replies: list[Any] | Unserved = flags

@@ -23,6 +23,9 @@ StoreConnector invariants:
   codec Miss: corrupt, wrong model or format, hash mismatch) ends the run there, is counted by
   reason and deleted from the store. The result never holds a block that did not verify.
 - Every fetch finishes within `fetch_timeout_s` (then it yields nothing: recompute).
+- A disaggregated hand-off's tail (`put_tail`) lives TAIL_TTL_S seconds in a store with expiry
+  (Redis): a decode that never comes leaves nothing behind for longer; one that comes deletes it
+  on read.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from kvserve.shared.store.hashing import BlockHash, chain_hash
 log = logging.getLogger("kvserve.store")
 
 WRITE_BATCH = 32
+TAIL_TTL_S = 30  # an abandoned hand-off's tail key expires after this
 # Upper bounds (seconds) of the store-call latency histograms (Prometheus `le` buckets).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -306,7 +310,7 @@ class StoreConnector:
         toks = _pad(tail.token_ids, bs)
         frame = encode_block(self.meta, toks, k, v, self.fmt, _tail_parent(request_id))
         h = tail_hash(request_id, tail.token_ids, bs)
-        coro = self._timed("put", self.store.put_many([(h, frame)]))
+        coro = self._timed("put", self.store.put_many([(h, frame)], ttl_s=TAIL_TTL_S))
         return bool(asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout))
 
     async def _timed(self, op: str, coro: Any) -> Any:

@@ -52,3 +52,40 @@ def test_handoff_through_store(make_engine, tokenizer, tmp_path: Path) -> None: 
         assert dec.prefix_cache_stats["hits_tokens_store"] == len(prompt) - 1
     finally:
         dec.close()
+
+
+def test_an_abandoned_tail_expires_within_30_s_in_redis(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The tail key of a hand-off whose decode never comes (a decode worker killed before it
+    picked the request up) carries a 30 s TTL, while the prompt's full blocks keep the store's."""
+    import uuid
+
+    import pytest
+    import redis
+    from kvserve.shared.store.tiers import TAIL_TTL_S, tail_hash
+
+    url = f"redis://127.0.0.1:6379/14?namespace=tailttl-{uuid.uuid4().hex[:8]}&ttl=3600"
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/14")
+    try:
+        client.ping()
+    except redis.RedisError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    prompt = list(tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4))[:37]
+    pre = make_engine(store=StoreConfig(url))
+    try:
+        pre.add_request("r1", prompt, SamplingParams(max_tokens=1), export_tail=True)
+        outs = []
+        while pre.has_unfinished_requests():
+            outs += pre.step()
+        tail = outs[-1].kv_tail
+        assert tail is not None and pre.kv.connector is not None
+        assert pre.kv.connector.put_tail("r1", tail) and pre.kv.connector.flush()
+        store = pre.kv.connector.store
+        tail_key = store.key(tail_hash("r1", tail.token_ids, 16))  # type: ignore[attr-defined]
+        block_key = store.key(pre.kv.prefix_hashes(prompt, None)[0])  # type: ignore[attr-defined]
+        assert 0 < client.ttl(tail_key) <= TAIL_TTL_S == 30
+        assert client.ttl(block_key) > TAIL_TTL_S
+    finally:
+        pre.close()
+        keys = list(client.scan_iter(match="*tailttl-*"))
+        if keys:
+            client.delete(*keys)

@@ -161,7 +161,9 @@ class GatedStore(MemoryStore):
         super().__init__(max_bytes=1 << 30)
         self.gate = asyncio.Event()
 
-    async def put_many(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
+    async def put_many(
+        self, items: Sequence[tuple[BlockHash, bytes]], ttl_s: int | None = None
+    ) -> int:
         await self.gate.wait()
         return await super().put_many(items)
 

@@ -45,7 +45,9 @@ class SharedMemoryStore(BlockStore):
         with self._lock:
             return await self.inner.get_many(hashes)
 
-    async def put_many(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
+    async def put_many(
+        self, items: Sequence[tuple[BlockHash, bytes]], ttl_s: int | None = None
+    ) -> int:
         with self._lock:
             return await self.inner.put_many(items)
 
