@@ -278,7 +278,8 @@ class EngineStatsCollector(Collector):
     sets `snapshot` (worker name -> stats dict) before each scrape. Optional nested dicts
     `cached_tokens_by_source` ({source: tokens}) and `store` ({name: number}) are exposed as
     `kvserve:cached_tokens_total{source}` and `kvserve:store_<name>` (nested dicts flattened,
-    the backend's counters as `kvserve:store_backend_<name>`); `store_latency` (the store
+    the backend's counters as `kvserve:store_backend_<name>`; the lookups by outcome as the
+    counter `kvserve:store_lookups_total{outcome}`); `store_latency` (the store
     connector's LatencyStats snapshot) as the histograms `kvserve:store_get_seconds` /
     `kvserve:store_put_seconds` and the counter `kvserve:store_errors_total{op}`."""
 
@@ -310,9 +311,11 @@ class EngineStatsCollector(Collector):
             for source, value in _numbers(sources):
                 by_source.add_metric([self.model_name, worker, source], value)
         yield by_source
+        yield self._store_lookups(labels)
         store: dict[str, GaugeMetricFamily] = {}
         for worker, stats in self.snapshot.items():
-            for key, value in _flat_numbers(stats.get("store") or {}):
+            numbers = {k: v for k, v in (stats.get("store") or {}).items() if k != "lookups"}
+            for key, value in _flat_numbers(numbers):
                 if key not in store:
                     store[key] = GaugeMetricFamily(
                         f"{PREFIX}store_{key}", f"Prefix store: {key}.", labels=labels
@@ -321,6 +324,19 @@ class EngineStatsCollector(Collector):
                 fam.add_metric([self.model_name, worker], value)
         yield from store.values()
         yield from self._store_latency(labels)
+
+    def _store_lookups(self, labels: list[str]) -> Metric:
+        """`kvserve:store_lookups_total{outcome}`: every store lookup by how it ended."""
+        fam = CounterMetricFamily(
+            PREFIX + "store_lookups",
+            "Prefix-store lookups by outcome (hit, absent, recompute, timeout, evicted, "
+            "corrupt, wrong_identity, unavailable).",
+            labels=[*labels, "outcome"],
+        )
+        for worker, stats in self.snapshot.items():
+            for outcome, n in _numbers((stats.get("store") or {}).get("lookups") or {}):
+                fam.add_metric([self.model_name, worker, outcome], n)
+        return fam
 
     def _store_latency(self, labels: list[str]) -> Iterator[Metric]:
         hists = {

@@ -23,6 +23,11 @@ StoreConnector invariants:
   codec Miss: corrupt, wrong model or format, hash mismatch) ends the run there, is counted by
   reason and deleted from the store. The result never holds a block that did not verify.
 - Every fetch finishes within `fetch_timeout_s` (then it yields nothing: recompute).
+- Every fetch ends in one counted outcome (`lookups`, FetchResult.outcome): `hit` (every
+  present block loaded), `absent` (the store holds none of them), `recompute` (the cost rule
+  chose to recompute), `timeout`, `evicted` (a block went between `contains` and `get`),
+  `corrupt` (a frame that does not verify), `wrong_identity` (a frame of another model, format,
+  shape or chain), `unavailable` (the store call failed).
 - A disaggregated hand-off's tail (`put_tail`) lives TAIL_TTL_S seconds in a store with expiry
   (Redis): a decode that never comes leaves nothing behind for longer; one that comes deletes it
   on read.
@@ -52,6 +57,11 @@ log = logging.getLogger("kvserve.store")
 
 WRITE_BATCH = 32
 TAIL_TTL_S = 30  # an abandoned hand-off's tail key expires after this
+LOOKUP_OUTCOMES = ("hit", "absent", "recompute", "timeout", "evicted", "corrupt",
+                   "wrong_identity", "unavailable")  # fmt: skip
+# Codec misses of a frame that is damaged (the rest name another block's identity).
+_CORRUPT = frozenset({"too_large", "not_msgpack", "bad_schema", "bad_checksum", "bad_payload",
+                      "internal_error"})  # fmt: skip
 # Upper bounds (seconds) of the store-call latency histograms (Prometheus `le` buckets).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -222,6 +232,7 @@ class FetchResult:
 
     blocks: list[tuple[BlockHash, BlockData]] = field(default_factory=list)
     decision: str = "none"  # none (nothing stored) | load | recompute | timeout
+    outcome: str = "absent"  # see LOOKUP_OUTCOMES
     present: int = 0  # leading wanted blocks the store said it holds
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -253,6 +264,7 @@ class StoreConnector:
         self._queue: queue.Queue[_Publish] = queue.Queue(maxsize=queue_blocks)
         self.counters: Counter[str] = Counter()
         self.miss_reasons: Counter[str] = Counter()
+        self.lookups: Counter[str] = Counter({o: 0 for o in LOOKUP_OUTCOMES})
         self.latency = LatencyStats()  # store get/put call durations and errors
         # Running estimates for the cost rule (seconds), seeded with conservative guesses.
         self.rtt_s = 0.002
@@ -362,6 +374,7 @@ class StoreConnector:
         out: dict[str, object] = dict(self.counters)
         out["queued_writes"] = self._queue.qsize()
         out["miss_reasons"] = dict(self.miss_reasons)
+        out["lookups"] = dict(self.lookups)
         out["bytes_per_token"] = (
             self.encoded_bytes / self.encoded_tokens if self.encoded_tokens else 0.0
         )
@@ -414,13 +427,18 @@ class StoreConnector:
         self, hashes: list[BlockHash], root: BlockHash, recompute_s_per_block: float
     ) -> FetchResult:
         try:
-            return await asyncio.wait_for(
+            res = await asyncio.wait_for(
                 self._fetch_run(hashes, root, recompute_s_per_block), self.fetch_timeout_s
             )
         except TimeoutError:
             self.counters["fetch_timeouts"] += 1
             self.latency.error("get")
-            return FetchResult(decision="timeout")
+            res = FetchResult(decision="timeout", outcome="timeout")
+        except Exception:
+            self.lookups["unavailable"] += 1
+            raise
+        self.lookups[res.outcome] += 1
+        return res
 
     async def _fetch_run(
         self, hashes: list[BlockHash], root: BlockHash, recompute_s_per_block: float
@@ -436,6 +454,7 @@ class StoreConnector:
         est_fetch = self.rtt_s + run * self.fetch_s_per_block
         est_recompute = run * recompute_s_per_block
         res.decision = "load" if est_fetch < est_recompute else "recompute"
+        res.outcome = res.decision if res.decision == "recompute" else "hit"
         self.counters[f"decision_{res.decision}"] += 1
         log.info(
             "store fetch decision=%s blocks=%d est_fetch_s=%.4f est_recompute_s=%.4f",
@@ -474,10 +493,12 @@ class StoreConnector:
         for h, frame in zip(hashes, frames, strict=True):
             if frame is None:
                 self.miss_reasons["gone"] += 1
+                res.outcome = "evicted"
                 break
             got = decode_block(frame, self.meta, h, root)
             if isinstance(got, Miss):
                 self.miss_reasons[got.reason] += 1
+                res.outcome = "corrupt" if got.reason in _CORRUPT else "wrong_identity"
                 log.warning("store block %s rejected: %s", h.hex()[:16], got.reason)
                 return out, [h]
             t = time.perf_counter()

@@ -57,7 +57,18 @@ async def wait_dead(bus: RedisBus, name: str) -> None:
         await bus.redis.ping()  # a round trip, not a sleep: the TTL passes meanwhile
 
 
-async def test_a_routed_request_reaches_only_its_worker(rbus: RedisBus) -> None:
+@pytest.fixture
+async def live_bus() -> AsyncIterator[RedisBus]:
+    """Workers stay alive for the whole test (no heartbeat needed)."""
+    b = await make_redis_bus(heartbeat_s=60.0, worker_ttl_s=60.0)
+    try:
+        yield b
+    finally:
+        await drop(b)
+
+
+async def test_a_routed_request_reaches_only_its_worker(live_bus: RedisBus) -> None:
+    rbus = live_bus
     a, b = await started(rbus, "a"), await started(rbus, "b")
     stream = await rbus.submit(request("r1"), worker="b")
     assert await a.receive(16, timeout=0.2) == []
@@ -118,8 +129,9 @@ async def test_a_resync_request_is_seen_once(rbus: RedisBus) -> None:
     await a.close()
 
 
-async def test_a_bus_whose_keys_vanished_recovers(rbus: RedisBus) -> None:
+async def test_a_bus_whose_keys_vanished_recovers(live_bus: RedisBus) -> None:
     """As after a Redis restart without persistence: groups, registrations and streams gone."""
+    rbus = live_bus
     a = await started(rbus, "a")
     keys: list[Any] = [k async for k in rbus.redis.scan_iter(match=f"{rbus.config.prefix}:*")]
     await rbus.redis.delete(*keys)

@@ -66,8 +66,17 @@ def test_second_engine_loads_prefix_from_store(make_engine, prompts, cold, tmp_p
         stats = b.prefix_cache_stats
         assert stats["hits_tokens_store"] == cached
         assert b.store_stats()["decision_load"] == 1
+        assert _lookups(b) == {"hit": 1}
     finally:
         b.close()
+
+
+def _lookups(engine) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """The store lookups that happened, by outcome (every outcome is reported, zeros too)."""
+    lookups = engine.store_stats()["lookups"]
+    assert set(lookups) == {"hit", "absent", "recompute", "timeout", "evicted", "corrupt",
+                            "wrong_identity", "unavailable"}  # fmt: skip
+    return {k: n for k, n in lookups.items() if n}
 
 
 def _root_and_hashes(engine, prompt: list[int]) -> tuple[BlockHash, list[BlockHash]]:  # type: ignore[no-untyped-def]
@@ -98,6 +107,7 @@ def test_bad_frames_are_recomputed_and_deleted(make_engine, prompts, cold, tmp_p
         assert tokens == cold[2]
         assert cached == 2 * b.block_size  # blocks 0 and 1 loaded, the rest recomputed
         assert b.store_stats()["miss_reasons"] == {"bad_checksum": 1}
+        assert _lookups(b) == {"corrupt": 1}
     finally:
         b.close()
     disk = DiskStore(str(tmp_path))
@@ -133,6 +143,7 @@ def test_frames_of_another_model_or_format_are_never_used(  # type: ignore[no-un
         tokens, cached = run_one(eng, "x", prompts[3], GREEDY)
         assert tokens == cold[3] and cached == 0
         assert eng.store_stats()["miss_reasons"] == {"wrong_model": 1}
+        assert _lookups(eng) == {"wrong_identity": 1}
         # An int8-cache engine never even asks for this engine's blocks: another root.
         q = make_engine(store=StoreConfig(f"file://{tmp_path}"), kv_dtype="int8")
         try:
@@ -194,6 +205,7 @@ def test_cost_rule_can_choose_recompute(make_engine, prompts, cold, tmp_path: Pa
         tokens, cached = run_one(b, "b", prompts[1], GREEDY)
         assert tokens == cold[1] and cached == 0
         assert b.store_stats()["decision_recompute"] == 1
+        assert _lookups(b) == {"recompute": 1}
         assert b.store_stats().get("fetched_blocks", 0) == 0
     finally:
         b.close()
@@ -250,3 +262,22 @@ def test_store_latency_stats_and_metrics() -> None:
     assert get[("kvserve:store_get_seconds_count", None)] == 3
     errors = {s.labels["op"]: s.value for s in fams["kvserve:store_errors"].samples}
     assert errors == {"get": 0, "put": 2}
+
+
+def test_store_lookups_are_one_counter_by_outcome() -> None:
+    from kvserve.shared.telemetry import EngineStatsCollector
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    collector = EngineStatsCollector("m")
+    store = {"lookups": {"hit": 3, "absent": 1, "corrupt": 0}, "fetched_blocks": 7}
+    collector.snapshot = {"w0": {"store": store}}
+    registry = CollectorRegistry()
+    registry.register(collector)
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    lookups = fams["kvserve:store_lookups"]
+    assert lookups.type == "counter"
+    assert {s.labels["outcome"]: s.value for s in lookups.samples} == {
+        "hit": 3, "absent": 1, "corrupt": 0
+    }  # fmt: skip
+    assert "kvserve:store_fetched_blocks" in fams and "kvserve:store_lookups_hit" not in fams
