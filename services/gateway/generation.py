@@ -4,13 +4,17 @@ It owns a bus request per prompt of the plan (ids `{request_id}-{p}` when there 
 merges their token events in arrival order, holds the request's deadline, observes time to
 first token and inter-token latency, and at the end cancels whatever has not finished. With a
 `routing` service each bus request goes to the worker the router picks (the decision is given
-back, with the cached tokens the worker reported, at `close`). It imports no torch (the gateway
-never does)."""
+back, with the cached tokens the worker reported, at `close`). A sampled request without a
+seed gets one here, so that a worker that takes it over from a dead one (it runs it again from
+the start; the events the client has already had are dropped by seq) draws the same tokens and
+the client's stream stays one generation. It imports no torch (the gateway never does)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -56,11 +60,14 @@ class BusGeneration:
         self.deadline = asyncio.get_running_loop().time() + self.timeout_s
         deadline = time.time() + self.timeout_s
         traceparent = current_traceparent()
+        params = self.plan.params
+        if params.seed is None and not params.greedy:
+            params = dataclasses.replace(params, seed=random.randrange(1 << 62))
         for p, prompt in enumerate(self.plan.prompts):
             req = GenerateRequest(
                 request_id=self._sub_id(p),
                 prompt_token_ids=prompt,
-                sampling=self.plan.params,
+                sampling=params,
                 cache_salt=self.salt,
                 traceparent=traceparent,
                 deadline=deadline,

@@ -206,3 +206,23 @@ def test_gateway_side_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_sampled_requests_without_a_seed_get_one(harness: Harness) -> None:
+    """A worker that takes a request over from a dead one runs it again from the start: with
+    the same seed it draws the same tokens, so the client's stream stays one generation."""
+    seen: list[Any] = []
+
+    async def record(port: WorkerPort, d: Delivery) -> None:
+        seen.append(d.request)
+        await port.emit(tokens(d.request.request_id, 0, "ok", finish="stop"))
+
+    await harness.start_worker(record)
+    body = {"model": "m", "prompt": "Hi", "max_tokens": 1}
+    for extra in ({"temperature": 1.0}, {"temperature": 1.0}, {"temperature": 1.0, "seed": 7},
+                  {"temperature": 0.0}):  # fmt: skip
+        status, _, text = await harness.post("/v1/completions", {**body, **extra})
+        assert status == 200, text
+    seeds = [r.sampling.seed for r in seen]
+    assert all(isinstance(s, int) for s in seeds[:2]) and seeds[0] != seeds[1]
+    assert seeds[2:] == [7, None]  # a client's seed is kept; greedy needs none
