@@ -14,6 +14,8 @@ store's raw throughput.
   decompression + dequantization, conversion to the cache dtype, copy into the cache.
 - throughput: put_many / get_many of --blocks real blocks (encoded in --format) against the
   Redis at --redis, batches of --batch: blocks/s and MB/s.
+- breakeven: TTFT loading a cached prefix from Redis against recomputing it, and what the cost
+  rule chose, over --breakeven-lengths and --breakeven-formats (services/bench/breakeven.py).
 The last line printed is one JSON object.
 """
 
@@ -37,7 +39,7 @@ from kvserve.shared.config import (
     default_model_path,
 )
 
-PARTS = ("formats", "ttft", "throughput")
+PARTS = ("formats", "ttft", "throughput", "breakeven")
 QUESTIONS = [
     "\n\nQuestion: which topic above is the longest?",
     "\n\nQuestion: summarise the first paragraph.",
@@ -61,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--plot", type=Path, default=None, help="PNG: formats and TTFT panels")
+    p.add_argument("--breakeven-formats", default="native,int8", help="breakeven: formats")
+    p.add_argument(
+        "--breakeven-lengths",
+        default="16,64,256,1024,2048,4096",
+        help="breakeven: cached-prefix lengths in tokens",
+    )
+    p.add_argument("--breakeven-plot", type=Path, default=None, help="PNG: the breakeven curves")
 
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -103,7 +112,13 @@ def run(args: argparse.Namespace) -> int:
         result.update(_ttft(engine, args))
     if "throughput" in parts:
         result.update(_throughput(engine(), args))
-    if args.plot is not None:
+    if "breakeven" in parts:
+        from kvserve.services.bench import breakeven
+
+        result.update(breakeven.run(engine, args))
+        if args.breakeven_plot:
+            breakeven.save_plot(args.breakeven_plot, result["breakeven"])
+    if args.plot is not None and set(parts) - {"breakeven"}:
         save_plot(args.plot, result)
     print(json.dumps(result))
     return 0

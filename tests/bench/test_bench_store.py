@@ -35,3 +35,22 @@ def test_bench_store_bad_arguments(capsys) -> None:  # type: ignore[no-untyped-d
         assert cli.main(args) == 2
         err = capsys.readouterr().err
         assert "--" in err and err.count("\n") == 1
+
+
+@pytest.mark.redis
+def test_bench_store_breakeven_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One block and four blocks, int8: every TTFT measured, the rule's choice named, the ratio
+    to the faster choice computed from them, the plot written."""
+    args = ["bench", "store", "--parts", "breakeven", "--breakeven-formats", "int8"]
+    args += ["--breakeven-lengths", "16,64", "--repeats", "1"]
+    args += ["--breakeven-plot", str(tmp_path / "breakeven.png")]
+    assert cli.main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = summary["breakeven"]
+    assert [(r["format"], r["prefix_tokens"]) for r in rows] == [("int8", 16), ("int8", 64)]
+    for r in rows:
+        best = min(r["ttft_load_s"], r["ttft_recompute_s"])
+        assert r["rule_over_best"] == pytest.approx(r["ttft_rule_s"] / best)
+        assert r["rule_chose"] in ("load", "recompute")
+    assert summary["breakeven_rule_worst"] == max(r["rule_over_best"] for r in rows)
+    assert (tmp_path / "breakeven.png").stat().st_size > 0
