@@ -20,7 +20,7 @@ from typing import Any
 
 from kvserve.services.workers.engine_worker import EngineWorker
 from kvserve.services.workers.spans import request_span, set_cached_tokens
-from kvserve.shared.bus import Delivery, WorkerPort, error_event
+from kvserve.shared.bus import Delivery, WorkerPort, error_event, is_bus_error
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.protocol import ErrorInfo, GenerateRequest
@@ -52,20 +52,28 @@ class PrefillWorker(EngineWorker):
         self.forward = forward
 
     async def _serve(self, d: Delivery) -> None:
-        """The request under its `kvserve.prefill.request` span; acked at the end."""
+        """The request under its `kvserve.prefill.request` span; acked at the end, unless a
+        bus call failed on the way (then it runs again after a pause, as on EngineWorker)."""
         req = d.request
         assert isinstance(req, GenerateRequest)
+        done = True
         try:
             with request_span(tracer, "kvserve.prefill.request", req, self.model_name):
                 cached = await self._prefill(req)
                 if cached is not None:
                     await self._forward(req, cached)
-        except Exception:
-            wlog.exception("prefill failed", request_id=req.request_id)
-            with contextlib.suppress(Exception):
-                await self._fail(req, ErrorInfo("prefill failed", "server_error"))
+        except Exception as e:
+            if is_bus_error(e):
+                done = False
+                self._run_again(d, e)
+            else:
+                wlog.exception("prefill failed", request_id=req.request_id)
+                with contextlib.suppress(Exception):
+                    await self._fail(req, ErrorInfo("prefill failed", "server_error"))
         finally:
-            await self._ack(d)
+            if done:
+                self._failures.pop(d.message_id, None)
+                await self._ack(d)
 
     async def _forward(self, req: GenerateRequest, cached: int) -> None:
         fwd = dataclasses.replace(

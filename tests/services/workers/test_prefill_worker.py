@@ -107,3 +107,24 @@ async def test_a_request_cancelled_while_its_prompt_computes_is_not_forwarded(
     assert [r.request_id for r in disagg.forwarded] == ["warm"]
     assert disagg.prefill_port.acks == ["warm", "c"]
     assert prefill_engine.kv.pool.num_used == 0 and not prefill_engine.has_unfinished_requests()
+
+
+async def test_a_prefill_during_which_the_bus_failed_runs_again(disagg: Disagg) -> None:
+    """The first cancel check fails (Redis gone for a moment): the request is not acked
+    unanswered but prefilled again, forwarded once and acked once."""
+    port = disagg.prefill_port
+    real = port.is_cancelled
+    failures = [1]
+
+    async def flaky(request_id: str) -> bool:
+        if failures[0]:
+            failures[0] -= 1
+            raise ConnectionError("Connection closed by server.")
+        return await real(request_id)
+
+    port.is_cancelled = flaky  # type: ignore[method-assign]
+    disagg.prefill.poll_s = 0.01  # the pause before running it again
+    await disagg.prefill_bus.submit(GenerateRequest("flaky", prompt_of(2 * BLOCK + 3), SAMPLING))
+    await port.acked("flaky")
+    assert failures == [0] and port.acks == ["flaky"]
+    assert [r.request_id for r in disagg.forwarded] == ["flaky"]
