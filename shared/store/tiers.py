@@ -17,11 +17,12 @@ StoreConnector invariants:
   batches, encodes each block (codec, in a worker thread) and calls `put_many`.
 - A fetch first asks which of the wanted blocks the store holds (`contains`, one round trip),
   then applies the cost rule to the leading run of present blocks: it loads them only when the
-  estimated fetch time (round trip + per-block transfer and decode, both running averages of
-  what fetches really took) is below the estimated time to recompute them (the caller's prefill
-  seconds per block). Every decision is counted and logged. A frame that fails to decode (any
-  codec Miss: corrupt, wrong model or format, hash mismatch) ends the run there, is counted by
-  reason and deleted from the store. The result never holds a block that did not verify.
+  run is at least MIN_FETCH_BLOCKS long and the estimated fetch time (round trip + per-block
+  transfer and decode, both running averages of what fetches really took) is below the
+  estimated time to recompute them (the caller's prefill seconds per block). Every decision
+  is counted and logged. A frame that fails to decode (any codec Miss: corrupt, wrong model or
+  format, hash mismatch) ends the run there, is counted by reason and deleted from the store.
+  The result never holds a block that did not verify.
 - Every fetch finishes within `fetch_timeout_s` (then it yields nothing: recompute).
 - Every fetch ends in one counted outcome (`lookups`, FetchResult.outcome): `hit` (every
   present block loaded), `absent` (the store holds none of them), `recompute` (the cost rule
@@ -57,6 +58,10 @@ log = logging.getLogger("kvserve.store")
 
 WRITE_BATCH = 32
 TAIL_TTL_S = 30  # an abandoned hand-off's tail key expires after this
+# A single stored block is recomputed: a fetch's fixed costs (two round trips, a thread hop,
+# the sequence parked for a step) outweigh one block's prefill (bench store --parts breakeven:
+# 38-48 ms to load one block against 25-28 ms to recompute it; loading wins from 4 blocks).
+MIN_FETCH_BLOCKS = 2
 LOOKUP_OUTCOMES = ("hit", "absent", "recompute", "timeout", "evicted", "corrupt",
                    "wrong_identity", "unavailable")  # fmt: skip
 # Codec misses of a frame that is damaged (the rest name another block's identity).
@@ -453,7 +458,8 @@ class StoreConnector:
             return res
         est_fetch = self.rtt_s + run * self.fetch_s_per_block
         est_recompute = run * recompute_s_per_block
-        res.decision = "load" if est_fetch < est_recompute else "recompute"
+        worth = run >= MIN_FETCH_BLOCKS and est_fetch < est_recompute
+        res.decision = "load" if worth else "recompute"
         res.outcome = res.decision if res.decision == "recompute" else "hit"
         self.counters[f"decision_{res.decision}"] += 1
         log.info(

@@ -281,3 +281,23 @@ def test_store_lookups_are_one_counter_by_outcome() -> None:
         "hit": 3, "absent": 1, "corrupt": 0
     }  # fmt: skip
     assert "kvserve:store_fetched_blocks" in fams and "kvserve:store_lookups_hit" not in fams
+
+
+def test_a_single_stored_block_is_recomputed(make_engine, prompts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """One block costs less to recompute than to fetch (MIN_FETCH_BLOCKS); two are loaded."""
+    from kvserve.shared.store.tiers import MIN_FETCH_BLOCKS
+
+    assert MIN_FETCH_BLOCKS == 2
+    store = StoreConfig(f"file://{tmp_path}")
+    a = make_engine(store=store)
+    run_one(a, "a", prompts[0][:40], GREEDY)  # blocks 0 and 1 stored
+    a.close()
+    b = make_engine(store=store)
+    try:
+        _, cached = run_one(b, "one", prompts[0][:20], GREEDY)  # 1 block wanted
+        assert cached == 0 and _lookups(b) == {"recompute": 1}
+        b.reset_prefix_cache()
+        _, cached = run_one(b, "two", prompts[0][:40], GREEDY)  # 2 blocks wanted
+        assert cached == 32 and _lookups(b) == {"recompute": 1, "hit": 1}
+    finally:
+        b.close()
