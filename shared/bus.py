@@ -45,7 +45,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 from kvserve.shared.protocol import (
@@ -612,14 +612,7 @@ class RedisBus(Bus):
         reply = await self.redis.xread(
             {self.kv_events_key: self._kv_cursor}, count=4096, block=block_ms
         )
-        events: list[KVEvent] = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self._kv_cursor = entry_id
-                with contextlib.suppress(ProtocolError, KeyError):
-                    msg = decode(fields[b"m"])
-                    if isinstance(msg, KVEvent):
-                        events.append(msg)
+        events, self._kv_cursor = _read_messages(reply, KVEvent, self._kv_cursor)
         return events
 
     def worker(self, name: str | None = None) -> WorkerPort:
@@ -634,6 +627,23 @@ class RedisBus(Bus):
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+M = TypeVar("M")
+
+
+def _read_messages(reply: Any, kind: type[M], cursor: Any) -> tuple[list[M], Any]:
+    """The messages of `kind` in an XREAD reply (malformed entries skipped) and the id of the
+    last entry read (`cursor` when there was none)."""
+    out: list[M] = []
+    for _stream, entries in reply or []:
+        for entry_id, fields in entries:
+            cursor = entry_id
+            with contextlib.suppress(ProtocolError, KeyError):
+                msg = decode(fields[b"m"])
+                if isinstance(msg, kind):
+                    out.append(msg)
+    return out, cursor
 
 
 class _RedisPort(WorkerPort):
@@ -845,14 +855,7 @@ class _RedisPort(WorkerPort):
             count=256,
             block=max(1, int(timeout * 1000)),
         )
-        out = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self._cancel_cursor = entry_id
-                with contextlib.suppress(ProtocolError, KeyError):
-                    msg = decode(fields[b"m"])
-                    if isinstance(msg, Cancel):
-                        out.append(msg)
+        out, self._cancel_cursor = _read_messages(reply, Cancel, self._cancel_cursor)
         return out
 
     async def is_cancelled(self, request_id: str) -> bool:

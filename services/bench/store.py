@@ -80,8 +80,14 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     formats = [x for x in args.formats.split(",") if x]
     codec_formats = [f for f in STORE_FORMATS if f != "auto"]
     wrong = [f for f in [*formats, args.format] if f not in codec_formats]
-    if wrong:
-        raise CliError(f"--formats/--format: unknown {wrong}; choose from {codec_formats}")
+    breakeven = [x for x in args.breakeven_formats.split(",") if x]
+    wrong += [f for f in breakeven if f not in codec_formats]
+    if wrong or not breakeven:
+        raise CliError(f"--formats/--format/--breakeven-formats: unknown {wrong}; choose from "
+                       f"{codec_formats}")  # fmt: skip
+    lengths = args.breakeven_lengths.split(",")
+    if not all(x.isdigit() and 16 <= int(x) <= 8192 for x in lengths):
+        raise CliError("--breakeven-lengths: comma-separated token counts in 16..8192")
     if args.prefix_tokens < 64 or args.repeats < 1 or args.blocks < 1 or args.batch < 1:
         raise CliError("--prefix-tokens >= 64, --repeats, --blocks and --batch >= 1")
     return parts, formats

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -50,7 +50,7 @@ class RoutingService:
         self.refresh_s = refresh_s
         self.metrics = _RouterMetrics(registry, router)
         self.totals: Counter[str] = Counter()  # requests, predicted, actual, abs_error tokens
-        self._seconds: list[float] = []  # the latest decision times, for stats()
+        self._seconds: deque[float] = deque(maxlen=1000)  # the latest decision times
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -105,7 +105,7 @@ class RoutingService:
             )
         self.metrics.decisions.labels(decision.reason).inc()
         self.metrics.seconds.observe(seconds)
-        self._seconds = [*self._seconds[-999:], seconds]
+        self._seconds.append(seconds)
         return decision
 
     def targets(self) -> list[str]:

@@ -308,10 +308,10 @@ def shared_store_id(url: str | None) -> str:
     or options; "" for a store of the process's own (memory, a local disk, none)."""
     from urllib.parse import urlsplit
 
-    if not url:
-        return ""
-    parts = urlsplit(url)
-    if not parts.scheme.startswith(("redis", "rediss", "unix")):
+    from kvserve.shared.config import REMOTE_STORE_SCHEMES
+
+    parts = urlsplit(url or "")
+    if parts.scheme.lower() not in REMOTE_STORE_SCHEMES:
         return ""
     host = parts.hostname or ""
     port = f":{parts.port}" if parts.port else ""

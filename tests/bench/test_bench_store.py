@@ -31,6 +31,8 @@ def test_bench_store_bad_arguments(capsys) -> None:  # type: ignore[no-untyped-d
         ["bench", "store", "--parts", "nope"],
         ["bench", "store", "--formats", "int3"],
         ["bench", "store", "--repeats", "0"],
+        ["bench", "store", "--breakeven-lengths", "16,abc"],
+        ["bench", "store", "--breakeven-formats", "int3"],
     ):
         assert cli.main(args) == 2
         err = capsys.readouterr().err
