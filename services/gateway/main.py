@@ -107,7 +107,15 @@ async def _serve(args: argparse.Namespace) -> None:
     # Every request in flight waits for its events on one connection; a burst of submits and
     # cancels takes one each while it runs (a bound, not a reservation).
     bus = RedisBus(args.bus, RedisBusConfig(max_connections=max(1024, 2 * args.max_queue)))
-    gateway, runner, port = await start_gateway(args, bus, info)
+    gateway, runner, port = await start_gateway(
+        args,
+        bus,
+        info,
+        routing=args.routing,
+        overlap_weight=args.overlap_weight,
+        router_store_cost=args.router_store_cost,
+        router_max_blocks=args.router_max_blocks,
+    )
     log.info("ready", url=f"http://{args.host}:{port}", model=info.name)
     stop = stop_on_signals()
     await stop.wait()
@@ -119,10 +127,12 @@ async def _serve(args: argparse.Namespace) -> None:
     log.info("stopped", drained=drained)
 
 
-async def start_gateway(args: argparse.Namespace, bus: Any, info: Any) -> tuple[Any, Any, int]:
-    """The gateway built from the options `serve` and `gateway` share, listening on
-    --host/--port: (gateway, its aiohttp runner, the bound port). CliError if it cannot
-    listen."""
+async def start_gateway(
+    args: argparse.Namespace, bus: Any, info: Any, **routing: Any
+) -> tuple[Any, Any, int]:
+    """The gateway built from the options `serve` and `gateway` share (and `routing`: the
+    router's GatewayConfig fields, `kvserve gateway`'s only), listening on --host/--port:
+    (gateway, its aiohttp runner, the bound port). CliError if it cannot listen."""
     from aiohttp import web
     from kvserve.services.gateway.app import Gateway, GatewayConfig
 
@@ -134,10 +144,7 @@ async def start_gateway(args: argparse.Namespace, bus: Any, info: Any) -> tuple[
             api_keys=tuple(args.api_key),
             allow_client_cache_salt=args.allow_client_cache_salt,
             rate_limit=rate_limit(args.rate_limit),
-            routing=getattr(args, "routing", None),
-            overlap_weight=getattr(args, "overlap_weight", 1.0),
-            router_store_cost=getattr(args, "router_store_cost", 0.2),
-            router_max_blocks=getattr(args, "router_max_blocks", 100_000),
+            **routing,
         ),
         bus,
         info,
