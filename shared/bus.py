@@ -8,8 +8,9 @@ deduplicated by seq and released in seq order, ending after the request's termin
 router).
 
 Worker side (`WorkerPort`, one per worker, from `bus.worker(name)`): `start(stats, info)`,
-`receive()` requests, `cancels()`, `is_cancelled(id)`, `emit(event)`, `ack(delivery)` once a
-request is done, `publish_kv_events(events)`.
+`receive()` requests, `cancels()`, `is_cancelled(id)`, `emit(event)`, `emitted(id)` (what was
+emitted for a request so far: a worker that takes one over goes on from there), `ack(delivery)`
+once a request is done, `publish_kv_events(events)`.
 
 Two implementations:
 - `InProcessBus`: asyncio queues, for `kvserve serve` (gateway and worker on one event loop).
@@ -164,6 +165,12 @@ class WorkerPort(abc.ABC):
     @abc.abstractmethod
     async def ack(self, delivery: Delivery) -> None:
         """The request is done (finished, failed or cancelled): it is not redelivered."""
+
+    async def emitted(self, request_id: str) -> list[TokenEvent]:
+        """The token events already emitted for a request, in emission order (a worker taking
+        over a request reads them to go on from there); none in process, where a request
+        never changes worker."""
+        return []
 
     async def publish_kv_events(self, events: list[KVEvent]) -> None:  # noqa: B027
         """Tell routers which blocks entered or left this worker's tiers (no-op in process)."""
@@ -883,6 +890,11 @@ class _RedisPort(WorkerPort):
 
     async def resync_requested(self) -> bool:
         return bool(await self._r.getdel(self._bus.resync_key(self.name)))
+
+    async def emitted(self, request_id: str) -> list[TokenEvent]:
+        key = self._bus.out_key(request_id)
+        events, _ = _read_messages([(key, await self._r.xrange(key))], TokenEvent, None)
+        return [e for e in events if e.request_id == request_id]
 
     async def ack(self, delivery: Delivery) -> None:
         self._held.pop(delivery.message_id, None)

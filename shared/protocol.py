@@ -17,8 +17,9 @@ what it knew of that worker's blocks (services/gateway/router.py).
 
 Invariants:
 - A request's token events carry `seq` = 0, 1, 2, ... in emission order; a consumer keeps the
-  first event of each seq and drops the rest (a redelivered request is re-run from the start and
-  re-emits the same seqs).
+  first event of each seq and drops the rest. A worker that takes a request over reads the
+  events emitted so far and goes on from the next seq and the client's last token (exact-token
+  resumption); one that finds none runs it from seq 0 (the same seed: the same tokens).
 - An event with `error` set is terminal for the whole request, whatever its seq (a worker that
   fails a request it never ran does not know how many events came before). Otherwise the
   request is finished when every completion index 0..n-1 has had an event with
@@ -66,8 +67,10 @@ class GenerateRequest:
     deadline: float | None = None
     submitted_at: float = field(default_factory=time.time)
     # Set by a prefill worker on the request it forwards to decode: the prompt tokens it found
-    # cached (the decode worker loads the rest from the store; clients see this number).
+    # cached (the decode worker loads the rest from the store; clients see this number), and
+    # the tiers they came from ({"device", "host", "store"}: tokens).
     num_cached_tokens: int | None = None
+    cached_tokens_by_source: dict[str, int] | None = None
 
     @property
     def n(self) -> int:
@@ -113,6 +116,11 @@ class TokenEvent:
     # per token (with logprobs), the most likely alternatives: [[token id, logprob], ...]
     # (pairs, not a map: msgpack maps here have string keys)
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
+    # num_cached_tokens by the tier they came from ({"device", "host", "store"}: tokens) and how
+    # the request's store lookup ended (tiers.LOOKUP_OUTCOMES; None: the store was not asked).
+    # An older worker sends neither: empty and None.
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    store_lookup: str | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,7 @@ _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "deadline": (int, float, type(None)),
         "submitted_at": _NUM,
         "num_cached_tokens": (int, type(None)),
+        "cached_tokens_by_source": (dict, type(None)),
     },
     "token": {
         "request_id": _STR,
@@ -197,6 +206,8 @@ _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "error": (dict, type(None)),
         "info": (dict, type(None)),
         "top_logprobs": (list,),
+        "cached_tokens_by_source": (dict,),
+        "store_lookup": _OPT_STR,
     },
     "admin": {
         "request_id": _STR,
@@ -348,12 +359,19 @@ def _check_fields(kind: str, body: dict[str, Any]) -> None:
     for name in ("prompt_token_ids", "token_ids"):
         if name in body and not _all_ints(body[name]):
             raise ProtocolError(f"{kind} message field {name!r} must hold ints")
+    if kind in ("token", "generate"):
+        _check_by_source(kind, body.get("cached_tokens_by_source") or {})
     if kind == "admin":
         _check_admin(body)
     elif kind == "worker_info" and body.get("role") not in WorkerInfo.ROLES:
         raise ProtocolError(f"worker_info role must be one of {WorkerInfo.ROLES}")
     elif kind == "kv":
         _check_kv(body)
+
+
+def _check_by_source(kind: str, by_source: dict[Any, Any]) -> None:
+    if not all(isinstance(k, str) for k in by_source) or not _all_ints(list(by_source.values())):
+        raise ProtocolError(f"{kind} message cached_tokens_by_source must map str to int")
 
 
 def _check_kv(body: dict[str, Any]) -> None:

@@ -195,6 +195,9 @@ GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 KVSERVE_CACHED_TOKENS = "kvserve.usage.cached_tokens"
+# kvserve.cached_tokens.{device,host,store}: the cached prompt tokens by the tier they came from
+KVSERVE_CACHED_TOKENS_TIER = "kvserve.cached_tokens."
+KVSERVE_STORE_LOOKUP = "kvserve.store.lookup"  # how the request's store lookup ended
 KVSERVE_REQUEST_ID = "kvserve.request_id"
 
 
@@ -330,7 +333,7 @@ class EngineStatsCollector(Collector):
         fam = CounterMetricFamily(
             PREFIX + "store_lookups",
             "Prefix-store lookups by outcome (hit, absent, recompute, timeout, evicted, "
-            "corrupt, wrong_identity, unavailable).",
+            "corrupt, wrong_identity, unavailable, breaker_open).",
             labels=[*labels, "outcome"],
         )
         for worker, stats in self.snapshot.items():

@@ -69,7 +69,9 @@ from kvserve.shared.telemetry import (
     GEN_AI_TEMPERATURE,
     GEN_AI_TOP_P,
     KVSERVE_CACHED_TOKENS,
+    KVSERVE_CACHED_TOKENS_TIER,
     KVSERVE_REQUEST_ID,
+    KVSERVE_STORE_LOOKUP,
     Metrics,
     context_from_traceparent,
     current_traceparent,
@@ -404,6 +406,10 @@ class Gateway:
         span.set_attribute(GEN_AI_OUTPUT_TOKENS, usage["completion_tokens"])
         span.set_attribute(GEN_AI_CACHED_TOKENS, cached)
         span.set_attribute(KVSERVE_CACHED_TOKENS, cached)
+        for tier, n in usage["prompt_tokens_details"]["cached_tokens_by_tier"].items():
+            span.set_attribute(KVSERVE_CACHED_TOKENS_TIER + tier, n)
+        if builder.store_lookup is not None:
+            span.set_attribute(KVSERVE_STORE_LOOKUP, builder.store_lookup)
         span.set_attribute(GEN_AI_FINISH_REASONS, builder.finish_reasons)
         m, name = self.metrics, self.model.name
         elapsed = time.monotonic() - call.t0

@@ -31,7 +31,20 @@ _USAGE = {
         "total_tokens": {"type": "integer"},
         "prompt_tokens_details": {
             "type": "object",
-            "properties": {"cached_tokens": {"type": "integer"}},
+            "properties": {
+                "cached_tokens": {"type": "integer"},
+                "cached_tokens_by_tier": {
+                    "type": "object",
+                    "description": "kvserve extension: cached_tokens by the tier they came "
+                    "from (device cache, host-RAM tier, prefix store); they sum to cached_tokens "
+                    "where the worker reports tiers (see docs/api.md)",
+                    "properties": {
+                        "device": {"type": "integer"},
+                        "host": {"type": "integer"},
+                        "store": {"type": "integer"},
+                    },
+                },
+            },
         },
     },
 }
@@ -54,6 +67,10 @@ _SAMPLING = {
     "cache_salt": {
         "type": "string",
         "description": "narrows the prefix-cache partition (see docs/api.md)",
+    },
+    "return_tokens_as_token_ids": {
+        "type": "boolean",
+        "description": "vLLM extension: logprobs name tokens 'token_id:{id}'",
     },
 }
 

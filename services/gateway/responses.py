@@ -3,7 +3,11 @@
 `ResponseBuilder` accumulates every choice of one HTTP request (prompt p, completion i is choice
 p * n + i, as vLLM numbers them) and renders either the final body or, per event, the stream
 chunks. Usage counts the prompt tokens once per prompt (n samples share it) and the generated
-tokens of every choice; `prompt_tokens_details.cached_tokens` is what the prefix cache served.
+tokens of every choice; `prompt_tokens_details.cached_tokens` is what the prefix cache served
+(per prompt the largest count its events reported), and the kvserve extension
+`prompt_tokens_details.cached_tokens_by_tier` splits it by the tier the tokens came from (device
+cache, host-RAM tier, store), as reported with that count: the tiers sum to `cached_tokens`
+(a worker from before them reports none: zeros).
 """
 
 from __future__ import annotations
@@ -28,10 +32,24 @@ class _Choice:
     finish_reason: str | None = None
 
 
+TIERS = ("device", "host", "store")  # fastest first, as the engine names them
+
+
 @dataclass
 class _PromptUsage:
     prompt_tokens: int
     cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    store_lookup: str | None = None
+
+    def take(self, event: TokenEvent) -> None:
+        """The largest cached count reported, with the tiers reported with it; the store
+        lookup's outcome, once reported."""
+        n = event.num_cached_tokens
+        if n > self.cached_tokens or (n == self.cached_tokens and not self.cached_by_tier):
+            self.cached_tokens, self.cached_by_tier = n, dict(event.cached_tokens_by_source)
+        if event.store_lookup is not None:
+            self.store_lookup = event.store_lookup
 
 
 class ResponseBuilder:
@@ -54,8 +72,7 @@ class ResponseBuilder:
     # ---- accumulate -----------------------------------------------------------------------
 
     def add(self, prompt_index: int, event: TokenEvent) -> _Choice:
-        usage = self.prompts[prompt_index]
-        usage.cached_tokens = max(usage.cached_tokens, event.num_cached_tokens)
+        self.prompts[prompt_index].take(event)
         c = self.choices[prompt_index * self.n + event.index]
         c.text.append(event.text)
         c.token_ids += event.token_ids
@@ -73,14 +90,24 @@ class ResponseBuilder:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    @property
+    def store_lookup(self) -> str | None:
+        """How the prompts' store lookups ended, when every one that reported agrees."""
+        outcomes = {p.store_lookup for p in self.prompts if p.store_lookup is not None}
+        return outcomes.pop() if len(outcomes) == 1 else None
+
     def usage(self) -> dict[str, Any]:
         prompt = sum(p.prompt_tokens for p in self.prompts)
         completion = self.completion_tokens
+        by_tier = {t: sum(p.cached_by_tier.get(t, 0) for p in self.prompts) for t in TIERS}
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in self.prompts)},
+            "prompt_tokens_details": {
+                "cached_tokens": sum(p.cached_tokens for p in self.prompts),
+                "cached_tokens_by_tier": by_tier,
+            },
         }
 
     # ---- final body -----------------------------------------------------------------------
@@ -108,6 +135,8 @@ class ResponseBuilder:
         return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
 
     def _token(self, token_id: int) -> str:
+        if self.plan.tokens_as_ids:
+            return f"token_id:{token_id}"
         return self.tok.decode([token_id], skip_special_tokens=False)
 
     def _logprobs(

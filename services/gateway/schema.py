@@ -67,6 +67,8 @@ class GenerationPlan:
     include_usage: bool = False
     logprobs: bool = False
     cache_salt: str | None = None  # what the client asked for (combined with the key's later)
+    # vLLM's extension: logprobs name each token "token_id:{id}" instead of its text.
+    tokens_as_ids: bool = False
 
 
 # ---- field readers ---------------------------------------------------------------------------
@@ -266,6 +268,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
         include_usage,
         lp is not None,
         _client_salt(body),
+        _bool(body, "return_tokens_as_token_ids", False),
     )
 
 
@@ -315,7 +318,15 @@ def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [ids], info, max_tokens, logprobs, top or 0)
     return GenerationPlan(
-        "chat", model, [ids], params, stream, include_usage, logprobs, _client_salt(body)
+        "chat",
+        model,
+        [ids],
+        params,
+        stream,
+        include_usage,
+        logprobs,
+        _client_salt(body),
+        _bool(body, "return_tokens_as_token_ids", False),
     )
 
 

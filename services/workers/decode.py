@@ -5,7 +5,7 @@ request with it (`kv_tail`): the engine loads the full blocks from the store and
 the last prompt token; without the tail (a redelivery: the tail is deleted on read) or without
 the blocks (evicted, or the store was down) it recomputes what the store lacks. Token events go
 out exactly as from an EngineWorker; the cached-token count the client sees is the one the
-prefill worker found.
+prefill worker found (with the tiers it found them in).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import AsyncGenerator
 
 from kvserve.services.workers.engine_worker import EngineWorker
-from kvserve.shared.engine.outputs import RequestOutput
+from kvserve.shared.engine.outputs import Emitted, RequestOutput
 from kvserve.shared.protocol import GenerateRequest
 from kvserve.shared.store.tiers import KVTail
 from kvserve.shared.telemetry import KVSERVE_REQUEST_ID, get_tracer
@@ -29,20 +29,34 @@ class DecodeWorker(EngineWorker):
 
     role = "decode"
 
-    def _generate(self, req: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
-        return self._with_tail(req)
+    def _generate(
+        self, req: GenerateRequest, resume: dict[int, Emitted] | None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        return self._with_tail(req, resume)
 
-    async def _with_tail(self, req: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
+    async def _with_tail(
+        self, req: GenerateRequest, resume: dict[int, Emitted] | None
+    ) -> AsyncGenerator[RequestOutput, None]:
         prompt = list(req.prompt_token_ids)
-        tail = await self._fetch_tail(req)
+        # A request taken over from a dead decode worker: its tail was read (and deleted) there.
+        tail = await self._fetch_tail(req) if resume is None else None
         stream = self.engine.generate(
-            req.request_id, prompt, req.sampling, cache_salt=req.cache_salt, kv_tail=tail
+            req.request_id,
+            prompt,
+            req.sampling,
+            cache_salt=req.cache_salt,
+            kv_tail=tail,
+            resume=resume,
         )
         reported = req.num_cached_tokens  # what prefill found cached: what the client sees
         async with contextlib.aclosing(stream):
             async for out in stream:
                 if reported is not None:
-                    out = dataclasses.replace(out, num_cached_tokens=min(reported, len(prompt)))
+                    by_tier = req.cached_tokens_by_source or {}  # none from an older prefill
+                    cached = min(reported, len(prompt))
+                    out = dataclasses.replace(
+                        out, num_cached_tokens=cached, cached_tokens_by_source=by_tier
+                    )
                 yield out
 
     async def _fetch_tail(self, req: GenerateRequest) -> KVTail | None:

@@ -13,6 +13,10 @@ Invariants:
   during which a bus call failed is not acked but run again here after a pause.
 - A request's events carry seq 0, 1, 2, ... in order; one event per completion delta that has
   tokens, text or a finish reason; an error event is the last one.
+- Exact-token resumption: a request claimed from a dead worker (or run again here) first reads
+  the events already emitted for it; each completion goes on from the last token the client
+  received (prompt + those tokens prefilled, from the store where present; the sampler's
+  per-position seeds make it the same generation), numbering its events after them.
 - A request id runs at most once at a time on this worker (a redelivery of a request still
   running here is dropped).
 """
@@ -29,11 +33,11 @@ from typing import Any
 
 from kvserve.services.workers.admin_jobs import run_admin_job
 from kvserve.services.workers.kv_events import KVEventPublisher
-from kvserve.services.workers.spans import request_span, set_cached_tokens
-from kvserve.services.workers.token_events import TokenEmitter
+from kvserve.services.workers.spans import request_span, set_cache_sources, set_cached_tokens
+from kvserve.services.workers.token_events import TakenOver, TokenEmitter, taken_over
 from kvserve.shared.bus import Delivery, WorkerPort, is_bus_error
 from kvserve.shared.engine.async_engine import AsyncEngine
-from kvserve.shared.engine.outputs import RequestOutput
+from kvserve.shared.engine.outputs import Emitted, RequestOutput
 from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest, WorkerInfo
 from kvserve.shared.sampling_params import InvalidRequestError
 from kvserve.shared.tasks import cancel_all, cancel_and_wait
@@ -222,9 +226,14 @@ class EngineWorker:
         done = True
         try:
             with request_span(tracer, "kvserve.worker.generate", req, self.model_name) as span:
-                emitted = await self._run(req)
+                taken = None
+                if d.redelivered or d.message_id in self._failures:
+                    taken = taken_over(await self.port.emitted(req.request_id), req.n)
+                    span.set_attribute("kvserve.resumed_tokens", taken.output_tokens)
+                emitted = await self._run(req, taken)
                 span.set_attribute(GEN_AI_OUTPUT_TOKENS, emitted.output_tokens)
                 set_cached_tokens(span, emitted.cached_tokens)
+                set_cache_sources(span, emitted.cached_tokens_by_source, emitted.store_lookup)
         except Exception as e:  # _run lets only bus errors through
             if not is_bus_error(e):
                 raise
@@ -248,13 +257,18 @@ class EngineWorker:
 
         asyncio.get_running_loop().call_later(pause, again)
 
-    async def _run(self, req: GenerateRequest) -> TokenEmitter:
-        """Run the request to its end: its outputs, or its error, as events."""
-        out = TokenEmitter(self.port, req.request_id, len(req.prompt_token_ids))
+    async def _run(self, req: GenerateRequest, taken: TakenOver | None = None) -> TokenEmitter:
+        """Run the request to its end: its outputs, or its error, as events. A request taken
+        over (`taken`: what its earlier run emitted) goes on from the client's last token."""
+        out = TokenEmitter(self.port, req.request_id, len(req.prompt_token_ids), taken)
+        if taken is not None and taken.ended:
+            return out
         if not await self._admissible(req, out.error):
             return out
+        if taken is not None and taken.output_tokens:
+            log.info("taking over a request", request_id=req.request_id, tokens=taken.output_tokens)
         try:
-            await self._emit_outputs(req, out)
+            await self._emit_outputs(req, out, taken)
         except InvalidRequestError as e:
             await out.error(ErrorInfo(str(e), "invalid_request_error", e.param))
         except asyncio.CancelledError:
@@ -270,10 +284,13 @@ class EngineWorker:
             await self._leave_if_engine_failed()
         return out
 
-    async def _emit_outputs(self, req: GenerateRequest, out: TokenEmitter) -> None:
+    async def _emit_outputs(
+        self, req: GenerateRequest, out: TokenEmitter, taken: TakenOver | None
+    ) -> None:
         """The engine's outputs as token events, under a `kvserve.prefill` span until the
         first output and a `kvserve.decode` span after it."""
-        stream = self._generate(req)
+        resume = taken.completions if taken is not None and taken.completions else None
+        stream = self._generate(req, resume)
         prefill = tracer.start_span("kvserve.prefill")
         decode = None
         try:
@@ -296,10 +313,17 @@ class EngineWorker:
             self._accepting = False
             await self.port.close()
 
-    def _generate(self, req: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs from the engine (a decode worker adds the handoff's tail)."""
+    def _generate(
+        self, req: GenerateRequest, resume: dict[int, Emitted] | None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs from the engine (a decode worker adds the handoff's tail);
+        `resume`: what the client has of each completion, when the request was taken over."""
         return self.engine.generate(
-            req.request_id, req.prompt_token_ids, req.sampling, cache_salt=req.cache_salt
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            cache_salt=req.cache_salt,
+            resume=resume,
         )
 
 

@@ -3,7 +3,8 @@
 It reads generate requests from the `kvserve:prefill` consumer group, runs the prompt minus its
 last token (max_tokens=1, `export_tail`), puts the partial last block under the request's tail
 key, flushes the store writes (so every full block is stored), then forwards the same request
-(traceparent now its own span, `num_cached_tokens` what it found cached) to the decode stream.
+(traceparent now its own span, `num_cached_tokens` what it found cached and
+`cached_tokens_by_source` the tiers those came from) to the decode stream.
 It never sends a token to the client, only an error event when the request fails here; it acks a
 request only once forwarded (or failed/cancelled), so a prefill worker that dies leaves its
 requests pending for another one (XAUTOCLAIM).
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvserve.services.workers.engine_worker import EngineWorker
-from kvserve.services.workers.spans import request_span, set_cached_tokens
+from kvserve.services.workers.spans import request_span, set_cache_sources, set_cached_tokens
 from kvserve.shared.bus import Delivery, WorkerPort, error_event, is_bus_error
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.outputs import RequestOutput
@@ -59,9 +60,9 @@ class PrefillWorker(EngineWorker):
         done = True
         try:
             with request_span(tracer, "kvserve.prefill.request", req, self.model_name):
-                cached = await self._prefill(req)
-                if cached is not None:
-                    await self._forward(req, cached)
+                found = await self._prefill(req)
+                if found is not None:
+                    await self._forward(req, *found)
         except Exception as e:
             if is_bus_error(e):
                 done = False
@@ -75,18 +76,19 @@ class PrefillWorker(EngineWorker):
                 self._failures.pop(d.message_id, None)
                 await self._ack(d)
 
-    async def _forward(self, req: GenerateRequest, cached: int) -> None:
+    async def _forward(self, req: GenerateRequest, cached: int, by_tier: dict[str, int]) -> None:
         fwd = dataclasses.replace(
             req,
             traceparent=current_traceparent(),
             submitted_at=time.time(),
             num_cached_tokens=cached,
+            cached_tokens_by_source=by_tier,
         )
         await self.forward(fwd)
 
-    async def _prefill(self, req: GenerateRequest) -> int | None:
-        """Compute and store the prompt's KV: the prompt tokens found cached when the request
-        goes on to decode, None when it ends here (cancelled, refused or failed)."""
+    async def _prefill(self, req: GenerateRequest) -> tuple[int, dict[str, int]] | None:
+        """Compute and store the prompt's KV: the prompt tokens found cached, and by tier, when
+        the request goes on to decode; None when it ends here (cancelled, refused or failed)."""
         if not await self._admissible(req, lambda info: self._fail(req, info)):
             return None
         prompt = list(req.prompt_token_ids)
@@ -96,17 +98,19 @@ class PrefillWorker(EngineWorker):
             await self._fail(req, ErrorInfo(str(e), "invalid_request_error", e.param))
             return None
         if len(prompt) < 2:
-            return 0  # nothing before the last token: decode computes it all
+            return 0, {}  # nothing before the last token: decode computes it all
         local = await self._prefix_match(req, prompt[:-1])
         try:
             last = await self._compute(req, prompt[:-1], local)
         except asyncio.CancelledError:
             wlog.info("prefill cancelled", request_id=req.request_id)
             return None
-        cached = last.num_cached_tokens if last is not None else 0
-        set_cached_tokens(trace.get_current_span(), cached)
-        await self._publish_tail(req, last.kv_tail if last is not None else None)
-        return cached
+        if last is None:
+            last = RequestOutput(req.request_id, prompt[:-1], 0, [], True)
+        set_cached_tokens(trace.get_current_span(), last.num_cached_tokens)
+        set_cache_sources(trace.get_current_span(), last.cached_tokens_by_source, last.store_lookup)
+        await self._publish_tail(req, last.kv_tail)
+        return last.num_cached_tokens, last.cached_tokens_by_source
 
     async def _compute(
         self, req: GenerateRequest, head: list[int], local: int

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from kvserve.shared.protocol import GenerateRequest
 from kvserve.shared.telemetry import (
@@ -13,7 +13,9 @@ from kvserve.shared.telemetry import (
     GEN_AI_OPERATION,
     GEN_AI_REQUEST_MODEL,
     KVSERVE_CACHED_TOKENS,
+    KVSERVE_CACHED_TOKENS_TIER,
     KVSERVE_REQUEST_ID,
+    KVSERVE_STORE_LOOKUP,
     context_from_traceparent,
 )
 from opentelemetry.trace import Span, Tracer
@@ -46,3 +48,12 @@ def set_cached_tokens(span: Span, tokens: int) -> None:
     """The prompt tokens found cached, under the GenAI name and kvserve's own."""
     span.set_attribute(GEN_AI_CACHED_TOKENS, tokens)
     span.set_attribute(KVSERVE_CACHED_TOKENS, tokens)
+
+
+def set_cache_sources(span: Span, by_tier: Mapping[str, int], store_lookup: str | None) -> None:
+    """Where the cached prompt tokens came from (`kvserve.cached_tokens.{device,host,store}`)
+    and how the request's store lookup ended (`kvserve.store.lookup`, when there was one)."""
+    for tier, n in by_tier.items():
+        span.set_attribute(KVSERVE_CACHED_TOKENS_TIER + tier, n)
+    if store_lookup is not None:
+        span.set_attribute(KVSERVE_STORE_LOOKUP, store_lookup)

@@ -32,6 +32,7 @@ class _Add:
     cache_salt: str | None = None
     kv_tail: Any = None  # KVTail (decode side of a prefill/decode handoff)
     export_tail: bool = False  # prefill side: the finished output carries the prompt's tail
+    resume: Any = None  # {index: Emitted}: taken over from a worker that died mid-request
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,12 @@ class AsyncEngine:
         *,
         kv_tail: Any = None,
         export_tail: bool = False,
+        resume: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs (deltas) until the finished one. Raises
         InvalidRequestError before yielding anything for a request that can never run.
-        `kv_tail` / `export_tail`: the disaggregation handoff, as in `Engine.add_request`."""
+        `kv_tail` / `export_tail`: the disaggregation handoff, `resume`: what the client
+        already has of each completion, as in `Engine.add_request`."""
         if self._error is not None:
             raise RuntimeError("the engine thread has failed") from self._error
         self.engine.validate(prompt_token_ids, params)
@@ -98,6 +101,7 @@ class AsyncEngine:
                 cache_salt=cache_salt,
                 kv_tail=kv_tail,
                 export_tail=export_tail,
+                resume=resume,
             )
         )
         finished = False
@@ -220,6 +224,7 @@ class AsyncEngine:
                     cmd.cache_salt,
                     kv_tail=cmd.kv_tail,
                     export_tail=cmd.export_tail,
+                    resume=cmd.resume,
                 )
             except Exception as e:
                 cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, e)

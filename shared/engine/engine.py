@@ -16,8 +16,9 @@ import functools
 import hashlib
 import itertools
 import os
+import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -29,8 +30,8 @@ from kvserve.shared.engine.beam_search import BeamGroup, BeamSearch
 from kvserve.shared.engine.kv_cache import KVCache, kv_bytes_per_token, resolve_kv_dtype
 from kvserve.shared.engine.kv_cache_manager import KVCacheManager, KVIdentity
 from kvserve.shared.engine.model_runner import ModelRunner
-from kvserve.shared.engine.outputs import Completion, RequestOutput
-from kvserve.shared.engine.sampler import Sampler, SampleRow
+from kvserve.shared.engine.outputs import Completion, Emitted, RequestOutput
+from kvserve.shared.engine.sampler import Sampler, SampleRow, position_seed
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
 from kvserve.shared.model.llama import LlamaModel
@@ -54,6 +55,9 @@ class _Request:
     beam: BeamGroup | None = None
     export_tail: bool = False
     kv_tail: KVTail | None = None
+    # The sampling seed: the client's, or one drawn here (every token is drawn with its own
+    # generator seed derived from it: sampler.position_seed).
+    seed: int = field(default_factory=lambda: random.getrandbits(62))
 
     @property
     def finished(self) -> bool:
@@ -229,12 +233,21 @@ class Engine:
         *,
         kv_tail: KVTail | None = None,
         export_tail: bool = False,
+        resume: Mapping[int, Emitted] | None = None,
     ) -> None:
         """Queue a request. Requests with different `cache_salt`s never share a block.
 
         Disaggregation: `export_tail` (prefill side) puts the prompt's partial last block on
         the finished output (`RequestOutput.kv_tail`); `kv_tail` (decode side) is that block,
-        used instead of recomputing it when every full block before it is cached or stored."""
+        used instead of recomputing it when every full block before it is cached or stored.
+
+        Exact-token resumption: `resume` maps a completion index to what the client already
+        received of it from a worker that died mid-request. Each such completion continues
+        from its last token (prompt + those tokens are prefilled, from the cache or the store
+        where they are there; `max_tokens`, stop strings and positions count the whole
+        completion; with the same seed it draws what the first worker would have drawn); one
+        that finished there stays finished. A beam search emits nothing before it ends, so it
+        runs again from the start."""
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
@@ -244,7 +257,13 @@ class Engine:
             raise InvalidRequestError("cache_salt", str(e)) from e
         prompt = list(prompt_token_ids)
         req = _Request(request_id, prompt, params, root_hash=self.root_hash(cache_salt))
+        if params.seed is not None:
+            req.seed = params.seed
         req.export_tail = export_tail
+        if resume and params.beam_width == 1:
+            self._requests[request_id] = req
+            self._resume(req, resume)
+            return
         seq = self._new_seq(req, 0, prompt)
         seq.kv_tail = kv_tail
         seq.pending_forks = params.n - 1
@@ -253,6 +272,25 @@ class Engine:
         self._requests[request_id] = req
         if not self.kv.start_fetch(seq):
             self.scheduler.add(seq)
+
+    def _resume(self, req: _Request, resume: Mapping[int, Emitted]) -> None:
+        fetching = False
+        for index in range(req.params.n):
+            emitted = resume.get(index, Emitted([]))
+            seq = self._new_seq(req, index, req.prompt + list(emitted.token_ids))
+            req.completions[index].prime(emitted)
+            if req.params.logprobs:  # positions already sent: never sent again
+                seq.logprobs = [0.0] * len(emitted.token_ids)
+                seq.top_logprobs = [{} for _ in emitted.token_ids]
+            if emitted.finished or seq.num_output_tokens >= req.params.max_tokens:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.STOP if emitted.finished else FinishReason.LENGTH
+            elif fetching:  # one store fetch per request: the others share its blocks
+                self.scheduler.add(seq)
+            else:
+                fetching = self.kv.start_fetch(seq)
+                if not fetching:
+                    self.scheduler.add(seq)
 
     def _beam_search(self, params: SamplingParams) -> BeamSearch:
         eos = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -266,10 +304,7 @@ class Engine:
 
     def _new_seq(self, req: _Request, index: int, token_ids: list[int]) -> Sequence:
         params = req.params
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator()
-            gen.manual_seed(params.seed + index if params.seed is not None else torch.seed())
+        gen = None if params.greedy else torch.Generator()
         seq = Sequence(
             seq_id=SeqId(next(self._seq_ids)),
             request_id=req.request_id,
@@ -382,13 +417,16 @@ class Engine:
         return list(touched)
 
     def _sample_row(self, seq: Sequence, sibling: int) -> SampleRow:
-        if sibling < 0:
-            return SampleRow(seq.params, seq.generator)
-        # The sibling's generator is created now, seeded like its index (seed + index).
-        req = self._requests[seq.request_id]
-        child = self._new_seq(req, sibling, seq.token_ids)
-        self._pending_children[(seq.seq_id, sibling)] = child
-        return SampleRow(child.params, child.generator)
+        if sibling >= 0:  # the sibling is created now, and samples its own first token
+            req = self._requests[seq.request_id]
+            child = self._new_seq(req, sibling, seq.token_ids)
+            self._pending_children[(seq.seq_id, sibling)] = child
+            seq = child
+        gen = seq.generator
+        if gen is not None:
+            seed = self._requests[seq.request_id].seed
+            gen.manual_seed(position_seed(seed, seq.index, seq.num_output_tokens))
+        return SampleRow(seq.params, gen)
 
     def _fork(self, parent: Sequence, sibling: int) -> Sequence:
         child = self._pending_children.pop((parent.seq_id, sibling))
@@ -448,6 +486,8 @@ class Engine:
             params=req.params,
             arrival=comp.seq.arrival,
             num_cached_tokens=comp.seq.num_cached_tokens,
+            cached_tokens_by_source=dict(comp.seq.cached_tokens_by_source),
+            store_lookup=comp.seq.store_lookup,
         )
         result.status = SequenceStatus.FINISHED
         ends_in_eos = bool(best.token_ids) and best.token_ids[-1] in req.beam.search.eos
@@ -500,6 +540,8 @@ class Engine:
             deltas,
             finished,
             kv_tail=req.kv_tail if finished else None,
+            cached_tokens_by_source=dict(first.cached_tokens_by_source),
+            store_lookup=first.store_lookup,
         )
 
     # ---- outside the scheduler ------------------------------------------------------------

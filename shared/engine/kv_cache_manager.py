@@ -237,7 +237,8 @@ class KVCacheManager:
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_published = len(blocks)
-        seq.cached_tokens_by_source = sources
+        if seq.num_preemptions == 0:  # as num_cached_tokens: what the first admission found
+            seq.cached_tokens_by_source = sources
         tail, seq.kv_tail = seq.kv_tail, None  # used once: after a preemption, recompute
         if tail is not None and len(blocks) == limit:
             self._attach_tail(seq, tail)
@@ -308,6 +309,8 @@ class KVCacheManager:
         """`child` shares every block of `parent` (copy-on-write on the next write)."""
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
+        child.cached_tokens_by_source = dict(parent.cached_tokens_by_source)
+        child.store_lookup = parent.store_lookup
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_published = parent.num_published
@@ -403,13 +406,18 @@ class KVCacheManager:
         return done
 
     def _stage(self, request_id: str, f: _Fetch) -> None:
-        res = FetchResult(decision="timeout")
-        if f.future.done() and not f.future.cancelled() and f.future.exception() is None:
-            res = f.future.result()
-        else:
+        """Put the fetched blocks in the host tier (the sequence's match takes them from
+        there) and record on the sequence how its store lookup ended."""
+        res = FetchResult(decision="timeout", outcome="timeout")  # overran its deadline
+        if not f.future.done() or f.future.cancelled():
             f.future.cancel()
+        elif f.future.exception() is not None:
+            res.outcome = "unavailable"  # the store call raised
+        else:
+            res = f.future.result()
         res.timings["admitted_after_s"] = time.perf_counter() - f.started
         self.last_fetch = res
+        f.seq.store_lookup = res.outcome
         for h, data in res.blocks:
             self._host_put(h, data, "store")
         if res.decision != "none":

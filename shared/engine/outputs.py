@@ -32,6 +32,20 @@ class RequestOutput:
     completions: list[CompletionDelta]
     finished: bool
     kv_tail: KVTail | None = None  # with export_tail, on the finished output
+    # num_cached_tokens by the tier they came from ("device", "host", "store"; they sum to it)
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    store_lookup: str | None = None  # how the store lookup ended (None: the store not asked)
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """What a client already received of one completion when its request moves to another
+    worker (exact-token resumption): the output tokens, their text, and whether the completion
+    finished there."""
+
+    token_ids: list[int]
+    text: str = ""
+    finished: bool = False
 
 
 @dataclass
@@ -47,6 +61,15 @@ class Completion:
 
     def add(self, token: int) -> None:
         self.text += self.detok.add(token)
+
+    def prime(self, emitted: Emitted) -> None:
+        """Take up a completion whose first tokens were already sent: detokenize them (so text
+        and stop strings continue across the boundary) and count them, and the text the client
+        got, as sent."""
+        for token in emitted.token_ids:
+            self.add(token)
+        self.sent_tokens = len(emitted.token_ids)
+        self.sent_text = min(len(emitted.text), len(self.text))
 
     def cut_at_stop(self, stop: tuple[str, ...]) -> bool:
         """Cut the text before the first stop string in it; True if there was one. Only the

@@ -3,12 +3,15 @@ params ask for `top_logprobs`, the k most likely tokens' logprobs).
 
 Greedy rows take the argmax. Sampled rows apply temperature, then top-k, then top-p, and draw
 with the row's own `torch.Generator` when it has one (a seeded request gives the same output
-whatever it is batched with). Logprobs are of the model's distribution (log-softmax of the raw
-logits), as OpenAI reports them.
+whatever it is batched with). The engine seeds that generator afresh for every token
+(`position_seed`: the request's seed, the completion's index, the token's position), so a
+request taken up again at any position draws what it would have drawn. Logprobs are of the
+model's distribution (log-softmax of the raw logits), as OpenAI reports them.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +23,13 @@ from kvserve.shared.sampling_params import SamplingParams
 class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None
+
+
+def position_seed(seed: int, index: int, position: int) -> int:
+    """The generator seed for output token `position` of completion `index` of a request
+    seeded `seed` (63 bits, independent of the other positions')."""
+    key = f"{seed}:{index}:{position}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -60,9 +60,13 @@ class Sequence:
     root_hash: BlockHash | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_published: int = 0
-    # Where the prefix blocks attached at the last admission came from, in tokens:
-    # "device" (the engine's cache), "host" (host-RAM tier), "store" (fetched from the store).
+    # Where the prefix blocks attached at the first admission came from, in tokens (they sum
+    # to num_cached_tokens): "device" (the engine's cache), "host" (host-RAM tier), "store"
+    # (fetched from the store).
     cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    # How the store lookup for the prompt's prefix ended (tiers.LOOKUP_OUTCOMES); None when
+    # the store was not asked (no store, or the device cache and host tier held the prefix).
+    store_lookup: str | None = None
     # Disaggregated decode: the prompt's partial last block as the prefill worker computed it,
     # attached at first admission when every full block before it is cached (then dropped).
     kv_tail: KVTail | None = None

@@ -7,7 +7,10 @@ Invariants shared by all backends:
 - A store never raises into its caller for an unavailable or full backend: reads of blocks it cannot
   serve answer ``None`` (a miss), writes it cannot make are skipped and counted. Only programming
   errors (bad arguments) raise.
-- Results are positional: ``get_many(hs)[i]`` / ``contains(hs)[i]`` answer ``hs[i]``.
+- Results are positional: ``get_many(hs)[i]`` / ``contains(hs)[i]`` / ``presence(hs)`` answer
+  ``hs[i]``.
+- A store with a circuit breaker (Redis) says which hashes a ``presence`` call did not ask about
+  because the breaker was open for them (``Presence.short_circuited``); those read as absent.
 - Pinned hashes are exempt from the store's eviction and TTL. A pin may name a block that is not
   stored yet; it applies when the block arrives. ``delete`` drops the pin too.
 - ``stats()`` is cheap and synchronous; every backend reports at least the keys of
@@ -52,6 +55,21 @@ class StoreStats:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class Presence:
+    """What a store said of each asked hash (positional): ``stored[i]``, whether it holds it, and
+    ``short_circuited[i]``, whether it was not asked at all because the store's circuit breaker
+    was open for it (then ``stored[i]`` is False)."""
+
+    stored: list[bool]
+    short_circuited: list[bool]
+
+    @classmethod
+    def answered(cls, stored: list[bool]) -> Presence:
+        """Every hash asked and answered (a store without a breaker, or one closed)."""
+        return cls(stored, [False] * len(stored))
+
+
 class BlockStore(ABC):
     """A key-value store of encoded blocks; see the module docstring for the invariants."""
 
@@ -70,6 +88,11 @@ class BlockStore(ABC):
     @abstractmethod
     async def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
         """Whether each hash is stored. Does not count as a use (no LRU touch, no hit/miss)."""
+
+    async def presence(self, hashes: Sequence[BlockHash]) -> Presence:
+        """``contains``, plus which hashes an open circuit breaker kept from being asked; a store
+        without a breaker asks about every one (this default)."""
+        return Presence.answered(await self.contains(hashes))
 
     @abstractmethod
     async def delete(self, hashes: Sequence[BlockHash]) -> None:

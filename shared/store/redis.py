@@ -21,8 +21,9 @@ reuses all of it and only says how keys are routed and how a pipeline to a shard
   is not a breaker failure. Other server error replies (per command, or for a whole call) count as
   errors and ``other_errors`` but not as breaker failures; a read that got one is a miss.
 - While a shard's breaker is open every call to it is short-circuited (``short_circuits``): misses,
-  skipped writes. After the cooldown one caller runs a probe on that shard (SET then GET of a fresh
-  probe key that must round-trip) and only its success closes the breaker.
+  skipped writes; ``presence`` names the hashes it did not ask about (``Presence.short_circuited``).
+  After the cooldown one caller runs a probe on that shard (SET then GET of a fresh probe key that
+  must round-trip) and only its success closes the breaker.
 
 ``bytes_stored`` is the bytes this client has written (Redis may since have evicted or expired
 them); the server's own usage is in ``INFO memory``.
@@ -39,7 +40,7 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
-from kvserve.shared.store.base import KEY_NAMESPACE, BlockStore, StoreStats, block_key
+from kvserve.shared.store.base import KEY_NAMESPACE, BlockStore, Presence, StoreStats, block_key
 from kvserve.shared.store.base import pinned_set_key as _pinned_set_key
 from kvserve.shared.store.breaker import CircuitBreaker
 from kvserve.shared.store.hashing import BlockHash
@@ -419,10 +420,15 @@ class RedisStore(BlockStore):
         return written
 
     async def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        return (await self.presence(hashes)).stored
+
+    async def presence(self, hashes: Sequence[BlockHash]) -> Presence:
+        """``contains``, with the hashes of shards whose breaker short-circuited the call."""
         if not hashes:
-            return []
+            return Presence.answered([])
         keys = [self.key(h) for h in hashes]
         found = [False] * len(keys)
+        short = [False] * len(keys)
 
         async def exists(shard: str, idx: list[int]) -> None:
             def build(pipe: Any) -> None:
@@ -432,6 +438,9 @@ class RedisStore(BlockStore):
             replies = await self._run(shard, build)
             if isinstance(replies, Unserved):
                 self._stats.get_errors += int(replies.error is not None)
+                if replies.error is None:  # the breaker is open: nothing was sent
+                    for i in idx:
+                        short[i] = True
                 return
             for i, r in zip(idx, replies, strict=True):
                 if isinstance(r, BaseException):
@@ -441,7 +450,7 @@ class RedisStore(BlockStore):
                     found[i] = bool(r)
 
         await asyncio.gather(*(exists(s, idx) for s, idx in self._route(keys).items()))
-        return found
+        return Presence(found, short)
 
     async def _write_op(
         self,

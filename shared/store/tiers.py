@@ -28,7 +28,8 @@ StoreConnector invariants:
   present block loaded), `absent` (the store holds none of them), `recompute` (the cost rule
   chose to recompute), `timeout`, `evicted` (a block went between `contains` and `get`),
   `corrupt` (a frame that does not verify), `wrong_identity` (a frame of another model, format,
-  shape or chain), `unavailable` (the store call failed).
+  shape or chain), `unavailable` (the store call failed), `breaker_open` (the store's circuit
+  breaker was open for the first wanted block, so the store was not asked: Presence).
 - A disaggregated hand-off's tail (`put_tail`) lives TAIL_TTL_S seconds in a store with expiry
   (Redis): a decode that never comes leaves nothing behind for longer; one that comes deletes it
   on read.
@@ -57,13 +58,14 @@ from kvserve.shared.store.hashing import BlockHash, chain_hash
 log = logging.getLogger("kvserve.store")
 
 WRITE_BATCH = 32
+FETCH_BATCH = 16  # blocks per get of a fetch; a fetch's batches are asked for at once
 TAIL_TTL_S = 30  # an abandoned hand-off's tail key expires after this
 # A single stored block is recomputed: a fetch's fixed costs (two round trips, a thread hop,
 # the sequence parked for a step) outweigh one block's prefill (bench store --parts breakeven:
 # 38-48 ms to load one block against 25-28 ms to recompute it; loading wins from 4 blocks).
 MIN_FETCH_BLOCKS = 2
 LOOKUP_OUTCOMES = ("hit", "absent", "recompute", "timeout", "evicted", "corrupt",
-                   "wrong_identity", "unavailable")  # fmt: skip
+                   "wrong_identity", "unavailable", "breaker_open")  # fmt: skip
 # Codec misses of a frame that is damaged (the rest name another block's identity).
 _CORRUPT = frozenset({"too_large", "not_msgpack", "bad_schema", "bad_checksum", "bad_payload",
                       "internal_error"})  # fmt: skip
@@ -240,6 +242,17 @@ class FetchResult:
     outcome: str = "absent"  # see LOOKUP_OUTCOMES
     present: int = 0  # leading wanted blocks the store said it holds
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Decoded:
+    """One fetched batch after verification: its good blocks, in order, and why it stopped
+    early (`miss`: a codec Miss reason or "gone"; `bad`: the hash of a frame that failed)."""
+
+    blocks: list[tuple[BlockHash, BlockData]] = field(default_factory=list)
+    miss: str | None = None
+    bad: BlockHash | None = None
+    seconds: float = 0.0
 
 
 @dataclass
@@ -449,11 +462,14 @@ class StoreConnector:
         self, hashes: list[BlockHash], root: BlockHash, recompute_s_per_block: float
     ) -> FetchResult:
         t0 = time.perf_counter()
-        present = await self.store.contains(hashes)
+        presence = await self.store.presence(hashes)
         t1 = time.perf_counter()
-        self.rtt_s = 0.8 * self.rtt_s + 0.2 * (t1 - t0)
-        run = next((i for i, p in enumerate(present) if not p), len(present))
+        run = next((i for i, p in enumerate(presence.stored) if not p), len(hashes))
         res = FetchResult(present=run, timings={"contains_s": t1 - t0})
+        if hashes and run == 0 and presence.short_circuited[0]:
+            res.outcome = "breaker_open"  # nothing was sent: the round-trip estimate stays
+            return res
+        self.rtt_s = 0.8 * self.rtt_s + 0.2 * (t1 - t0)
         if run == 0:
             return res
         est_fetch = self.rtt_s + run * self.fetch_s_per_block
@@ -471,44 +487,62 @@ class StoreConnector:
         )
         if res.decision == "recompute":
             return res
-        with self.latency.time("get"):
-            frames = await self.store.get_many(hashes[:run])
+        blocks, bad = await self._load(hashes[:run], root, res)
         t2 = time.perf_counter()
-        blocks, bad = await asyncio.to_thread(self._decode, hashes[:run], frames, root, res)
-        t3 = time.perf_counter()
         if bad:
             await self.store.delete(bad)
         res.blocks = blocks
-        res.timings.update(get_s=t2 - t1, decode_s=t3 - t2)
+        res.timings["load_s"] = t2 - t1
         if blocks:
-            per_block = (t3 - t1) / len(blocks)
-            self.fetch_s_per_block = 0.8 * self.fetch_s_per_block + 0.2 * per_block
+            self.fetch_s_per_block = 0.8 * self.fetch_s_per_block + 0.2 * (t2 - t1) / len(blocks)
         self.counters["fetched_blocks"] += len(blocks)
         return res
 
-    def _decode(
-        self,
-        hashes: list[BlockHash],
-        frames: list[bytes | None],
-        root: BlockHash,
-        res: FetchResult,
+    async def _load(
+        self, hashes: list[BlockHash], root: BlockHash, res: FetchResult
     ) -> tuple[list[tuple[BlockHash, BlockData]], list[BlockHash]]:
-        """Verified blocks up to the first missing or bad frame; the bad frame's hash."""
+        """Get the blocks in batches of FETCH_BATCH, all asked at once, each verified and
+        decoded in a worker thread as soon as it arrives (so transfer, verification and
+        decoding overlap, and decoding runs on every core); then keep the verified run up to
+        the first missing or bad frame (whose hash is returned, to be deleted)."""
+
+        async def batch(part: list[BlockHash]) -> _Decoded:
+            with self.latency.time("get"):
+                frames = await self.store.get_many(part)
+            return await asyncio.to_thread(self._decode, part, frames, root)
+
+        parts = [hashes[i : i + FETCH_BATCH] for i in range(0, len(hashes), FETCH_BATCH)]
+        done = await asyncio.gather(*(batch(p) for p in parts))
         out: list[tuple[BlockHash, BlockData]] = []
-        t_deq = 0.0
+        res.timings["decode_cpu_s"] = sum(d.seconds for d in done)
+        for d in done:
+            out += d.blocks
+            if d.miss is None:
+                continue
+            self.miss_reasons[d.miss] += 1
+            if d.bad is None:
+                res.outcome = "evicted"
+            else:
+                res.outcome = "corrupt" if d.miss in _CORRUPT else "wrong_identity"
+                log.warning("store block %s rejected: %s", d.bad.hex()[:16], d.miss)
+            return out, [d.bad] if d.bad is not None else []
+        return out, []
+
+    def _decode(
+        self, hashes: list[BlockHash], frames: list[bytes | None], root: BlockHash
+    ) -> _Decoded:
+        """Verified blocks in the cache's dtype up to the first missing or bad frame (runs in
+        a worker thread: it touches no shared state)."""
+        t0 = time.perf_counter()
+        got = _Decoded()
         for h, frame in zip(hashes, frames, strict=True):
             if frame is None:
-                self.miss_reasons["gone"] += 1
-                res.outcome = "evicted"
+                got.miss = "gone"
                 break
-            got = decode_block(frame, self.meta, h, root)
-            if isinstance(got, Miss):
-                self.miss_reasons[got.reason] += 1
-                res.outcome = "corrupt" if got.reason in _CORRUPT else "wrong_identity"
-                log.warning("store block %s rejected: %s", h.hex()[:16], got.reason)
-                return out, [h]
-            t = time.perf_counter()
-            out.append((h, BlockData.from_float(got.k, got.v, self.cache_dtype)))
-            t_deq += time.perf_counter() - t
-        res.timings["to_cache_dtype_s"] = t_deq
-        return out, []
+            block = decode_block(frame, self.meta, h, root)
+            if isinstance(block, Miss):
+                got.miss, got.bad = block.reason, h
+                break
+            got.blocks.append((h, BlockData.from_float(block.k, block.v, self.cache_dtype)))
+        got.seconds = time.perf_counter() - t0
+        return got

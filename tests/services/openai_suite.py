@@ -161,13 +161,14 @@ class OpenAIApiSuite:
             "temperature": 1.0,
             "seed": 1234,
             "n": 2,
+            "extra_body": {"ignore_eos": True},
         }
         a = client.completions.create(**kw)
         b = client.completions.create(**kw)
         assert [c.index for c in a.choices] == [0, 1]
         assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
         assert a.usage is not None
-        # 2 x max_tokens: the seeded samples are the same each run, and both hit the limit.
+        # 2 x max_tokens: with ignore_eos both completions run to the limit.
         assert a.usage.completion_tokens == 16
         assert all(c.finish_reason == "length" for c in a.choices)
 
@@ -223,7 +224,11 @@ class OpenAIApiSuite:
                 temperature=0,
             )
             assert r.usage is not None and r.usage.prompt_tokens_details is not None
-            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            details = r.usage.prompt_tokens_details
+            cached.append(details.cached_tokens)
+            # the kvserve extension, kept by the client: the tiers sum to cached_tokens
+            by_tier = (details.model_extra or {})["cached_tokens_by_tier"]
+            assert sum(by_tier.values()) == details.cached_tokens
         assert cached[0] == 0
         assert cached[1] is not None and cached[1] >= 64 and cached[1] % 16 == 0
 

@@ -2,8 +2,9 @@
 `kvserve gateway` (cache-aware routing) and two `kvserve worker` processes, the official `openai`
 client. A conversation follows its cache; KV events lost or repeated on purpose cost at most a
 recompute; a SIGKILLed worker loses no request, drops out of routing and comes back with an
-empty index; Redis killed and restarted empty: 503 with Retry-After meanwhile, then routing
-resumes without a restart."""
+empty index; a sampled stream whose worker is SIGKILLed goes on from the client's last token;
+Redis killed and restarted empty: 503 with Retry-After meanwhile, then routing resumes without
+a restart."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import openai
 import pytest
 import redis
+from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.protocol import GenerateRequest, decode, encode
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -187,6 +189,46 @@ def test_a_killed_worker_loses_no_request_and_comes_back_empty(
         text = f"{n} {uuid.uuid4().hex} is a code; spell it out slowly, one character at a time"
         client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)
     poll_until(lambda: fleet.router()["workers"]["worker-1"]["indexed_blocks"] > 0)
+
+
+def test_a_sampled_stream_taken_over_mid_way_is_one_generation(
+    client: openai.OpenAI, fleet: Fleet, tokenizer: KVTokenizer
+) -> None:
+    """Temperature 1.0, no seed: the worker streaming the answer is SIGKILLed after a few
+    chunks; the other one goes on from the client's last token. The text the client got is
+    the detokenization of the token ids it got, none repeated or missing."""
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+        max_tokens=160,
+        temperature=1.0,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    text, ids, finish, usage, victim = "", [], None, None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.logprobs is not None and choice.logprobs.content:
+                ids += [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+            finish = choice.finish_reason or finish
+        if victim is None and len(ids) >= 4:
+            busy = [n for n, w in fleet.router()["workers"].items() if w["in_flight"] > 0]
+            victim, sent_before = busy[0], len(ids)
+            fleet.procs[victim].kill()
+    assert victim is not None and sent_before < 160
+    assert finish == "length" and len(ids) == 160
+    assert usage is not None and usage.completion_tokens == 160
+    assert text == tokenizer.decode(ids)
+    (survivor,) = set(WORKERS) - {victim}
+    took = [e for e in fleet.procs[survivor].events() if e.get("event") == "taking over a request"]
+    assert took and took[-1]["tokens"] >= sent_before  # it went on, it did not start again
+    fleet.worker(victim).wait_ready()
+    poll_until(lambda: victim in fleet.router()["workers"], timeout=DEAD_S)
 
 
 def test_redis_down_is_503_then_routing_resumes(client: openai.OpenAI, fleet: Fleet) -> None:

@@ -211,6 +211,57 @@ def test_trace_spans_gateway_to_worker_and_logs(
     assert logs[0]["trace_id"] == gw["trace_id"]
 
 
+def test_usage_splits_cached_tokens_by_tier(client: openai.OpenAI, trace_file: Path) -> None:
+    """The usage extension `prompt_tokens_details.cached_tokens_by_tier` (device, host, store)
+    sums to `cached_tokens`, in the body and in the stream's usage chunk; the second request
+    finds the shared system prompt in the device cache. The gateway's and the worker's spans
+    say the same, and the first request's spans say its store lookup found nothing."""
+    system = f"[{uuid.uuid4().hex}] " + "You answer in one short sentence, always politely. " * 8
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+
+    def ask(q: str) -> Any:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        return client.chat.completions.create(messages=messages, **kw)
+
+    first, second = ask("What is the capital of Italy?"), ask("What is the capital of Spain?")
+    tiers = []
+    for r in (first, second):
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        details = r.usage.prompt_tokens_details
+        by_tier = (details.model_extra or {})["cached_tokens_by_tier"]  # kept by the client
+        assert set(by_tier) == {"device", "host", "store"}
+        assert sum(by_tier.values()) == details.cached_tokens
+        tiers.append(by_tier)
+    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert tiers[0] == {"device": 0, "host": 0, "store": 0}
+    assert cached is not None and cached >= 64
+    assert tiers[1] == {"device": cached, "host": 0, "store": 0}
+
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    stream = client.chat.completions.create(
+        messages=messages, stream=True, stream_options={"include_usage": True}, **kw
+    )
+    usage = list(stream)[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    by_tier = (usage.prompt_tokens_details.model_extra or {})["cached_tokens_by_tier"]
+    assert by_tier["device"] == usage.prompt_tokens_details.cached_tokens >= 64
+
+    def spans_of(r: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        mine = [s for s in _spans(trace_file) if s["attributes"].get("kvserve.request_id") == r.id]
+        gw = [s for s in mine if s["name"] == f"chat {MODEL}"]
+        wk = [s for s in mine if s["name"] == "kvserve.worker.generate"]
+        return (gw[0]["attributes"], wk[0]["attributes"]) if gw and wk else None
+
+    def tiers_of(attrs: dict[str, Any]) -> list[int]:
+        return [attrs[f"kvserve.cached_tokens.{t}"] for t in ("device", "host", "store")]
+
+    # The first request's blocks are nowhere yet: the store is asked and holds none of them.
+    for attrs in poll_until(lambda: spans_of(first)):
+        assert (attrs["kvserve.store.lookup"], tiers_of(attrs)) == ("absent", [0, 0, 0])
+    for attrs in poll_until(lambda: spans_of(second)):
+        assert tiers_of(attrs) == [cached, 0, 0]
+
+
 def quiet(server: ServeProcess) -> bool:
     """Nothing in flight at the gateway (every queue slot is free)."""
     return bool(make_http(server).get("/v1/cache/stats").json()["gateway"]["in_flight"] == 0)

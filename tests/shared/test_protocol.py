@@ -48,6 +48,11 @@ MESSAGES = [
         finish_reason="stop",
         num_prompt_tokens=3,
         num_cached_tokens=16,
+        cached_tokens_by_source={"device": 0, "host": 0, "store": 16},
+        store_lookup="hit",
+    ),
+    GenerateRequest(
+        "r", [0], SamplingParams(), num_cached_tokens=32, cached_tokens_by_source={"device": 32}
     ),
     TokenEvent("r", 0, error=ErrorInfo("bad", "invalid_request_error", "max_tokens", "x")),
     Cancel("cmpl-1", "client"),
@@ -91,6 +96,10 @@ def _token(**over: Any) -> bytes:
         (_token(token_ids=[1, True]), "token_ids"),
         (_token(error={"type": "x"}), "bad error"),
         (_token(error={"message": "m", "type": 3}), "bad error"),
+        (_token(cached_tokens_by_source={"store": "16"}), "cached_tokens_by_source"),
+        (_token(cached_tokens_by_source={"store": True}), "cached_tokens_by_source"),
+        (_token(cached_tokens_by_source=[16]), "cached_tokens_by_source"),
+        (_token(store_lookup=1), "store_lookup"),
         (_raw(kind="kv", v=PROTOCOL_VERSION, worker="w", incarnation="i", seq=0, op="x"), "op"),
         (
             _raw(
@@ -133,6 +142,15 @@ def _token(**over: Any) -> bytes:
 def test_malformed_messages_are_rejected(data: bytes, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
         decode(data)
+
+
+def test_token_event_of_an_older_worker_decodes() -> None:
+    """An event without the cached tokens by tier and the store lookup (a worker from before
+    them) decodes with neither."""
+    ev = decode(_token(num_cached_tokens=16))
+    assert ev == TokenEvent("r", 0, num_cached_tokens=16)
+    assert isinstance(ev, TokenEvent)
+    assert (ev.cached_tokens_by_source, ev.store_lookup) == ({}, None)
 
 
 def test_generate_request_n_from_sampling() -> None:

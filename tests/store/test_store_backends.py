@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from kvserve.shared.store.base import BlockStore, open_store, parse_size
+from kvserve.shared.store.base import BlockStore, Presence, open_store, parse_size
 from kvserve.shared.store.breaker import CircuitBreaker
 from kvserve.shared.store.disk import DiskStore
 from kvserve.shared.store.hashing import BlockHash
@@ -108,6 +108,9 @@ async def test_round_trip(store: BlockStore) -> None:
     assert await store.put_many(items) == 5
     assert await store.get_many([h(0), h(99), h(4)]) == [val(0), None, val(4)]
     assert await store.contains([h(1), h(99)]) == [True, False]
+    # every hash asked and answered: no breaker in the way
+    assert await store.presence([h(1), h(99)]) == Presence([True, False], [False, False])
+    assert await store.presence([]) == Presence([], [])
     await store.delete([h(1), h(99)])
     assert await store.get_many([h(1), h(2)]) == [None, val(2)]
     assert await store.contains([h(1)]) == [False]
@@ -311,6 +314,8 @@ async def test_dead_redis_misses_fast_and_opens_breaker() -> None:
     assert time.monotonic() - t0 < 0.05
     st = s.stats()
     assert st["short_circuits"] == 4 and st["skipped_writes"] == 1 and st["put_errors"] == 0
+    # presence says which hashes the open breaker kept from being asked
+    assert await s.presence([h(0), h(1)]) == Presence([False, False], [True, True])
 
     clock.advance(0.2)  # the probe runs and fails: still open, cooldown restarts
     assert await s.get_many([h(0)]) == [None]
@@ -403,6 +408,7 @@ async def test_dead_cluster_misses_fast_and_opens_breaker() -> None:
     st = s.stats()
     assert (st["get_errors"], st["put_errors"], st["misses"]) == (1, 1, 2)
     assert st["breaker_state"] == "open" and st["short_circuits"] == 2
+    assert await s.presence([h(0), h(1)]) == Presence([False, False], [True, True])
     clock.advance(0.2)  # the probe rediscovers nothing: still open
     assert await s.get_many([h(0)]) == [None]
     assert s.breaker.state == "open" and s.breaker.probe_failures == 1
@@ -533,6 +539,11 @@ async def test_cluster_master_killed_then_restarted(
         assert time.monotonic() - t0 < 0.5  # no deadline waited for the dead master
         assert await s.put_many([(hashes[lost[1]], b"x"), (hashes[kept[1]], b"x")]) == 1
         assert s.stats()["skipped_writes"] == 1 and s.stats()["short_circuits"] == 2
+        # The dead master's hashes are not asked about (its breaker); the others are answered.
+        p = await s.presence(hashes)
+        assert p.short_circuited == [owner[i] == victim for i in range(64)]
+        assert p.stored == [owner[i] != victim for i in range(64)]
+        assert s.stats()["short_circuits"] == 3
 
         # Once the cluster flags the master failed, the survivors still serve (the servers run
         # with cluster-require-full-coverage no).
@@ -545,7 +556,7 @@ async def test_cluster_master_killed_then_restarted(
     # Back, empty. Before the cooldown still short-circuited; after it the probe round-trips on
     # that master and its breaker closes; its blocks and the pins it held are gone.
     assert await s.get_many([hashes[lost[0]]]) == [None]
-    assert s.stats()["short_circuits"] == 4
+    assert s.stats()["short_circuits"] == 5
     clock.advance(0.2)
     got = await s.get_many(hashes)
     assert got == expected({kept[0]: b"new", kept[1]: b"x"})

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvserve.shared.config import StoreConfig
+from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.codec import BlockMeta, encode_block
 from kvserve.shared.store.disk import DiskStore
@@ -71,11 +72,78 @@ def test_second_engine_loads_prefix_from_store(make_engine, prompts, cold, tmp_p
         b.close()
 
 
+def _outputs(engine, request_id: str, prompt: list[int]) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
+    """Every output of one request run to its end."""
+    engine.add_request(request_id, list(prompt), GREEDY)
+    outs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+def test_request_output_says_where_its_prefix_came_from(  # type: ignore[no-untyped-def]
+    make_engine, prompts, tmp_path: Path
+) -> None:
+    """Each RequestOutput carries its cached tokens by tier and how its store lookup ended: a
+    fresh prompt asks the store and finds nothing (absent); another engine finds the shared
+    prefix there (hit: every cached token from the store); asked again, that engine's device
+    cache holds the prompt and the store is not asked."""
+    store = StoreConfig(f"file://{tmp_path}")
+    a = make_engine(store=store)
+    outs = _outputs(a, "a", prompts[0])
+    a.close()
+    assert {(o.store_lookup, o.num_cached_tokens) for o in outs} == {("absent", 0)}
+    assert outs[-1].cached_tokens_by_source == {"device": 0}
+    b = make_engine(store=store)
+    try:
+        outs = _outputs(b, "b", prompts[1])  # shares the system prompt with a's
+        cached = outs[-1].num_cached_tokens
+        assert cached > 0 and {o.store_lookup for o in outs} == {"hit"}
+        assert outs[-1].cached_tokens_by_source == {"device": 0, "store": cached}
+        again = _outputs(b, "c", prompts[1])[-1]
+        assert again.store_lookup is None
+        assert again.cached_tokens_by_source == {"device": full_blocks(prompts[1])}
+        assert _lookups(b) == {"hit": 1}
+    finally:
+        b.close()
+
+
+def test_open_breaker_is_a_lookup_outcome() -> None:
+    """A connector over a Redis store whose breaker is open: the lookup sends nothing and is
+    counted `breaker_open`, not `absent`."""
+    import torch
+    from kvserve.shared.store.breaker import CircuitBreaker
+    from kvserve.shared.store.redis import RedisStore
+    from kvserve.shared.store.tiers import StoreConnector
+
+    from tests.redis_servers import free_port
+
+    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=3600.0)
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: only a short circuit answers
+    redis_store = RedisStore.from_url(url, timeout_s=0.2, breaker=breaker)
+    meta = BlockMeta("m", "float32", block_size=16, num_layers=1, num_kv_heads=1, head_dim=4)
+    connector = StoreConnector(redis_store, meta, "native", torch.float32)
+    wanted = [BlockHash(bytes([i]) * 32) for i in range(1, 4)]
+    try:
+        breaker.record_failure()
+        assert breaker.state == "open"
+        res = connector.fetch(wanted, BlockHash(bytes(32)), 1.0).result(timeout=5)
+        assert (res.outcome, res.decision, res.present) == ("breaker_open", "none", 0)
+        assert res.blocks == []
+        lookups = connector.stats()["lookups"]
+        assert isinstance(lookups, dict)
+        assert {k: n for k, n in lookups.items() if n} == {"breaker_open": 1}
+        st = redis_store.stats()
+        assert (st["short_circuits"], st["get_errors"]) == (1, 0)
+    finally:
+        connector.close()
+
+
 def _lookups(engine) -> dict[str, int]:  # type: ignore[no-untyped-def]
     """The store lookups that happened, by outcome (every outcome is reported, zeros too)."""
     lookups = engine.store_stats()["lookups"]
     assert set(lookups) == {"hit", "absent", "recompute", "timeout", "evicted", "corrupt",
-                            "wrong_identity", "unavailable"}  # fmt: skip
+                            "wrong_identity", "unavailable", "breaker_open"}  # fmt: skip
     return {k: n for k, n in lookups.items() if n}
 
 

@@ -57,6 +57,9 @@ async def test_decode_loads_the_handoff_and_streams_the_engines_tokens(
     assert [e.seq for e in events] == list(range(len(events)))
     assert events[-1].finish_reason == "length" and events[-1].error is None
     assert {(e.num_prompt_tokens, e.num_cached_tokens) for e in events} == {(len(prompt), 0)}
+    # The client is told what prefill found (nothing, in any tier); the lookup is decode's own.
+    assert all(e.cached_tokens_by_source == {"device": 0, "host": 0, "store": 0} for e in events)
+    assert {e.store_lookup for e in events} == {"hit"}
     # Every prompt token but the last came from the store: the full blocks and the tail.
     assert store_tokens(decode_engine) - before == len(prompt) - 1
     head = len(prompt) - 1

@@ -61,6 +61,9 @@ async def test_worker_emits_the_engines_tokens(setup, engine, chat_prompt_ids) -
     one = SamplingParams(max_tokens=1)
     again = await collect(await bus.submit(GenerateRequest("b", prompt, one)))
     assert again[0].num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    # all from the device cache; the engine has no store to ask
+    by_tier = {"device": again[0].num_cached_tokens, "host": 0, "store": 0}
+    assert (again[0].cached_tokens_by_source, again[0].store_lookup) == (by_tier, None)
 
 
 async def test_cancel_aborts_and_frees_blocks(setup, chat_prompt_ids) -> None:  # type: ignore[no-untyped-def]

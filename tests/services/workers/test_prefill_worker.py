@@ -52,12 +52,15 @@ async def test_a_second_request_reports_the_prefix_it_found_cached(disagg: Disag
     cached = {r.request_id: r.num_cached_tokens for r in disagg.forwarded}
     # The second finds the head's (52 tokens) 3 full blocks in the prefill engine's cache.
     assert cached == {"first": 0, "second": 3 * BLOCK}
+    by_tier = {r.request_id: r.cached_tokens_by_source for r in disagg.forwarded}
+    assert by_tier == {"first": {"device": 0}, "second": {"device": 3 * BLOCK}}
 
 
 async def test_a_one_token_prompt_goes_straight_to_decode(disagg: Disagg) -> None:
     await disagg.prefill_bus.submit(GenerateRequest("one", [42], SAMPLING))
     await disagg.prefill_port.acked("one")
     assert [(r.request_id, r.num_cached_tokens) for r in disagg.forwarded] == [("one", 0)]
+    assert disagg.forwarded[0].cached_tokens_by_source == {}
     assert disagg.store.hashes() == set()
 
 
