@@ -209,9 +209,14 @@ def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
     questions = [list(a.tokenizer.encode(q)) for q in QUESTIONS]
     t0 = time.perf_counter()
     _first_token_s(a, "publish", prefix + questions[0])
-    a.close()  # flushes the write-behind queue
+    a.kv.connector.flush()
+    bytes_per_token = float(a.store_stats()["bytes_per_token"])  # type: ignore[arg-type]
+    a.close()
     publish_s = time.perf_counter() - t0
-    print(f"engine A computed and published {len(prefix)} tokens in {publish_s:.2f}s")
+    print(
+        f"engine A computed and published {len(prefix)} tokens in {publish_s:.2f}s "
+        f"({bytes_per_token:,.0f} B/token in the store, {args.format})"
+    )
     warm = list(a.tokenizer.encode("A short warm-up request, unrelated to the prefix."))
     loads, recomputes, devices, rows = [], [], [], []
     for r in range(args.repeats):
@@ -234,6 +239,7 @@ def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     out = _ttft_summary(loads, recomputes, rows, args.format, len(prefix))
+    out["store_bytes_per_token"] = bytes_per_token
     out["ttft_device_s"] = statistics.median(devices)
     out["ttft_device_range_s"] = [min(devices), max(devices)]
     out["store_vs_device"] = out["ttft_store_s"] / out["ttft_device_s"]

@@ -184,20 +184,44 @@ class KVCache:
         """Overwrite the given blocks with `data` (same dtype and shape as the cache's)."""
         if not blocks:
             return
+
+        def stacked(parts: list[torch.Tensor | None]) -> torch.Tensor:
+            return torch.stack([_raw(p) for p in parts if p is not None], dim=1)  # [L, n, ...]
+
+        k, v = stacked([d.k for d in data]), stacked([d.v for d in data])
+        if not self.quantized:
+            self.write_stacked(blocks, k, v)
+            return
+        ks, vs = stacked([d.k_scale for d in data]), stacked([d.v_scale for d in data])
+        self.write_stacked(blocks, k, v, ks, vs)
+
+    def write_stacked(
+        self,
+        blocks: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Overwrite `blocks` with k, v [num_layers, len(blocks), block_size, num_kv_heads,
+        head_dim] in the cache dtype (and, for int8 / fp8 caches, their scales [num_layers,
+        len(blocks), block_size, num_kv_heads]): one copy per layer. Touches only those
+        blocks, so a store load's worker threads write while the engine runs others."""
         dev = self.k[0].device
         idx = torch.tensor(list(blocks), dtype=torch.long, device=dev)
 
-        def scatter(ts: Sequence[torch.Tensor | None], parts: list[torch.Tensor]) -> None:
-            src = torch.stack([_raw(p) for p in parts], dim=1).to(dev)  # [L, n, ...]
+        def scatter(ts: Sequence[torch.Tensor | None], src: torch.Tensor | None) -> None:
+            assert src is not None
+            src = src.to(dev)
             for layer, t in enumerate(ts):
                 assert t is not None
-                _raw(t).index_copy_(0, idx, src[layer])
+                _raw(t).index_copy_(0, idx, _raw(src[layer]))
 
-        scatter(self.k, [d.k for d in data])
-        scatter(self.v, [d.v for d in data])
+        scatter(self.k, k)
+        scatter(self.v, v)
         if self.quantized:
-            scatter(self.k_scale, [d.k_scale for d in data if d.k_scale is not None])
-            scatter(self.v_scale, [d.v_scale for d in data if d.v_scale is not None])
+            scatter(self.k_scale, k_scale)
+            scatter(self.v_scale, v_scale)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@ block enters or leaves a tier.
 
 Tiers, fastest first: the device cache (KVCache tensors; BlockPool ids, reference counts and the
 PrefixIndex of cached full blocks), the host tier (HostTier: BlockData in host RAM) and the store
-(StoreConnector: encoded frames in a store backend, written behind, fetched asynchronously).
+(StoreConnector: encoded frames in a store backend, written behind, loaded asynchronously
+straight into device blocks).
 
 Who calls what:
 - the Scheduler: `match_prefix(seq)` when it admits a sequence with nothing computed,
@@ -17,8 +18,14 @@ Who calls what:
 Invariants:
 - A block id is in a sequence's table once per reference the sequence holds; `free(seq)` drops
   them all, tail first (so the tail is reused before the head).
-- A block is in the prefix index only when its K/V is in place: it was computed by a step, or
-  copied in from the host tier at match time, before any step reads it.
+- A block is in the prefix index only when its K/V is in place: it was computed by a step,
+  copied in from the host tier at match time, or written by a finished store load.
+- A store lookup has two stages on the store's thread: `fetch` (which blocks the store holds;
+  the cost rule) and, when it chose to load, `load` straight into device blocks that
+  `_begin_load` allocated after taking the local prefix (device cache, then host tier) and
+  holding it. `_end_load` indexes the blocks the load wrote, chained after that prefix, and
+  lets go of the rest; blocks of a load that was stopped (abort, overrun) go back to the pool
+  only once its worker threads can no longer write (LoadJob.quiescent).
 - Eviction order: plain free blocks first, then cached blocks, least recently used leaf first
   (BlockPool). An evicted cached block goes to the host tier (when there is one) before any
   write can reach it: every allocation goes through `_allocate`.
@@ -51,7 +58,7 @@ from kvserve.shared.store.base import open_store
 from kvserve.shared.store.block_data import BlockData
 from kvserve.shared.store.codec import BlockMeta
 from kvserve.shared.store.hashing import BlockHash, block_hashes, root_hash
-from kvserve.shared.store.tiers import FetchResult, HostTier, KVTail, StoreConnector
+from kvserve.shared.store.tiers import FetchResult, HostTier, KVTail, LoadJob, StoreConnector
 
 log = logging.getLogger("kvserve.engine")
 
@@ -90,12 +97,18 @@ class TierEvent:
 
 @dataclass
 class _Fetch:
-    """A sequence parked while its prefix blocks come from the store."""
+    """A sequence parked while its prefix blocks come from the store: first the lookup
+    (`job` None), then the load straight into `dst`, the blocks after `held` (the local
+    prefix, referenced meanwhile so that nothing evicts it)."""
 
     future: concurrent.futures.Future[FetchResult]
     seq: Sequence
     deadline: float
+    start: int  # the first full block the lookup asked for
     started: float = field(default_factory=time.perf_counter)
+    job: LoadJob | None = None
+    held: list[BlockId] = field(default_factory=list)
+    dst: list[BlockId] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -129,6 +142,8 @@ class KVCacheManager:
         self._events: deque[TierEvent] | None = None
         self.max_events = 100_000
         self._fetching: dict[str, _Fetch] = {}
+        # Blocks of loads that were stopped, until their last write has finished.
+        self._draining: list[tuple[LoadJob, list[BlockId]]] = []
         # Running estimate of prefill seconds per token, for the store's cost rule.
         self.prefill_s_per_token = 1 / 300
         self.last_fetch: FetchResult | None = None  # the latest finished fetch (benchmarks)
@@ -231,7 +246,11 @@ class KVCacheManager:
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = seq.full_block_hashes(limit, self.block_size)
         blocks = self.pool.match_prefix(hashes)
-        sources = {"device": len(blocks) * self.block_size}
+        loaded = sum(h in seq.loaded_from_store for h in hashes[: len(blocks)])
+        seq.loaded_from_store = set()
+        sources = {"device": (len(blocks) - loaded) * self.block_size}
+        if loaded:
+            sources["store"] = loaded * self.block_size
         if self.host_tier is not None and len(blocks) < limit:
             self._copy_in(hashes[len(blocks) :], blocks, sources)
         seq.block_table = blocks
@@ -372,7 +391,7 @@ class KVCacheManager:
         recompute_s = self.prefill_s_per_token * self.block_size
         fut = self.connector.fetch(hashes[start:], seq.root_hash, recompute_s)
         timeout = self.connector.fetch_timeout_s + 1.0
-        self._fetching[seq.request_id] = _Fetch(fut, seq, time.monotonic() + timeout)
+        self._fetching[seq.request_id] = _Fetch(fut, seq, time.monotonic() + timeout, start)
         return True
 
     def local_prefix(self, hashes: Seq[BlockHash]) -> tuple[int, int]:
@@ -386,8 +405,10 @@ class KVCacheManager:
         return device, host
 
     def take_fetched(self, wait: bool) -> list[Sequence]:
-        """Sequences whose fetch has finished (or overrun), their blocks staged in the host
-        tier. With `wait` (the engine has nothing else to do) wait briefly for one."""
+        """Sequences whose lookup, and load, have finished (or overrun): their blocks are in
+        the device cache. With `wait` (the engine has nothing else to do) wait briefly for
+        one. A lookup that chose to load starts the load here."""
+        self._free_drained()
         if not self._fetching:
             return []
         if wait:
@@ -399,40 +420,99 @@ class KVCacheManager:
         now = time.monotonic()
         done = []
         for rid, f in list(self._fetching.items()):
-            if f.future.done() or now >= f.deadline:
-                del self._fetching[rid]
-                self._stage(rid, f)
-                done.append(f.seq)
+            if not (f.future.done() or now >= f.deadline):
+                continue
+            res = self._result(f)
+            if f.job is None and res.decision == "load" and self._begin_load(f, res):
+                continue  # the load runs; the sequence stays parked
+            del self._fetching[rid]
+            self._end_load(f, res)
+            res.timings["admitted_after_s"] = time.perf_counter() - f.started
+            self.last_fetch = res
+            f.seq.store_lookup = res.outcome
+            if res.decision != "none":
+                log.info(
+                    "request %s: store %s, %d of %d blocks loaded",
+                    rid,
+                    res.decision,
+                    res.loaded,
+                    res.present,
+                )
+            done.append(f.seq)
         return done
 
-    def _stage(self, request_id: str, f: _Fetch) -> None:
-        """Put the fetched blocks in the host tier (the sequence's match takes them from
-        there) and record on the sequence how its store lookup ended."""
-        res = FetchResult(decision="timeout", outcome="timeout")  # overran its deadline
+    def _result(self, f: _Fetch) -> FetchResult:
+        """The finished stage's result; an overrun stage is cancelled (a timeout), a failed
+        one is "unavailable"."""
         if not f.future.done() or f.future.cancelled():
             f.future.cancel()
-        elif f.future.exception() is not None:
-            res.outcome = "unavailable"  # the store call raised
+            return FetchResult(decision="timeout", outcome="timeout")
+        if f.future.exception() is not None:
+            return FetchResult(outcome="unavailable")  # the store call raised
+        return f.future.result()
+
+    def _begin_load(self, f: _Fetch, res: FetchResult) -> bool:
+        """Take the local prefix (device cache, then host tier) and fresh blocks for the
+        stored run after it, and start the load into them. False (counted) when the local
+        prefix no longer leads into the stored run, or no block is free."""
+        assert self.connector is not None and f.seq.root_hash is not None
+        limit = (f.seq.num_tokens - 1) // self.block_size
+        hashes = f.seq.full_block_hashes(limit, self.block_size)
+        held = self.pool.match_prefix(hashes)
+        if self.host_tier is not None and len(held) < limit:
+            self._copy_in(hashes[len(held) :], held, {})
+        end = f.start + res.present
+        n = min(end - len(held), self.pool.num_free)
+        dst = self._allocate(n) if len(held) >= f.start and n > 0 else None
+        if not dst:
+            self.pool.free(reversed(held))
+            self.connector.abandon(res)
+            res.decision, res.outcome = "recompute", "recompute"
+            return False
+        f.held, f.dst, f.job = held, dst, LoadJob()
+        want = hashes[len(held) : len(held) + len(dst)]
+        f.future = self.connector.load(
+            res, want, f.seq.root_hash, dst, self.cache.write_stacked, f.job
+        )
+        f.deadline = time.monotonic() + self.connector.fetch_timeout_s + 1.0
+        return True
+
+    def _end_load(self, f: _Fetch, res: FetchResult) -> None:
+        """Cache the blocks the load wrote (chained after the held prefix) and let go of
+        everything else: blocks a stopped load may still write wait until it is quiet."""
+        if f.job is None:
+            return
+        f.job.stop()
+        limit = (f.seq.num_tokens - 1) // self.block_size
+        hashes = f.seq.full_block_hashes(limit, self.block_size)
+        parent = f.held[-1] if f.held else None
+        first = len(f.held)
+        for i in range(res.loaded if f.future.done() else 0):
+            h = hashes[first + i]
+            self._cache_on_device(parent, h, f.dst[i])
+            parent = self.pool.index.block_of(h) if self.pool.index is not None else None
+            if parent is None:
+                break
+            f.seq.loaded_from_store.add(h)
+        self.pool.free(reversed(f.held))
+        if f.job.quiescent():
+            self.pool.free(reversed(f.dst))
         else:
-            res = f.future.result()
-        res.timings["admitted_after_s"] = time.perf_counter() - f.started
-        self.last_fetch = res
-        f.seq.store_lookup = res.outcome
-        for h, data in res.blocks:
-            self._host_put(h, data, "store")
-        if res.decision != "none":
-            log.info(
-                "request %s: store %s, %d of %d blocks loaded",
-                request_id,
-                res.decision,
-                len(res.blocks),
-                res.present,
-            )
+            self._draining.append((f.job, f.dst))
+        f.job, f.held, f.dst = None, [], []
+
+    def _free_drained(self) -> None:
+        if self._draining:
+            quiet = [d for d in self._draining if d[0].quiescent()]
+            for job, dst in quiet:
+                self.pool.free(reversed(dst))
+                self._draining.remove((job, dst))
 
     def cancel_fetch(self, request_id: str) -> None:
         fetch = self._fetching.pop(request_id, None)
         if fetch is not None:
             fetch.future.cancel()
+            self._end_load(fetch, FetchResult())
 
     @property
     def has_store(self) -> bool:

@@ -67,6 +67,9 @@ class Sequence:
     # How the store lookup for the prompt's prefix ended (tiers.LOOKUP_OUTCOMES); None when
     # the store was not asked (no store, or the device cache and host tier held the prefix).
     store_lookup: str | None = None
+    # Blocks a store load wrote straight into the device cache for this sequence, until its
+    # first admission counts them as "store" tokens.
+    loaded_from_store: set[BlockHash] = field(default_factory=set)
     # Disaggregated decode: the prompt's partial last block as the prefill worker computed it,
     # attached at first admission when every full block before it is cached (then dropped).
     kv_tail: KVTail | None = None

@@ -35,6 +35,7 @@ Byte order is the host's (little-endian on every supported platform).
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import math
 from dataclasses import dataclass
@@ -139,6 +140,9 @@ class DecodedBlock:
     parent: BlockHash
     fmt: str
     is_first: bool
+    # decode_block(dequantize=False) of an int8 / fp8 frame: k and v as stored, and their
+    # scales [2, num_layers, block_size, num_kv_heads] (K's, V's) to dequantize them with.
+    scales: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -318,15 +322,18 @@ def decode_block(
     expected: BlockMeta,
     key_hash: BlockHash,
     root: BlockHash,
+    dequantize: bool = True,
 ) -> DecodedBlock | Miss:
     """The block in `data` if it is exactly the block stored under `key_hash` for a reader
     expecting `expected`; otherwise a Miss. Never raises (see the module's invariants).
+    `dequantize=False` leaves an int8 / fp8 block as stored, with its scales (the reader
+    dequantizes it straight into its destination).
 
     `root` is the chain's root: the frame's parent equals it for block 0. The key's hash already
     binds the root (through the chain), so a frame from another root cannot pass.
     """
     try:
-        return _decode(data, expected, key_hash, root)
+        return _decode(data, expected, key_hash, root, dequantize)
     except Exception:  # a safety net: the checks above it are meant to catch everything
         return Miss("internal_error")
 
@@ -336,6 +343,7 @@ def _decode(
     expected: BlockMeta,
     key_hash: BlockHash,
     root: BlockHash,
+    dequantize: bool = True,
 ) -> DecodedBlock | Miss:
     """The checks in order, cheapest and most telling first: the frame's shape, its
     checksum, whose block it is, the payload's size, then the key's hash."""
@@ -352,7 +360,7 @@ def _decode(
         return raw
     if chain_hash(BlockHash(f["parent"]), f["token_ids"]) != key_hash:
         return Miss("hash_mismatch")
-    return _tensors(f, raw, expected.block_shape, root)
+    return _tensors(f, raw, expected.block_shape, root, dequantize)
 
 
 def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[str, Any] | Miss:
@@ -421,7 +429,11 @@ def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytearra
 
 
 def _tensors(
-    f: dict[str, Any], raw: bytearray, shape: tuple[int, int, int, int], root: BlockHash
+    f: dict[str, Any],
+    raw: bytearray,
+    shape: tuple[int, int, int, int],
+    root: BlockHash,
+    dequantize: bool = True,
 ) -> DecodedBlock | Miss:
     """K and V as float32 from the payload in the frame's format (views of `raw` where the
     stored type is float32 already: no copy)."""
@@ -439,6 +451,8 @@ def _tensors(
         s = _tensor_from(f["scales"], torch.float32, (2, *shape[:3]))
         if not bool(torch.isfinite(s).all()):
             return Miss("bad_payload")
+        if not dequantize:
+            return dataclasses.replace(_block(f, k, v, root), scales=s)
         k = dequantize_kv(k, s[0], torch.float32)
         v = dequantize_kv(v, s[1], torch.float32)
     else:

@@ -5,30 +5,36 @@ HostTier invariants (one thread, the engine's, uses it):
 - it maps a block hash to that block's BlockData (the cache's own representation, so moving a
   block back into the cache is a copy, exact), bounded by bytes, least recently used out first;
 - pinned entries (warm-up prefixes) are kept outside the byte bound and never evicted;
-- each entry remembers where it came from (`"host"`: evicted from the device cache, `"store"`:
-  fetched from the store), so cached tokens can be counted by source.
+- each entry remembers where it came from (`"host"`: evicted from the device cache or pinned by
+  a warm-up), so cached tokens can be counted by source.
 
 StoreConnector invariants:
 - it owns one thread running an asyncio loop; every store call runs there. The engine thread
-  only enqueues writes (`publish`) and starts fetches (`fetch`, a concurrent Future); neither
-  waits on the store.
+  only enqueues writes (`publish`) and starts lookups (`fetch`, then `load`, concurrent
+  Futures); it never waits on the store.
 - Write-behind: `publish` puts a block on a bounded queue and returns at once; when the queue is
   full the block is dropped and counted (`dropped_writes`). A writer task drains the queue in
   batches, encodes each block (codec, in a worker thread) and calls `put_many`.
-- A fetch first asks which of the wanted blocks the store holds (`contains`, one round trip),
-  then applies the cost rule to the leading run of present blocks: it loads them only when the
-  run is at least MIN_FETCH_BLOCKS long and the estimated fetch time (round trip + per-block
-  transfer and decode, both running averages of what fetches really took) is below the
-  estimated time to recompute them (the caller's prefill seconds per block). Every decision
-  is counted and logged. A frame that fails to decode (any codec Miss: corrupt, wrong model or
-  format, hash mismatch) ends the run there, is counted by reason and deleted from the store.
-  The result never holds a block that did not verify.
-- Every fetch finishes within `fetch_timeout_s` (then it yields nothing: recompute).
-- Every fetch ends in one counted outcome (`lookups`, FetchResult.outcome): `hit` (every
+- A lookup first asks which of the wanted blocks the store holds (`fetch`: one round trip),
+  then applies the cost rule to the leading run of present blocks: load them only when the run
+  is at least MIN_FETCH_BLOCKS long and the estimated load time (round trip + per-block
+  transfer and decode, both running averages of what loads really took) is below the
+  estimated time to recompute them (the caller's prefill seconds per block). Every decision is
+  counted and logged.
+- A load (`load`) gets the run in batches of FETCH_BATCH, all asked at once; each batch is
+  verified and decoded on one of the loader threads (one per core) as soon as it arrives, an
+  int8 / fp8 frame dequantized straight into a staging buffer in the cache's dtype, and
+  written into the engine's device blocks with one copy per layer (`write`, under a LoadJob:
+  once stopped, no write starts). A frame that fails to decode (any codec Miss: corrupt,
+  wrong model or format, hash mismatch) ends the run there, is counted by reason and deleted
+  from the store; `loaded` counts only the verified leading run.
+- Every stage finishes within `fetch_timeout_s` (then nothing is loaded: recompute).
+- Every lookup ends in one counted outcome (`lookups`, FetchResult.outcome): `hit` (every
   present block loaded), `absent` (the store holds none of them), `recompute` (the cost rule
   chose to recompute), `timeout`, `evicted` (a block went between `contains` and `get`),
   `corrupt` (a frame that does not verify), `wrong_identity` (a frame of another model, format,
-  shape or chain), `unavailable` (the store call failed), `breaker_open` (the store's circuit
+  shape or chain), `unavailable` (the store call failed), `recompute` too when the engine had no
+  room for the load (`abandon`), `breaker_open` (the store's circuit
   breaker was open for the first wanted block, so the store was not asked: Presence).
 - A disaggregated hand-off's tail (`put_tail`) lives TAIL_TTL_S seconds in a store with expiry
   (Redis): a decode that never comes leaves nothing behind for longer; one that comes deletes it
@@ -41,17 +47,18 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from kvserve.shared.store.base import BlockStore
-from kvserve.shared.store.block_data import BlockData
+from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
 from kvserve.shared.store.codec import BlockMeta, Miss, decode_block, encode_block
 from kvserve.shared.store.hashing import BlockHash, chain_hash
 
@@ -235,21 +242,71 @@ def _pad(token_ids: list[int], block_size: int) -> list[int]:
 
 @dataclass
 class FetchResult:
-    """What a fetch brought back: verified blocks in chain order from the first wanted hash."""
+    """A lookup's result: after `fetch`, what the store holds and the cost rule's decision;
+    after `load`, how many leading blocks were verified and written into the cache."""
 
-    blocks: list[tuple[BlockHash, BlockData]] = field(default_factory=list)
     decision: str = "none"  # none (nothing stored) | load | recompute | timeout
     outcome: str = "absent"  # see LOOKUP_OUTCOMES
     present: int = 0  # leading wanted blocks the store said it holds
+    loaded: int = 0  # leading blocks of the load written into their cache blocks
     timings: dict[str, float] = field(default_factory=dict)
+
+
+# KVCache.write_stacked: (blocks, k, v, k_scale, v_scale), K/V [num_layers, n, ...].
+WriteStacked = Callable[
+    [list[int], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None
+]
+_staging = threading.local()  # each load thread's reusable K/V buffers
+
+
+def _buffers(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's K and V staging buffers of `shape` (reused: no fresh pages per batch)."""
+    key = (shape, dtype)
+    if getattr(_staging, "key", None) != key:
+        _staging.key = key
+        _staging.kv = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+    kv: tuple[torch.Tensor, torch.Tensor] = _staging.kv
+    return kv
+
+
+class LoadJob:
+    """The writes of one load into the engine's cache blocks, from worker threads. Once
+    `stop()` was called and `quiescent()` is True, no write happens any more: the engine may
+    then give the blocks to someone else."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._active = 0
+
+    def begin(self) -> bool:
+        """May a block be written now? (then `end()` after it)."""
+        with self._lock:
+            if self._stopped:
+                return False
+            self._active += 1
+            return True
+
+    def end(self) -> None:
+        with self._lock:
+            self._active -= 1
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+
+    def quiescent(self) -> bool:
+        with self._lock:
+            return self._stopped and self._active == 0
 
 
 @dataclass
 class _Decoded:
-    """One fetched batch after verification: its good blocks, in order, and why it stopped
-    early (`miss`: a codec Miss reason or "gone"; `bad`: the hash of a frame that failed)."""
+    """One fetched batch after verification: how many of its leading blocks were written,
+    and why it stopped early (`miss`: a codec Miss reason, "gone" or "stopped"; `bad`: the
+    hash of a frame that failed)."""
 
-    blocks: list[tuple[BlockHash, BlockData]] = field(default_factory=list)
+    written: int = 0
     miss: str | None = None
     bad: BlockHash | None = None
     seconds: float = 0.0
@@ -289,6 +346,10 @@ class StoreConnector:
         self.fetch_s_per_block = 0.005
         self.encoded_bytes = 0
         self.encoded_tokens = 0
+        # Loads verify and write their batches on one thread per core.
+        self._decoders = concurrent.futures.ThreadPoolExecutor(
+            max(2, os.cpu_count() or 1), thread_name_prefix="kvserve-load"
+        )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvserve-store")
         self._thread.daemon = True
@@ -319,9 +380,33 @@ class StoreConnector:
     def fetch(
         self, hashes: Sequence[BlockHash], root: BlockHash, recompute_s_per_block: float
     ) -> concurrent.futures.Future[FetchResult]:
+        """A lookup's first stage: which leading `hashes` the store holds, and whether to load
+        them (the cost rule). A lookup that ends here is counted."""
         return asyncio.run_coroutine_threadsafe(
             self._fetch(list(hashes), root, recompute_s_per_block), self._loop
         )
+
+    def load(
+        self,
+        res: FetchResult,
+        hashes: Sequence[BlockHash],
+        root: BlockHash,
+        dst: Sequence[int],
+        write: WriteStacked,
+        job: LoadJob,
+    ) -> concurrent.futures.Future[FetchResult]:
+        """A lookup's second stage: get `hashes`, verify each and write it into cache block
+        `dst[i]` (`write`, from worker threads, under `job`); `res.loaded` says how many
+        leading blocks were written. Counted."""
+        return asyncio.run_coroutine_threadsafe(
+            self._load_into(res, list(hashes), root, list(dst), write, job), self._loop
+        )
+
+    def abandon(self, res: FetchResult) -> None:
+        """The engine did not load what `fetch` chose to (no room, or its own cache now holds
+        the run): counted as a recompute."""
+        self.counters["loads_abandoned"] += 1
+        self.lookups["recompute"] += 1
 
     def contains(self, hashes: Sequence[BlockHash], timeout: float = 10.0) -> list[bool]:
         """Blocking `contains` on the store (for warm-up jobs, not the step path)."""
@@ -387,6 +472,7 @@ class StoreConnector:
         asyncio.run_coroutine_threadsafe(self.store.close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        self._decoders.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, object]:
         out: dict[str, object] = dict(self.counters)
@@ -455,7 +541,8 @@ class StoreConnector:
         except Exception:
             self.lookups["unavailable"] += 1
             raise
-        self.lookups[res.outcome] += 1
+        if res.decision != "load":  # a load is counted when it ends
+            self.lookups[res.outcome] += 1
         return res
 
     async def _fetch_run(
@@ -485,38 +572,67 @@ class StoreConnector:
             est_fetch,
             est_recompute,
         )
-        if res.decision == "recompute":
-            return res
-        blocks, bad = await self._load(hashes[:run], root, res)
-        t2 = time.perf_counter()
-        if bad:
-            await self.store.delete(bad)
-        res.blocks = blocks
-        res.timings["load_s"] = t2 - t1
-        if blocks:
-            self.fetch_s_per_block = 0.8 * self.fetch_s_per_block + 0.2 * (t2 - t1) / len(blocks)
-        self.counters["fetched_blocks"] += len(blocks)
+        return res
+
+    async def _load_into(
+        self,
+        res: FetchResult,
+        hashes: list[BlockHash],
+        root: BlockHash,
+        dst: list[int],
+        write: WriteStacked,
+        job: LoadJob,
+    ) -> FetchResult:
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(
+                self._load(hashes, root, dst, write, job, res), self.fetch_timeout_s
+            )
+        except TimeoutError:
+            self.counters["fetch_timeouts"] += 1
+            self.latency.error("get")
+            res.decision, res.outcome, res.loaded = "timeout", "timeout", 0
+        except Exception:
+            res.outcome, res.loaded = "unavailable", 0
+            raise
+        finally:
+            job.stop()
+            self.lookups[res.outcome] += 1
+        t1 = time.perf_counter()
+        res.timings["load_s"] = t1 - t0
+        if res.loaded:
+            self.fetch_s_per_block = 0.8 * self.fetch_s_per_block + 0.2 * (t1 - t0) / res.loaded
+        self.counters["fetched_blocks"] += res.loaded
         return res
 
     async def _load(
-        self, hashes: list[BlockHash], root: BlockHash, res: FetchResult
-    ) -> tuple[list[tuple[BlockHash, BlockData]], list[BlockHash]]:
+        self,
+        hashes: list[BlockHash],
+        root: BlockHash,
+        dst: list[int],
+        write: WriteStacked,
+        job: LoadJob,
+        res: FetchResult,
+    ) -> None:
         """Get the blocks in batches of FETCH_BATCH, all asked at once, each verified and
-        decoded in a worker thread as soon as it arrives (so transfer, verification and
-        decoding overlap, and decoding runs on every core); then keep the verified run up to
-        the first missing or bad frame (whose hash is returned, to be deleted)."""
+        written into its cache block in a worker thread as soon as it arrives (so transfer,
+        verification and decoding overlap, and run on every core). `res.loaded`: the leading
+        run written, up to the first missing or bad frame (deleted from the store)."""
 
-        async def batch(part: list[BlockHash]) -> _Decoded:
+        async def batch(i: int) -> _Decoded:
+            part = hashes[i : i + FETCH_BATCH]
             with self.latency.time("get"):
                 frames = await self.store.get_many(part)
-            return await asyncio.to_thread(self._decode, part, frames, root)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._decoders,
+                self._decode_into, part, frames, root, dst[i : i + FETCH_BATCH], write, job,
+            )  # fmt: skip
 
-        parts = [hashes[i : i + FETCH_BATCH] for i in range(0, len(hashes), FETCH_BATCH)]
-        done = await asyncio.gather(*(batch(p) for p in parts))
-        out: list[tuple[BlockHash, BlockData]] = []
+        done = await asyncio.gather(*(batch(i) for i in range(0, len(hashes), FETCH_BATCH)))
         res.timings["decode_cpu_s"] = sum(d.seconds for d in done)
+        res.outcome, res.loaded = "hit", 0
         for d in done:
-            out += d.blocks
+            res.loaded += d.written
             if d.miss is None:
                 continue
             self.miss_reasons[d.miss] += 1
@@ -525,24 +641,59 @@ class StoreConnector:
             else:
                 res.outcome = "corrupt" if d.miss in _CORRUPT else "wrong_identity"
                 log.warning("store block %s rejected: %s", d.bad.hex()[:16], d.miss)
-            return out, [d.bad] if d.bad is not None else []
-        return out, []
+                await self.store.delete([d.bad])
+            return
 
-    def _decode(
-        self, hashes: list[BlockHash], frames: list[bytes | None], root: BlockHash
+    def _decode_into(
+        self,
+        hashes: list[BlockHash],
+        frames: list[bytes | None],
+        root: BlockHash,
+        dst: list[int],
+        write: WriteStacked,
+        job: LoadJob,
     ) -> _Decoded:
-        """Verified blocks in the cache's dtype up to the first missing or bad frame (runs in
-        a worker thread: it touches no shared state)."""
+        """Verify each frame, up to the first missing or bad one, and write those blocks into
+        theirs (a worker thread: it touches only its own blocks). For a float cache an int8 /
+        fp8 frame is dequantized straight into the staging buffer that the cache's layers are
+        copied from; a quantized cache takes the block requantized to its own scales."""
         t0 = time.perf_counter()
         got = _Decoded()
-        for h, frame in zip(hashes, frames, strict=True):
+        quantized = self.cache_dtype in QUANTIZED_KV_DTYPES.values()
+        L, *rest = self.meta.block_shape
+        k, v = _buffers(
+            (L, len(hashes), *rest), self.cache_dtype if not quantized else torch.float32
+        )
+        for j, (h, frame) in enumerate(zip(hashes, frames, strict=True)):
             if frame is None:
                 got.miss = "gone"
                 break
-            block = decode_block(frame, self.meta, h, root)
-            if isinstance(block, Miss):
-                got.miss, got.bad = block.reason, h
+            decoded = decode_block(frame, self.meta, h, root, dequantize=False)
+            if isinstance(decoded, Miss):
+                got.miss, got.bad = decoded.reason, h
                 break
-            got.blocks.append((h, BlockData.from_float(block.k, block.v, self.cache_dtype)))
+            for out, stored, i in ((k, decoded.k, 0), (v, decoded.v, 1)):
+                out[:, j].copy_(stored)
+                if decoded.scales is not None:
+                    out[:, j].mul_(decoded.scales[i].unsqueeze(-1))
+            got.written += 1
+        n = got.written
+        if n and job.begin():
+            try:
+                if quantized:
+                    blocks = [
+                        BlockData.from_float(k[:, j], v[:, j], self.cache_dtype) for j in range(n)
+                    ]
+                    ks = torch.stack([b.k_scale for b in blocks if b.k_scale is not None], 1)
+                    vs = torch.stack([b.v_scale for b in blocks if b.v_scale is not None], 1)
+                    kq = torch.stack([b.k for b in blocks], 1)
+                    vq = torch.stack([b.v for b in blocks], 1)
+                    write(dst[:n], kq, vq, ks, vs)
+                else:
+                    write(dst[:n], k[:, :n], v[:, :n], None, None)
+            finally:
+                job.end()
+        elif n:
+            got.written, got.miss, got.bad = 0, "stopped", None
         got.seconds = time.perf_counter() - t0
         return got

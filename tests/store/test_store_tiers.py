@@ -9,6 +9,7 @@ format here is `native` (bit-exact)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -68,7 +69,52 @@ def test_second_engine_loads_prefix_from_store(make_engine, prompts, cold, tmp_p
         assert stats["hits_tokens_store"] == cached
         assert b.store_stats()["decision_load"] == 1
         assert _lookups(b) == {"hit": 1}
+        # Loaded straight into device blocks (no host-tier staging), and indexed there.
+        assert stats["host_tier_blocks"] == 0
+        assert b.kv.num_cached_blocks >= cached // b.block_size
     finally:
+        b.close()
+
+
+def test_a_request_aborted_during_its_load_gives_back_every_block(  # type: ignore[no-untyped-def]
+    make_engine, prompts, cold, tmp_path: Path
+) -> None:
+    """The load writes into blocks the engine gave it, from worker threads; aborted while a
+    write is under way, those blocks return to the pool only once that write has finished,
+    no later write starts, and nothing of the load is indexed."""
+    a = make_engine(store=StoreConfig(f"file://{tmp_path}"))
+    run_one(a, "a", prompts[0], GREEDY)
+    a.close()
+    b = make_engine(store=StoreConfig(f"file://{tmp_path}"))
+    writing, gate, writes = threading.Event(), threading.Event(), []
+    write = b.kv.cache.write_stacked
+
+    def slow_write(blocks: list[int], *kv: object) -> None:
+        writes.append(blocks)
+        writing.set()
+        assert gate.wait(30)
+        write(blocks, *kv)  # type: ignore[arg-type]
+
+    b.kv.cache.write_stacked = slow_write  # type: ignore[method-assign]
+    try:
+        b.add_request("b", list(prompts[1]), GREEDY)
+        while not writing.is_set():  # the lookup chose to load; a thread is writing a block
+            b.step()
+        assert b.abort_request("b")
+        b.kv.take_fetched(wait=False)
+        assert b.kv.pool.num_free < b.kv.pool.num_blocks  # the block being written is held
+        started = len(writes)
+        gate.set()
+        while b.kv.pool.num_free < b.kv.pool.num_blocks:
+            b.kv.take_fetched(wait=True)
+        assert len(writes) == started  # no write started after the abort
+        b.kv.pool.check()
+        assert b.kv.num_cached_blocks == 0
+        b.kv.cache.write_stacked = write  # type: ignore[method-assign]
+        tokens, _ = run_one(b, "c", prompts[1], GREEDY)  # and the engine goes on serving
+        assert tokens == cold[1]
+    finally:
+        gate.set()
         b.close()
 
 
@@ -129,7 +175,7 @@ def test_open_breaker_is_a_lookup_outcome() -> None:
         assert breaker.state == "open"
         res = connector.fetch(wanted, BlockHash(bytes(32)), 1.0).result(timeout=5)
         assert (res.outcome, res.decision, res.present) == ("breaker_open", "none", 0)
-        assert res.blocks == []
+        assert res.loaded == 0
         lookups = connector.stats()["lookups"]
         assert isinstance(lookups, dict)
         assert {k: n for k, n in lookups.items() if n} == {"breaker_open": 1}
@@ -369,3 +415,40 @@ def test_a_single_stored_block_is_recomputed(make_engine, prompts, tmp_path: Pat
         assert cached == 32 and _lookups(b) == {"recompute": 1, "hit": 1}
     finally:
         b.close()
+
+
+def test_int8_frames_are_dequantized_straight_into_the_cache_blocks(  # type: ignore[no-untyped-def]
+    make_engine, prompts, tmp_path: Path
+) -> None:
+    """A float cache holds exactly the frames' dequantized K/V after a load; an int8 cache
+    holds them requantized (to within its own rounding)."""
+    import torch
+    from kvserve.shared.store.codec import DecodedBlock, decode_block
+
+    for kv_dtype in ("auto", "int8"):
+        store = StoreConfig(f"file://{tmp_path / kv_dtype}", format="int8")
+        a = make_engine(store=store, kv_dtype=kv_dtype)
+        run_one(a, "a", prompts[0], GREEDY)
+        a.close()
+        root, hashes = _root_and_hashes(a, prompts[0])
+        disk = DiskStore(str(tmp_path / kv_dtype))
+        frames = asyncio.run(disk.get_many(hashes))
+        asyncio.run(disk.close())
+        b = make_engine(store=store, kv_dtype=kv_dtype)
+        try:
+            _, cached = run_one(b, "b", prompts[0], GREEDY)
+            assert cached == len(hashes) * b.block_size
+            assert b.prefix_cache_stats["hits_tokens_store"] == cached
+            for h, frame in zip(hashes, frames, strict=True):
+                assert frame is not None
+                want = decode_block(frame, b.kv.connector.meta, h, root)
+                assert isinstance(want, DecodedBlock)
+                (got,) = b.kv.cache.read_blocks([b.kv.pool.index.block_of(h)])
+                k, v = got.to_float()
+                if kv_dtype == "auto":
+                    assert torch.equal(k, want.k) and torch.equal(v, want.v)
+                else:
+                    assert torch.allclose(k, want.k, atol=float(want.k.abs().amax()) / 100)
+                    assert torch.allclose(v, want.v, atol=float(want.v.abs().amax()) / 100)
+        finally:
+            b.close()
