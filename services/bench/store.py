@@ -210,7 +210,7 @@ def _ttft(make: Any, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     _first_token_s(a, "publish", prefix + questions[0])
     a.kv.connector.flush()
-    bytes_per_token = float(a.store_stats()["bytes_per_token"])  # type: ignore[arg-type]
+    bytes_per_token = float(a.store_stats()["bytes_per_token"])
     a.close()
     publish_s = time.perf_counter() - t0
     print(
