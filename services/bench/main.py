@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         "compare", "bench serve against kvserve, llama-server and HF, side by side"
     ),
     "scale": Benchmark("scale", "2 workers on 2 cores: shared KV store and cache-aware routing"),
+    "chaos": Benchmark("chaos", "faults under load: what a server and a fleet survive, per fault"),
 }
 
 

@@ -1,0 +1,72 @@
+"""`kvserve bench chaos`: its arguments, its report, and (slow) a short real run against
+`kvserve serve` on a Redis behind the fault proxy, whose invariants must hold: no request lost,
+no greedy answer changed, no KV block leaked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvserve.services.bench import chaos
+from kvserve.services.cli_support import CliError
+
+from tests.redis_servers import redis_binaries_present
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    chaos.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--targets", "nope"),
+        ("--faults", "redis-kill,meteor"),
+        ("--faults", ""),
+        ("--rate", "0"),
+        ("--calm-s", "-1"),
+        ("--max-queue", "0"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv: tuple[str, ...]) -> None:
+    with pytest.raises(CliError):
+        chaos._check(parse(*argv))
+
+
+def test_the_table_names_every_failure_kind() -> None:
+    report = chaos.FaultReport(
+        "burst", sent=32, ok=9, failed={"http_503": 23}, failed_with_retry_after=23,
+        p99_ttft_s=1.5, p99_ttft_calm_s=0.5, used_blocks_before=0, used_blocks_after=0,
+    )  # fmt: skip
+    text = chaos.table({"target": "serve", "faults": [chaos.asdict(report)]})
+    assert "http_503: 23 (23 w/ Retry-After)" in text
+    assert "1.50 / 0.50" in text and "0->0" in text
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_a_short_chaos_run_loses_nothing(tmp_path: Path) -> None:
+    if not redis_binaries_present():
+        pytest.skip("redis-server not installed")
+    cmd = [
+        sys.executable, "-m", "kvserve.services.cli", "bench", "chaos", "--targets", "serve",
+        "--faults", "net-cut,redis-kill,client-disconnect,burst", "--rate", "2",
+        "--calm-s", "3", "--fault-s", "3", "--recover-s", "5", "--out", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads(done.stdout.strip().splitlines()[-1])
+    faults = {r["fault"]: r for r in result["faults"]}
+    assert set(faults) == {"net-cut", "redis-kill", "client-disconnect", "burst"}
+    for r in faults.values():
+        assert r["lost"] == 0 and r["wrong"] == 0, r
+        assert r["used_blocks_after"] == r["used_blocks_before"], r
+    burst = faults["burst"]
+    assert burst["failed"].get("http_503", 0) == burst["failed_with_retry_after"]
+    assert faults["redis-kill"]["store_back_s"] is not None
