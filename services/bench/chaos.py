@@ -22,6 +22,11 @@ then the load pauses until the server is idle, and blocks and RSS are read:
 - client-disconnect (8 streams dropped after their first chunk), burst (4 x --max-queue requests
   at once).
 
+`--soak-min N` first runs the load without faults for N minutes; after each minute the load
+pauses until the server is idle and it reads the KV blocks in use, the servers' RSS, their open
+file descriptors, Redis's connected clients and the error lines logged; it reports them per
+minute and their least-squares slopes (`--faults none`: the soak alone).
+
 A request's outcome: `ok` (finished; greedy ones compared with the reference: `wrong` if the
 text differs), `http_NNN` (an error status; Retry-After noted), `stream_error` (an error event),
 `refused` (no server listening), `disconnected` (the client dropped it on purpose), `lost` (no
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -67,7 +73,7 @@ BLOCK_KEYS = "kvserve:v1:blk:*"  # the Redis store's block keys (default namespa
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma list of {TARGETS}")
-    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma list of {FAULTS}")
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma list of {FAULTS}, or none")
     p.add_argument("--rate", type=float, default=1.0, help="requests per second")
     p.add_argument("--calm-s", type=float, default=15.0)
     p.add_argument("--fault-s", type=float, default=10.0)
@@ -77,17 +83,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="a request's, seconds")
     p.add_argument("--model", default=None, help="GGUF (default: the default model)")
     p.add_argument("--out", type=Path, default=Path("bench-chaos"))
+    p.add_argument("--soak-min", type=int, default=0,
+                   help="first a soak: this many minutes of load without faults")  # fmt: skip
 
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     targets = [t for t in args.targets.split(",") if t]
-    faults = [f for f in args.faults.split(",") if f]
+    faults = [f for f in args.faults.split(",") if f and f != "none"]
     if not targets or set(targets) - set(TARGETS):
         raise CliError(f"--targets must be a comma list of {', '.join(TARGETS)}")
-    if not faults or set(faults) - set(FAULTS):
+    if (not faults and args.faults != "none") or set(faults) - set(FAULTS):
         raise CliError(f"--faults must be a comma list of {', '.join(FAULTS)}")
     if min(args.rate, args.fault_s, args.recover_s, args.timeout) <= 0 or args.calm_s < 0:
         raise CliError("--rate, --fault-s, --recover-s and --timeout must be > 0, --calm-s >= 0")
+    if args.soak_min < 0:
+        raise CliError("--soak-min must be >= 0")
     if args.max_tokens < 1 or args.max_queue < 1:
         raise CliError("--max-tokens and --max-queue must be >= 1")
     return targets, faults
@@ -548,6 +558,8 @@ async def run_target(kind: str, faults: list[str], args: argparse.Namespace) -> 
             rig = Rig(redis_server, proxy, target, load)
             sender = asyncio.create_task(load.run())
             try:
+                if args.soak_min:
+                    soak = await run_soak(rig, args)
                 for fault in faults:
                     if fault == "worker-kill" and kind != "fleet":
                         continue
@@ -563,7 +575,77 @@ async def run_target(kind: str, faults: list[str], args: argparse.Namespace) -> 
         await asyncio.to_thread(target.stop)
         proxy.close()
         redis_server.stop()
-    return {"target": kind, "faults": [asdict(r) for r in reports]}
+    result: dict[str, Any] = {"target": kind, "faults": [asdict(r) for r in reports]}
+    if args.soak_min:
+        result["soak"] = soak
+    return result
+
+
+# ---- soak --------------------------------------------------------------------------------------
+
+
+def _fds(procs: dict[str, Proc]) -> int:
+    n = 0
+    for p in procs.values():
+        if p.popen is not None and p.popen.poll() is None:
+            with contextlib.suppress(OSError):
+                n += len(os.listdir(f"/proc/{p.popen.pid}/fd"))
+    return n
+
+
+def _errors_logged(procs: dict[str, Proc]) -> int:
+    """Lines at level error (structlog JSON) or with a traceback in the servers' logs."""
+    n = 0
+    for p in procs.values():
+        for line in p.log.read_text(errors="replace").splitlines():
+            n += '"level": "error"' in line or line.startswith("Traceback")
+    return n
+
+
+def _slope(ys: list[float]) -> float:
+    """Least-squares slope of ys against 0, 1, 2, ... (per minute)."""
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, sum(ys) / n
+    return sum((x - mx) * (y - my) for x, y in enumerate(ys)) / sum((x - mx) ** 2 for x in range(n))
+
+
+async def run_soak(rig: Rig, args: argparse.Namespace) -> dict[str, Any]:
+    """The load without faults for --soak-min minutes; after each, the load pauses until the
+    server is idle and the minute's figures are read: KV blocks in use, RSS, open file
+    descriptors, Redis clients, error lines logged, requests and their outcomes."""
+    load, target = rig.load, rig.target
+    minutes: list[dict[str, Any]] = []
+    for m in range(args.soak_min):
+        load.phase, load.running = f"soak:{m}", True
+        await asyncio.sleep(60)
+        await load.drain()
+        stats = await _idle(target)
+        r = rig.redis_client()
+        try:
+            clients = int(r.info("clients")["connected_clients"])
+        finally:
+            r.close()
+        outcomes = Counter(o.result for o in load.outcomes if o.phase == f"soak:{m}")
+        row = {
+            "minute": m + 1,
+            "used_blocks": int((stats.get("totals") or {}).get("num_used_blocks", -1)),
+            "rss_mb": target.rss_mb(),
+            "fds": _fds(target.procs),
+            "redis_clients": clients,
+            "errors_logged": _errors_logged(target.procs),
+            "outcomes": dict(outcomes),
+        }
+        minutes.append(row)
+        print(f"[{target.kind}] soak {json.dumps(row)}", flush=True)
+    return {
+        "minutes": minutes,
+        "slopes_per_min": {
+            k: _slope([float(row[k]) for row in minutes])
+            for k in ("rss_mb", "fds", "redis_clients", "used_blocks")
+        },
+    }
 
 
 def table(result: dict[str, Any]) -> str:
@@ -588,13 +670,32 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def soak_table(result: dict[str, Any]) -> str:
+    soak = result.get("soak")
+    if not soak:
+        return ""
+    keys = ("used_blocks", "rss_mb", "fds", "redis_clients", "errors_logged")
+    lines = [
+        f"soak of {result['target']}: per minute, idle",
+        "minute " + " ".join(f"{k:>14}" for k in keys) + "  outcomes",
+    ]
+    for row in soak["minutes"]:
+        vals = " ".join(
+            f"{row[k]:>14.1f}" if isinstance(row[k], float) else f"{row[k]:>14}" for k in keys
+        )
+        lines.append(f"{row['minute']:>6} {vals}  {row['outcomes']}")
+    slopes = ", ".join(f"{k} {v:+.3f}/min" for k, v in soak["slopes_per_min"].items())
+    lines.append(f"slopes: {slopes}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     targets, faults = _check(args)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for kind in targets:
         result = asyncio.run(run_target(kind, faults, args))
-        print(table(result), flush=True)
+        print(soak_table(result) + "\n" + table(result), flush=True)
         results.append(result)
     (args.out / "chaos.json").write_text(json.dumps(results, indent=1))
     print(json.dumps(results))

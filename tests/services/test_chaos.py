@@ -70,3 +70,11 @@ def test_a_short_chaos_run_loses_nothing(tmp_path: Path) -> None:
     burst = faults["burst"]
     assert burst["failed"].get("http_503", 0) == burst["failed_with_retry_after"]
     assert faults["redis-kill"]["store_back_s"] is not None
+
+
+def test_soak_slopes_and_the_soak_alone() -> None:
+    assert chaos._slope([5.0, 5.0, 5.0]) == 0.0
+    assert chaos._slope([1.0, 3.0, 5.0, 7.0]) == pytest.approx(2.0)
+    assert chaos._check(parse("--faults", "none", "--soak-min", "2"))[1] == []
+    with pytest.raises(CliError):
+        chaos._check(parse("--soak-min", "-1"))
