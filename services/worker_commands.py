@@ -10,7 +10,8 @@ and prefill workers, `kvserve:decode`) through a consumer group: a request that 
 held is claimed by another after `--claim-idle` seconds, and a dead worker's own stream is
 adopted. Workers and prefill workers publish their KV events for the gateway's router. `--store`
 is required (a redis:// URL shares blocks between workers; `memory://` keeps them to the
-worker). Each serves Prometheus /metrics (the engine's stats) on `--metrics-port` (0: off).
+worker). Each serves Prometheus /metrics (the engine's stats) on `--metrics-port` (0: off),
+bound to `--metrics-host` (127.0.0.1 unless told otherwise).
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ def _register(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--store", required=True, help="prefix store URL (redis://HOST:PORT/DB)")
     p.add_argument("--store-format", choices=STORE_FORMATS, default="auto")
     p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics; 0: off")
-    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint binds (0.0.0.0: every interface, as in a container)",
+    )
     p.add_argument("--name", default=None, help="worker name on the bus (default: role-host-pid)")
     p.add_argument(
         "--claim-idle",

@@ -6,6 +6,12 @@ import math
 from dataclasses import dataclass
 
 MAX_TOP = 20  # top_logprobs bound (OpenAI's)
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing the logits by a tinier one
+# overflows float32 (inf - inf: NaN probabilities), and greedy is what it tends to anyway.
+GREEDY_BELOW = 1e-5
+# Any top_p at or below this keeps the most likely token alone (it has probability >= 1/vocab),
+# so a smaller one is raised to it: one that rounds to 0 in float32 would keep no token at all.
+MIN_TOP_P = 1e-9
 
 
 class InvalidRequestError(ValueError):
@@ -18,8 +24,9 @@ class InvalidRequestError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy. `n` samples share the prompt; `beam_width` > 1 switches to
-    beam search (deterministic, HF semantics; excludes n > 1 and sampling)."""
+    """temperature 0 (below GREEDY_BELOW) means greedy. `n` samples share the prompt;
+    `beam_width` > 1 switches to beam search (deterministic, HF semantics; excludes n > 1 and
+    sampling). A top_p below MIN_TOP_P is stored as MIN_TOP_P (the same tokens survive)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -48,6 +55,8 @@ class SamplingParams:
             )
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p < MIN_TOP_P:
+            object.__setattr__(self, "top_p", MIN_TOP_P)
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"top_k must be >= 0, got {self.top_k}")
         if not isinstance(self.n, int) or self.n < 1:
@@ -60,7 +69,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 "beam_width", f"beam_width must be >= 1, got {self.beam_width}"
             )
-        if self.beam_width > 1 and (self.n > 1 or self.temperature > 0):
+        if self.beam_width > 1 and (self.n > 1 or not self.greedy):
             raise InvalidRequestError(
                 "beam_width", "beam search is deterministic: use it with n=1 and temperature=0"
             )
@@ -71,4 +80,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

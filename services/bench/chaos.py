@@ -614,7 +614,9 @@ def _slope(ys: list[float]) -> float:
 async def run_soak(rig: Rig, args: argparse.Namespace) -> dict[str, Any]:
     """The load without faults for --soak-min minutes; after each, the load pauses until the
     server is idle and the minute's figures are read: KV blocks in use, RSS, open file
-    descriptors, Redis clients, error lines logged, requests and their outcomes."""
+    descriptors, Redis clients, error lines logged, requests and their outcomes, and the
+    device cache's cached and evicted blocks (evicted blocks fill the bounded host tier, which
+    RSS shows until it is full)."""
     load, target = rig.load, rig.target
     minutes: list[dict[str, Any]] = []
     for m in range(args.soak_min):
@@ -628,9 +630,12 @@ async def run_soak(rig: Rig, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             r.close()
         outcomes = Counter(o.result for o in load.outcomes if o.phase == f"soak:{m}")
+        totals = stats.get("totals") or {}
         row = {
             "minute": m + 1,
-            "used_blocks": int((stats.get("totals") or {}).get("num_used_blocks", -1)),
+            "used_blocks": int(totals.get("num_used_blocks", -1)),
+            "cached_blocks": int(totals.get("cached_blocks", -1)),
+            "evicted_blocks": int(totals.get("evicted_blocks", -1)),
             "rss_mb": target.rss_mb(),
             "fds": _fds(target.procs),
             "redis_clients": clients,
@@ -674,7 +679,8 @@ def soak_table(result: dict[str, Any]) -> str:
     soak = result.get("soak")
     if not soak:
         return ""
-    keys = ("used_blocks", "rss_mb", "fds", "redis_clients", "errors_logged")
+    keys = ("used_blocks", "cached_blocks", "evicted_blocks", "rss_mb", "fds", "redis_clients",
+            "errors_logged")  # fmt: skip
     lines = [
         f"soak of {result['target']}: per minute, idle",
         "minute " + " ".join(f"{k:>14}" for k in keys) + "  outcomes",

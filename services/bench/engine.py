@@ -390,10 +390,11 @@ def decode_step(
 def load_hf_model(model_path: Path) -> Any:
     import transformers
 
+    extra: dict[str, Any]
     if model_path.is_file():
         where, extra = str(model_path.parent), {"gguf_file": model_path.name}
-    else:
-        where, extra = str(model_path), {}
+    else:  # safetensors only, as kvserve's own loader: never a pickled checkpoint
+        where, extra = str(model_path), {"use_safetensors": True}
     model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **extra)
     return model.eval()
 

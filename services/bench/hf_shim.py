@@ -310,7 +310,7 @@ def make_app(gen: Generator, model_name: str) -> web.Application:
     return app
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from kvserve.shared.config import default_model_path
 
     p = argparse.ArgumentParser(prog="python -m kvserve.services.bench.hf_shim")
@@ -319,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8002)
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--max-batch", type=int, default=8, help="requests per generate() call")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     gen = Generator(args.model, args.threads, args.max_batch)
     print(f"hf_shim: {args.model.name} on http://{args.host}:{args.port}", flush=True)
     web.run_app(make_app(gen, args.model.name), host=args.host, port=args.port, print=None)

@@ -25,17 +25,12 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from kvserve.services.gateway import openapi as doc
 from kvserve.services.gateway.admission import Admission
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.errors import APIError, bad_request, from_worker, sse_error
 from kvserve.services.gateway.generation import BusGeneration
-from kvserve.services.gateway.openapi import (
-    CHAT_REQUEST,
-    COMPLETION_REQUEST,
-    COMPLETION_RESPONSE,
-    RouteDoc,
-    build_openapi,
-)
+from kvserve.services.gateway.openapi import ApiFacts, RouteDoc, build_openapi
 from kvserve.services.gateway.prefixes import check_prefix, prefix_ids
 from kvserve.services.gateway.ratelimit import RateLimiter
 from kvserve.services.gateway.responses import SSE_DONE, ResponseBuilder, sse
@@ -44,12 +39,13 @@ from kvserve.services.gateway.routing import RoutingService
 from kvserve.services.gateway.schema import (
     GenerationPlan,
     ModelInfo,
-    chat_prompt,
     check_model,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
 )
-from kvserve.services.gateway.warmup_jobs import WARMUP_REQUEST, WarmupJob, WarmupJobs
+from kvserve.services.gateway.warmup_jobs import WarmupJob, WarmupJobs
 from kvserve.shared.bus import Bus, BusUnavailableError
 from kvserve.shared.model.tokenizer import ChatTemplateError
 from kvserve.shared.protocol import AdminRequest, TokenEvent
@@ -122,10 +118,11 @@ class Gateway:
         self.app = web.Application(
             client_max_size=config.max_body_bytes, middlewares=[self._errors, self._auth]
         )
-        self.routes = self._routes()
+        facts = ApiFacts.of(model, self.keys.enabled, config.allow_client_cache_salt)
+        self.routes = self._routes(facts)
         for r, handler in self.routes:
             self.app.router.add_route(r.method, r.path, handler)
-        self.openapi = build_openapi([r for r, _ in self.routes], "kvserve", VERSION)
+        self.openapi = build_openapi([r for r, _ in self.routes], "kvserve", VERSION, facts)
         self.app.on_cleanup.append(self._cancel_warmups)
         self.routing = self._routing()
 
@@ -147,40 +144,48 @@ class Gateway:
         self.app.on_cleanup.append(stop)
         return routing
 
-    def _routes(self) -> list[tuple[RouteDoc, Handler]]:
+    def _routes(self, f: ApiFacts) -> list[tuple[RouteDoc, Handler]]:
         json_errors = (400, 401, 404, 413, 429, 503)
+        model = {"model": doc.model_schema(f)}
         return [
-            (RouteDoc("POST", "/v1/completions", "Text completion (OpenAI).", COMPLETION_REQUEST,
-                      COMPLETION_RESPONSE, stream=True, auth=True, errors=(*json_errors, 504)),
-             self.completions),
-            (RouteDoc("POST", "/v1/chat/completions", "Chat completion (OpenAI).", CHAT_REQUEST,
-                      COMPLETION_RESPONSE, stream=True, auth=True, errors=(*json_errors, 504)),
-             self.chat_completions),
-            (RouteDoc("GET", "/v1/models", "The served model.", auth=True, errors=(401,)),
-             self.list_models),
-            (RouteDoc("GET", "/v1/models/{model}", "One model by id.", auth=True,
-                      errors=(401, 404)), self.get_model),
+            (RouteDoc("POST", "/v1/completions", "Text completion (OpenAI).",
+                      doc.completion_request(f), doc.COMPLETION_RESPONSE, stream=True, auth=True,
+                      errors=(*json_errors, 504)), self.completions),
+            (RouteDoc("POST", "/v1/chat/completions", "Chat completion (OpenAI).",
+                      doc.chat_request(f), doc.CHAT_RESPONSE, stream=True, auth=True,
+                      errors=(*json_errors, 504)), self.chat_completions),
+            (RouteDoc("GET", "/v1/models", "The served model.", response=doc.MODEL_LIST,
+                      auth=True, errors=(401,)), self.list_models),
+            (RouteDoc("GET", "/v1/models/{model}", "One model by id.", response=doc.MODEL_CARD,
+                      auth=True, errors=(401, 404), path_params=model), self.get_model),
             (RouteDoc("GET", "/v1/cache/stats", "KV-cache and prefix-cache statistics.",
-                      auth=True, errors=(401,)), self.cache_stats),
+                      response=doc.CACHE_STATS, auth=True, errors=(401,)), self.cache_stats),
             (RouteDoc("POST", "/v1/cache/warmup", "Start a warm-up job: compute, store and "
                       "pin the KV blocks of shared prefixes (202; poll its status).",
-                      WARMUP_REQUEST, auth=True, errors=(400, 401, 413, 429, 503)),
-             self.cache_warmup),
+                      doc.warmup_request(f), doc.WARMUP_STARTED, status=202, auth=True,
+                      errors=(400, 401, 413, 429, 503)), self.cache_warmup),
             (RouteDoc("GET", "/v1/cache/warmup/{id}", "A warm-up job's status and counters.",
-                      auth=True, errors=(401, 404)), self.cache_warmup_status),
+                      response=doc.WARMUP_JOB, auth=True, errors=(401, 404)),
+             self.cache_warmup_status),
             (RouteDoc("POST", "/v1/cache/flush", "Drop the engine's unreferenced device "
                       "prefix-cache blocks and its host tier (the store keeps its blocks).",
-                      auth=True, errors=(401, 429, 503, 504)), self.cache_flush),
+                      response=doc.CACHE_FLUSH, auth=True, errors=(401, 429, 503, 504)),
+             self.cache_flush),
             (RouteDoc("POST", "/tokenize", "Tokenize a prompt or chat messages (vLLM).",
-                      {"type": "object"}, errors=(400, 413)), self.tokenize),
-            (RouteDoc("POST", "/detokenize", "Token ids to text (vLLM).", {"type": "object"},
-                      errors=(400, 413)), self.detokenize),
-            (RouteDoc("GET", "/health", "Liveness: the process answers."), self.health),
+                      doc.tokenize_request(f), doc.TOKENIZE_RESPONSE, errors=(400, 404, 413)),
+             self.tokenize),
+            (RouteDoc("POST", "/detokenize", "Token ids to text (vLLM).",
+                      doc.detokenize_request(f), doc.DETOKENIZE_RESPONSE, errors=(400, 404, 413)),
+             self.detokenize),
+            (RouteDoc("GET", "/health", "Liveness: the process answers.",
+                      response=doc.HEALTH_RESPONSE), self.health),
             (RouteDoc("GET", "/ready", "Readiness: a worker is up and the gateway is not "
-                      "draining.", errors=(503,)), self.ready),
+                      "draining.", response=doc.READY_RESPONSE,
+                      other={503: doc.NOT_READY_RESPONSE}), self.ready),
             (RouteDoc("GET", "/metrics", "Prometheus metrics.", content_type="text/plain"),
              self.prometheus),
-            (RouteDoc("GET", "/version", "Server version."), self.version),
+            (RouteDoc("GET", "/version", "Server version.", response=doc.VERSION_RESPONSE),
+             self.version),
             (RouteDoc("GET", "/openapi.json", "This document."), self.openapi_json),
         ]  # fmt: skip
 
@@ -550,33 +555,18 @@ class Gateway:
         return info
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        check_model(body, self.model)
-        tok = self.model.tokenizer
-        if "messages" in body:
-            ids = chat_prompt(body, self.model)
-        elif isinstance(body.get("prompt"), str):
-            ids = tok.encode(body["prompt"])
-        else:
-            raise bad_request("send 'prompt' (a string) or 'messages'", "prompt")
+        ids, token_strs = parse_tokenize(await self._json(request), self.model)
         out: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": self.model.max_model_len,
             "tokens": ids,
         }
-        if body.get("return_token_strs"):
-            out["token_strs"] = [tok.id_to_token(t) for t in ids]
+        if token_strs:
+            out["token_strs"] = [self.model.tokenizer.id_to_token(t) for t in ids]
         return web.json_response(out)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        check_model(body, self.model)
-        ids = body.get("tokens")
-        vocab = self.model.vocab_size
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
-        ):
-            raise bad_request(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        ids = parse_detokenize(await self._json(request), self.model)
         return web.json_response({"prompt": self.model.tokenizer.decode(ids)})
 
     async def health(self, request: web.Request) -> web.Response:

@@ -5,12 +5,15 @@ A prefix is a map with exactly one of
     {"text": "..."}                                       raw text (few-shot examples, a document)
     {"system": "..."}                                     a system prompt, through the chat template
     {"messages": [{"role": ..., "content": ...}, ...]}    a chat prefix, through the template
-and optionally "cache_salt" (a string).
+and optionally "cache_salt" (a string). A message's role is a chat role and its content a
+string: the messages go through the chat template as they are.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from kvserve.services.gateway.schema import CHAT_ROLES
 
 KINDS = ("text", "system", "messages")
 
@@ -20,18 +23,22 @@ def check_prefix(obj: Any) -> str | None:
     kinds = [k for k in KINDS if isinstance(obj, dict) and k in obj]
     if len(kinds) != 1:
         return f"needs exactly one of {', '.join(KINDS)}"
-    value = obj[kinds[0]]
-    if kinds[0] == "messages":
-        ok = isinstance(value, list) and all(
-            isinstance(m, dict) and {"role", "content"} <= set(m) for m in value
-        )
-    else:
-        ok = isinstance(value, str)
-    if not ok or not value:
-        return f"{kinds[0]!r} must be a non-empty string or message list"
+    kind, value = kinds[0], obj[kinds[0]]
+    if kind == "messages":
+        if not isinstance(value, list) or not value or not all(map(_is_message, value)):
+            return (
+                "'messages' must be a non-empty list of messages, each with a role "
+                f"({', '.join(CHAT_ROLES)}) and string content"
+            )
+    elif not isinstance(value, str) or not value:
+        return f"{kind!r} must be a non-empty string"
     if not isinstance(obj.get("cache_salt"), str | None):
         return "'cache_salt' must be a string"
     return None
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)
 
 
 def prefix_ids(tokenizer: Any, prefix: dict[str, Any]) -> list[int]:

@@ -15,10 +15,11 @@ from typing import Any
 
 from kvserve.services.gateway.errors import APIError, bad_request, unsupported
 from kvserve.shared.model.tokenizer import ChatTemplateError, KVTokenizer
-from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
+from kvserve.shared.sampling_params import MAX_TOP, InvalidRequestError, SamplingParams
 
 MAX_N = 16
 MAX_SEED = 2**63 - 1
+MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs`: alternatives per token
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -78,13 +79,24 @@ def _get(body: dict[str, Any], name: str) -> Any:
     return body.get(name)
 
 
+def _as_int(v: Any) -> int | None:
+    """`v` as an int when it is a whole number, else None (booleans included). JSON does not
+    tell 2 from 2.0 (JSON Schema's `integer` is any number without a fraction), nor does this."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    return int(v) if isinstance(v, float) and v.is_integer() else None
+
+
 def _int(
     body: dict[str, Any], name: str, default: int | None, lo: int | None, hi: int | None = None
 ) -> int | None:
-    v = _get(body, name)
-    if v is None:
+    raw = _get(body, name)
+    if raw is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int):
+    v = _as_int(raw)
+    if v is None:
         raise bad_request(f"'{name}' must be an integer", name, "invalid_type")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
@@ -126,12 +138,14 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _token_list(v: Any, name: str, vocab: int) -> list[int]:
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+def _token_list(v: list[Any], name: str, vocab: int) -> list[int]:
+    ids = [_as_int(t) for t in v]
+    if any(t is None for t in ids):
         raise bad_request(f"'{name}' token ids must be integers", name, "invalid_type")
-    if any(not 0 <= t < vocab for t in v):
+    checked = [t for t in ids if t is not None]
+    if any(not 0 <= t < vocab for t in checked):
         raise bad_request(f"'{name}' token ids must be in [0, {vocab})", name)
-    return list(v)
+    return checked
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -255,7 +269,8 @@ def parse_completion(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
     if _get(body, "suffix") is not None:
         raise unsupported("suffix", "'suffix' (insertion) is not supported")
     prompts = _completion_prompts(body.get("prompt"), info)
-    lp = _int(body, "logprobs", None, 0, 5)  # N: the N most likely alternatives per token
+    # N: the N most likely alternatives per token
+    lp = _int(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     stream, include_usage = _stream_flags(body)
     max_tokens = _int(body, "max_tokens", 16, 1)
     params = _sampling(body, prompts, info, max_tokens, lp is not None, lp or 0)
@@ -279,24 +294,31 @@ def _completion_prompts(v: Any, info: ModelInfo) -> list[list[int]]:
         raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
     if isinstance(v, str):
         items: list[Any] = [v]
-    elif isinstance(v, list) and v and all(isinstance(t, int) for t in v):
+    elif isinstance(v, list) and v and all(_as_int(t) is not None for t in v):
         items = [v]
-    elif isinstance(v, list) and v:
+    elif isinstance(v, list) and v and (_all(v, str) or _all(v, list)):
         items = v
     else:
-        raise bad_request("'prompt' must be a non-empty string or list", "prompt")
+        raise bad_request(
+            "'prompt' must be a non-empty string, list of strings, list of token ids or list "
+            "of token id lists",
+            "prompt",
+        )
     prompts = []
     for item in items:
-        if isinstance(item, str):
-            ids = tok.encode(item)
-        elif isinstance(item, list):
-            ids = _token_list(item, "prompt", info.vocab_size)
-        else:
-            raise bad_request("'prompt' items must be strings or token id lists", "prompt")
+        ids = (
+            tok.encode(item)
+            if isinstance(item, str)
+            else _token_list(item, "prompt", info.vocab_size)
+        )
         if not ids:
             raise bad_request("'prompt' must not be empty", "prompt")
         prompts.append(ids)
     return prompts
+
+
+def _all(items: list[Any], kind: type) -> bool:
+    return all(isinstance(x, kind) for x in items)
 
 
 def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
@@ -309,12 +331,12 @@ def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
         raise unsupported("response_format", "only response_format {'type': 'text'}")
     ids = chat_prompt(body, info)
     logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None, 0, 20)
+    top = _int(body, "top_logprobs", None, 0, MAX_TOP)
     if top is not None and not logprobs:
         raise bad_request("'top_logprobs' requires logprobs=true", "top_logprobs")
-    max_tokens = _int(body, "max_completion_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, 1)
+    # Both are checked; the newer name wins when both are given (as in OpenAI's API).
+    legacy = _int(body, "max_tokens", None, 1)
+    max_tokens = _int(body, "max_completion_tokens", legacy, 1)
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [ids], info, max_tokens, logprobs, top or 0)
     return GenerationPlan(
@@ -328,6 +350,33 @@ def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
         _client_salt(body),
         _bool(body, "return_tokens_as_token_ids", False),
     )
+
+
+def parse_tokenize(body: dict[str, Any], info: ModelInfo) -> tuple[list[int], bool]:
+    """/tokenize (vLLM's shape): the token ids of exactly one of `prompt` (a string, as it is)
+    and `messages` (through the chat template), and whether `return_token_strs` was asked."""
+    check_model(body, info)
+    token_strs = _bool(body, "return_token_strs", False)
+    _bool(body, "add_generation_prompt", True)  # checked whichever input is given
+    given = [k for k in ("prompt", "messages") if k in body]
+    if len(given) != 1:
+        code = "invalid_value" if given else "missing_required_parameter"
+        raise bad_request("send exactly one of 'prompt' (a string) and 'messages'", "prompt", code)
+    if given[0] == "messages":
+        return chat_prompt(body, info), token_strs
+    prompt = body["prompt"]
+    if not isinstance(prompt, str):
+        raise bad_request("'prompt' must be a string", "prompt", "invalid_type")
+    return info.tokenizer.encode(prompt), token_strs
+
+
+def parse_detokenize(body: dict[str, Any], info: ModelInfo) -> list[int]:
+    """/detokenize: the token ids in `tokens` (a list, possibly empty)."""
+    check_model(body, info)
+    ids = body.get("tokens")
+    if not isinstance(ids, list):
+        raise bad_request("'tokens' must be a list of token ids", "tokens", "invalid_type")
+    return _token_list(ids, "tokens", info.vocab_size)
 
 
 def chat_prompt(body: dict[str, Any], info: ModelInfo) -> list[int]:

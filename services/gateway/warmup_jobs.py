@@ -16,27 +16,6 @@ log = get_logger("kvserve.gateway")
 
 COUNTERS = ("done", "blocks", "computed", "skipped", "published")
 
-# The request body's schema, for /openapi.json.
-WARMUP_REQUEST: dict[str, Any] = {
-    "type": "object",
-    "required": ["prefixes"],
-    "properties": {
-        "prefixes": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "description": "exactly one of system, text, messages; optional cache_salt",
-                "properties": {
-                    "system": {"type": "string"},
-                    "text": {"type": "string"},
-                    "messages": {"type": "array", "items": {"type": "object"}},
-                    "cache_salt": {"type": "string"},
-                },
-            },
-        }
-    },
-}
-
 
 @dataclass
 class WarmupJob:

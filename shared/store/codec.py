@@ -409,7 +409,9 @@ def _identity_miss(f: dict[str, Any], expected: BlockMeta) -> Miss | None:
 def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytearray | Miss:
     """The payload's raw bytes, decompressed straight into a buffer of exactly the format's
     size for this shape (the frame's declared size is checked first: nothing larger is ever
-    allocated or written)."""
+    allocated or written). The payload must be one zstd frame of exactly that size: a frame
+    that decodes past its declared size, or anything decodable after it, is a miss once one
+    byte too many has come out. zstd's own window is bounded too (`_max_window`)."""
     scales_len, raw_len = _sizes(f["fmt"], NATIVE_DTYPES[f["dtype"]], shape)
     if len(f["scales"]) != scales_len:
         return Miss("bad_payload")
@@ -417,7 +419,8 @@ def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytearra
     try:
         if zstandard.frame_content_size(f["payload"]) != raw_len:
             return Miss("bad_payload")
-        with zstandard.ZstdDecompressor().stream_reader(f["payload"]) as reader:
+        dctx = zstandard.ZstdDecompressor(max_window_size=_max_window(raw_len))
+        with dctx.stream_reader(f["payload"], read_across_frames=True) as reader:
             filled = 0
             while filled < raw_len and (n := reader.readinto(memoryview(buf)[filled:])):
                 filled += n
@@ -426,6 +429,13 @@ def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytearra
     except zstandard.ZstdError:
         return Miss("bad_payload")
     return buf
+
+
+def _max_window(raw_len: int) -> int:
+    """The largest zstd window a payload of `raw_len` bytes may ask for. The encoder's frames
+    declare their size, so zstd's window is at most that size; a frame after it may declare
+    none, and this keeps the buffer zstd allocates for it (its window) small."""
+    return max(1 << 20, 2 * raw_len)
 
 
 def _tensors(

@@ -22,7 +22,7 @@ SCHEMA_VERSION = 1
 BlockHash = NewType("BlockHash", bytes)
 
 MAX_SALT_LEN = 128
-_SALT_RE = re.compile(r"^[A-Za-z0-9._:\-]+$")
+_SALT_RE = re.compile(r"[A-Za-z0-9._:\-]+")
 
 
 class InvalidSaltError(ValueError):
@@ -33,7 +33,8 @@ def validate_cache_salt(salt: str | None) -> str | None:
     """A cache salt is 1..128 characters of [A-Za-z0-9._:-]; None means no salt."""
     if salt is None:
         return None
-    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_LEN or not _SALT_RE.match(salt):
+    ok = isinstance(salt, str) and 0 < len(salt) <= MAX_SALT_LEN and _SALT_RE.fullmatch(salt)
+    if not ok:
         raise InvalidSaltError(
             f"cache_salt must be 1..{MAX_SALT_LEN} characters of [A-Za-z0-9._:-]"
         )

@@ -51,3 +51,20 @@ def test_without_the_fused_kernel_the_same(monkeypatch: pytest.MonkeyPatch) -> N
     plain = Sampler().sample(logits, rows)
     assert fused[0] == plain[0]
     torch.testing.assert_close(torch.tensor(fused[1]), torch.tensor(plain[1]))
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p"), [(5e-324, 1.0), (1e-40, 1.0), (1e-6, 1.0), (0.8, 5e-324)]
+)
+def test_extreme_temperature_or_top_p_draws_the_most_likely_token(
+    temperature: float, top_p: float
+) -> None:
+    """A temperature below GREEDY_BELOW is greedy and a tiny top_p keeps the top token alone,
+    where dividing by the one or comparing with the other in float32 would give NaN
+    probabilities (and an exception on the engine thread)."""
+    torch.manual_seed(3)
+    logits = torch.randn(1, 400) * 8
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p)
+    rows = [SampleRow(params, torch.Generator().manual_seed(1))]
+    tokens, _, _ = Sampler().sample(logits, rows)
+    assert tokens == [int(logits.argmax())]

@@ -108,6 +108,8 @@ def test_commands(services: dict[str, dict[str, Any]]) -> None:
         assert _flag(command, "--bus") == REDIS_URL
         assert _flag(command, "--store") == REDIS_URL
         assert _flag(command, "--metrics-port") == "9100"
+        # kvserve binds 127.0.0.1 by default; the collector scrapes over the compose network.
+        assert _flag(command, "--metrics-host") == "0.0.0.0"
     # Blocks in Redis are int8 + zstd by default (--store-format auto): no flag in compose.
     assert all("--store-format" not in services[n]["command"] for n in WORKERS)
 
@@ -118,6 +120,20 @@ def test_workers_alike(services: dict[str, dict[str, Any]]) -> None:
         test = services[name]["healthcheck"]["test"]
         assert any("127.0.0.1:9100/metrics" in str(part) for part in test)
         assert services[name]["stop_grace_period"] == "40s"
+
+
+def test_only_the_gateway_is_published_beyond_the_host(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Every other published port is bound to the host's loopback (Redis, the collector's
+    receivers and metrics, Jaeger); the workers publish none."""
+    published = {
+        name: [str(p) for p in service.get("ports", [])] for name, service in services.items()
+    }
+    assert published.pop("gateway") == ["8000:8000"]
+    assert all(published[name] == [] for name in WORKERS)
+    others = [p for ports in published.values() for p in ports]
+    assert others and all(p.startswith("127.0.0.1:") for p in others), others
 
 
 def test_gateway_published_and_checked(services: dict[str, dict[str, Any]]) -> None:
@@ -149,7 +165,7 @@ def test_collector_and_jaeger(services: dict[str, dict[str, Any]]) -> None:
     assert {"4317", "4318"} <= published
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one")
-    assert "16686:16686" in [str(p) for p in jaeger["ports"]]
+    assert "127.0.0.1:16686:16686" in [str(p) for p in jaeger["ports"]]
     assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
 
 

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -255,6 +259,122 @@ def test_bad_payload_misses() -> None:
     ):
         _miss(decode_block(_resign(good, **change), META, KEY, ROOT), "bad_payload")
     _miss(decode_block(_resign(FRAMES["fp16"], scales=b"\x00" * 4), META, KEY, ROOT), "bad_payload")
+
+
+# --- decompression bombs ----------------------------------------------------------------------
+# zstd frames written by hand, so that a payload of a few KB can expand to 1 GiB: RLE blocks
+# (a 3-byte header and the one byte to repeat) of up to 128 KiB each. Each frame carries a
+# valid checksum (the frame checksum is no secret), so it reaches the decompressor.
+
+GIB = 1 << 30
+RLE_MAX = 128 * 1024  # zstd's largest block
+INT8_RAW = 2 * 30 * 16 * 3 * 64  # the int8 payload of META, decompressed: K and V, 1 byte each
+
+
+def _rle_frame(expands_to: int, declared: int | None, window_log: int = 17) -> bytes:
+    """A zstd frame of `expands_to` zero bytes whose header declares `declared` bytes of content
+    (an 8-byte Frame_Content_Size field; None: no content size in the header)."""
+    descriptor = 0x00 if declared is None else 0xC0  # bits 7-6: Frame_Content_Size_flag
+    header = b"\x28\xb5\x2f\xfd" + bytes([descriptor, (window_log - 10) << 3])
+    if declared is not None:
+        header += declared.to_bytes(8, "little")
+    sizes = [RLE_MAX] * (expands_to // RLE_MAX) + (
+        [expands_to % RLE_MAX] if expands_to % RLE_MAX else []
+    )
+    blocks = [
+        (int(i == len(sizes) - 1) | 1 << 1 | size << 3).to_bytes(3, "little") + b"\x00"
+        for i, size in enumerate(sizes)
+    ]  # Last_Block bit, Block_Type 1 (RLE), Block_Size
+    return header + b"".join(blocks)
+
+
+def _int8_frame_with(payload: bytes) -> bytes:
+    return _resign(FRAMES["int8"], payload=payload)
+
+
+def bomb_frames() -> dict[str, bytes]:
+    """zstd payloads for META's int8 frame: ones that decode past the 180 KiB it needs (most to
+    1 GiB), and an honest one of zeros (`exact`)."""
+    good = msgpack.unpackb(FRAMES["int8"], raw=False)["payload"]
+    return {
+        "declares_its_size_then_expands_further": _rle_frame(GIB, INT8_RAW),
+        "declares_no_size": _rle_frame(GIB, None),
+        "declares_a_gib": _rle_frame(GIB, GIB),
+        "a_second_frame_after_a_good_one": good + _rle_frame(GIB, None),
+        "a_second_frame_with_a_128_mib_window": good + _rle_frame(GIB, None, window_log=27),
+        "a_second_frame_with_a_2_gib_window": good + _rle_frame(RLE_MAX, None, window_log=31),
+        "exact": _rle_frame(INT8_RAW, INT8_RAW),
+    }
+
+
+def test_the_hand_written_frames_are_valid_zstd() -> None:
+    """The bombs are real: libzstd decodes them to exactly the bytes they claim."""
+    dctx = zstandard.ZstdDecompressor()
+    assert dctx.decompress(_rle_frame(INT8_RAW, INT8_RAW)) == bytes(INT8_RAW)
+    no_size = _rle_frame(3 * RLE_MAX, None)
+    assert zstandard.frame_content_size(no_size) == -1
+    assert dctx.decompress(no_size, max_output_size=3 * RLE_MAX) == bytes(3 * RLE_MAX)
+    total = 0
+    with dctx.stream_reader(_rle_frame(GIB, None)) as reader:
+        while chunk := reader.read(1 << 24):
+            total += len(chunk)
+    assert total == GIB
+    assert len(_rle_frame(GIB, None)) < 40_000  # 1 GiB out of 32 KiB
+
+
+def test_a_payload_expanding_past_its_size_misses() -> None:
+    frames = bomb_frames()
+    decoded = decode_block(_int8_frame_with(frames.pop("exact")), META, KEY, ROOT)
+    assert isinstance(decoded, DecodedBlock) and not decoded.k.any() and not decoded.v.any()
+    for name, payload in frames.items():
+        out = decode_block(_int8_frame_with(payload), META, KEY, ROOT)
+        assert isinstance(out, Miss) and out.reason == "bad_payload", (name, out)
+
+
+BOMB_PROBE = """
+import json, resource, sys, time, tracemalloc
+sys.path.insert(0, sys.argv[1])
+from tests.store import test_codec as t
+frames = {name: t._int8_frame_with(p) for name, p in t.bomb_frames().items()}
+t.decode_block(t.FRAMES["int8"], t.META, t.KEY, t.ROOT)  # warm up: lazy imports, allocator
+def vm_peak():  # peak virtual size, bytes: counts what is allocated even if never touched
+    with open("/proc/self/status") as status:
+        line = next(x for x in status if x.startswith("VmPeak:"))
+    return int(line.split()[1]) * 1024
+rss, vm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, vm_peak()
+tracemalloc.start()
+out = {}
+for name, frame in frames.items():
+    start = time.perf_counter()
+    result = t.decode_block(frame, t.META, t.KEY, t.ROOT)
+    out[name] = [getattr(result, "reason", "block"), time.perf_counter() - start]
+out["traced_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+out["max_rss_growth_bytes"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) * 1024
+out["vm_peak_growth_bytes"] = vm_peak() - vm
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's VmPeak")
+def test_bombs_miss_quickly_in_little_memory() -> None:
+    """In a fresh process, so that its peaks are this test's alone: every bomb is a miss within
+    0.5 s, Python allocates under 2 MiB at its peak (the block's buffer is 180 KiB), and the
+    process's peak resident size and peak address space (which counts what zstd allocates,
+    touched or not: a frame without a content size gets a buffer of its window) grow by under
+    16 MiB, against the 1 GiB each payload would expand to."""
+    root = str(Path(__file__).resolve().parents[2])
+    probe = subprocess.run(
+        [sys.executable, "-c", BOMB_PROBE, root], capture_output=True, text=True, timeout=120
+    )
+    assert probe.returncode == 0, probe.stderr
+    out = json.loads(probe.stdout)
+    assert out.pop("exact")[0] == "block"
+    assert out.pop("traced_peak_bytes") < 2 << 20
+    assert out.pop("max_rss_growth_bytes") < 16 << 20
+    assert out.pop("vm_peak_growth_bytes") < 16 << 20
+    assert set(out) == set(bomb_frames()) - {"exact"}
+    for name, (reason, seconds) in out.items():
+        assert reason == "bad_payload" and seconds < 0.5, (name, reason, seconds)
 
 
 def test_checksum_mismatch_misses() -> None:

@@ -50,7 +50,7 @@ def test_same_block_different_prefix_differs() -> None:
     assert block_hashes(root, [1, 2, 5, 6], 2)[1] != block_hashes(root, [9, 9, 5, 6], 2)[1]
 
 
-@pytest.mark.parametrize("bad", ["", "a" * 129, "has space", "semi;colon", "ü"])
+@pytest.mark.parametrize("bad", ["", "a" * 129, "has space", "semi;colon", "ü", "abc\n"])
 def test_bad_salts_rejected(bad: str) -> None:
     with pytest.raises(InvalidSaltError):
         validate_cache_salt(bad)

@@ -176,6 +176,8 @@ def test_key_salts_are_valid_distinct_and_nest_client_salts() -> None:
     with pytest.raises(APIError):
         keys.effective_salt(sa, "bad salt!")
     with pytest.raises(APIError):
+        keys.effective_salt(sa, "")  # would leave "{key salt}."
+    with pytest.raises(APIError):
         ApiKeys(["a"]).effective_salt(sa, "x")  # not allowed by default
     assert ApiKeys().authenticate(None) is None
     assert ApiKeys().effective_salt(None, "tenant-7") == "tenant-7"
@@ -226,3 +228,51 @@ async def test_sampled_requests_without_a_seed_get_one(harness: Harness) -> None
     seeds = [r.sampling.seed for r in seen]
     assert all(isinstance(s, int) for s in seeds[:2]) and seeds[0] != seeds[1]
     assert seeds[2:] == [7, None]  # a client's seed is kept; greedy needs none
+
+
+# What schema fuzzing (tests/services/test_schema_fuzz.py) found the gateway accepting or
+# refusing against its document; each fixed here, checked without an engine.
+REFUSED: list[tuple[str, dict[str, Any]]] = [
+    ("/tokenize", {}),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+    ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": 1}),
+    ("/tokenize", {"prompt": 5}),
+    ("/detokenize", {"tokens": [1.5]}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_completion_tokens": 2,
+                              "max_tokens": "many"}),
+    ("/v1/completions", {"prompt": ""}),
+    ("/v1/completions", {"prompt": ["a", [1]]}),
+    ("/v1/completions", {"prompt": "a", "n": 1.5}),
+    ("/v1/cache/warmup", {"prefixes": [{"messages": [{}]}]}),
+    ("/v1/cache/warmup", {"prefixes": [{"messages": [{"role": "bot", "content": "x"}]}]}),
+    ("/v1/cache/warmup", {"prefixes": [{"messages": [{"role": "user", "content": ["x"]}]}]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body"), REFUSED)
+async def test_requests_outside_the_document_are_refused(
+    harness: Harness, path: str, body: dict[str, Any]
+) -> None:
+    status, reply, text = await harness.post(path, body)
+    assert status == 400, text
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_whole_floats_are_integers_and_tokenize_answers_token_strs(
+    harness: Harness, tokenizer: KVTokenizer
+) -> None:
+    status, reply, text = await harness.post("/detokenize", {"tokens": [19556.0, 28]})
+    assert status == 200, text
+    assert reply == {"prompt": tokenizer.decode([19556, 28])}
+    status, reply, text = await harness.post(
+        "/tokenize", {"prompt": "Hi there", "return_token_strs": True}
+    )
+    ids = tokenizer.encode("Hi there")
+    assert status == 200 and reply["tokens"] == ids, text
+    assert reply["token_strs"] == [tokenizer.id_to_token(t) for t in ids]
+    # Past validation, a completion with whole-float integers waits for a worker (none here).
+    body = {"prompt": [1.0, 2.0], "n": 2.0, "max_tokens": 3.0, "seed": 7.0}
+    status, reply, text = await harness.post("/v1/completions", body)
+    assert status == 503 and reply["error"]["code"] == "not_ready", text
