@@ -346,8 +346,10 @@ class Rig:
 
     def redis_client(self) -> Any:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-        return redis.Redis(port=self.redis.port, socket_timeout=5)
+        return redis.Redis(port=self.redis.port, socket_timeout=5, retry=Retry(NoBackoff(), 0))
 
     def stored_blocks(self) -> int:
         """Store blocks in Redis now (asked directly, not through the proxy)."""
@@ -494,7 +496,8 @@ async def _idle(target: Target, timeout: float = 120.0) -> dict[str, Any]:
 
 
 async def _store_back(rig: Rig, since: int, timeout: float = 60.0) -> float | None:
-    """Seconds until Redis holds more store blocks than `since` (None: not within `timeout`)."""
+    """Seconds until Redis holds more store blocks than `since`, its count when the fault
+    began (0 for a Redis that restarted empty); None: not within `timeout`."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if await asyncio.to_thread(rig.stored_blocks) > since:
@@ -512,8 +515,8 @@ async def run_fault(
     load.phase, load.running = f"calm:{fault}", True
     await asyncio.sleep(args.calm_s)
     load.phase = fault
-    end = await inject(rig, fault, args.fault_s)
     stored = 0 if fault == "redis-kill" else await asyncio.to_thread(rig.stored_blocks)
+    end = await inject(rig, fault, args.fault_s)
     await asyncio.to_thread(end)
     back = None
     if fault in REDIS_FAULTS + NET_FAULTS:
