@@ -1,9 +1,10 @@
 """`kvserve bench chaos`: what kvserve survives. A steady load against a real server while
 faults are injected one at a time, and per fault what became of every request.
 
-Targets (`--targets`): `serve` (`kvserve serve --store redis://...`) and `fleet` (`kvserve
-gateway` + 2 `kvserve worker`s on the Redis bus and shared store, started here one process each
-so that one can be killed). Redis is a redis-server of the tool's own behind a FaultProxy
+Targets (`--targets`): `serve` (`kvserve serve --store redis://...`), `fleet` (`kvserve
+gateway` + 2 `kvserve worker`s on the Redis bus and shared store) and `disagg` (`kvserve
+gateway` + 2 `kvserve prefill` + 2 `kvserve decode`), the last two started here one process
+each so that one can be killed. Redis is a redis-server of the tool's own behind a FaultProxy
 (tcp_proxy.py): every byte between kvserve and Redis crosses it. Stores use the native format,
 so that a greedy answer is the same whichever tier served its prefix.
 
@@ -17,8 +18,9 @@ then the load pauses until the server is idle, and blocks and RSS are read:
   redis-oom: maxmemory at what is used now with `noeviction`, restored after;
 - net-delay (50 ms each way per chunk), net-cut (every connection closed at once),
   net-blackhole (nothing forwarded; stalled connections closed at the end);
-- worker-kill (fleet: SIGKILL worker-1, restarted after the window), gateway-term (SIGTERM the
-  gateway or the serve process: it drains and exits; restarted after the window);
+- worker-kill (fleet), prefill-kill, decode-kill (disagg): SIGKILL worker-1 / prefill-1 /
+  decode-1, restarted after the window; gateway-term (SIGTERM the gateway or the serve
+  process: it drains and exits; restarted after the window);
 - client-disconnect (8 streams dropped after their first chunk), burst (4 x --max-queue requests
   at once).
 
@@ -58,10 +60,11 @@ from kvserve.services.bench import arms
 from kvserve.services.bench.tcp_proxy import ThreadedFaultProxy
 from kvserve.services.cli_support import CliError
 
-TARGETS = ("serve", "fleet")
+TARGETS = ("serve", "fleet", "disagg")
 REDIS_FAULTS = ("redis-kill", "redis-pause", "redis-oom")
 NET_FAULTS = ("net-delay", "net-cut", "net-blackhole")
-FAULTS = (*REDIS_FAULTS, *NET_FAULTS, "worker-kill", "gateway-term", "client-disconnect", "burst")
+KILLS = {"worker-kill": "worker-1", "prefill-kill": "prefill-1", "decode-kill": "decode-1"}
+FAULTS = (*REDIS_FAULTS, *NET_FAULTS, *KILLS, "gateway-term", "client-disconnect", "burst")
 SYSTEM = (
     "You are the help desk of a city library. Answer in one or two short sentences, politely, "
     "about opening hours, borrowing rules, study rooms, the catalogue and library cards. "
@@ -166,14 +169,15 @@ class Target:
         else:
             gw = [exe, "gateway", *http, *model, "--bus", redis_url, "--log-level", "warning"]
             self.procs = {"gateway": Proc("gateway", gw, out / "gateway.log")}
-            for i in range(2):
-                name = f"worker-{i}"
-                cmd = [exe, "worker", "--bus", redis_url, "--store", redis_url, *engine,
+            roles = ["worker"] * 2 if kind == "fleet" else ["prefill"] * 2 + ["decode"] * 2
+            for i, role in enumerate(roles):
+                name = f"{role}-{i % 2}"
+                cmd = [exe, role, "--bus", redis_url, "--store", redis_url, *engine,
                        "--store-format", "native", "--name", name, "--threads", "1",
                        "--metrics-port", "0", "--claim-idle", "3",
                        "--drain-timeout", "5"]  # fmt: skip
                 self.procs[name] = Proc(name, cmd, out / f"{name}.log")
-            self.workers = 2
+            self.workers = len(roles)
 
     def start(self) -> None:
         for p in self.procs.values():
@@ -446,8 +450,8 @@ async def inject(rig: Rig, fault: str, secs: float) -> Callable[[], None]:
         return await _redis_oom(rig, secs)
     if fault in NET_FAULTS:
         return await _net(rig, fault, secs)
-    if fault == "worker-kill":
-        return await _kill_restart(rig, "worker-1", signal.SIGKILL, secs)
+    if fault in KILLS:
+        return await _kill_restart(rig, KILLS[fault], signal.SIGKILL, secs)
     if fault == "gateway-term":
         return await _kill_restart(rig, "gateway", signal.SIGTERM, secs)
     if fault == "client-disconnect":
@@ -521,7 +525,7 @@ async def run_fault(
     back = None
     if fault in REDIS_FAULTS + NET_FAULTS:
         back = asyncio.create_task(_store_back(rig, stored))
-    if fault in ("worker-kill", "gateway-term"):
+    if fault in KILLS or fault == "gateway-term":
         await asyncio.to_thread(target.wait_ready)
     await asyncio.sleep(args.recover_s)
     await load.drain()
@@ -564,8 +568,8 @@ async def run_target(kind: str, faults: list[str], args: argparse.Namespace) -> 
                 if args.soak_min:
                     soak = await run_soak(rig, args)
                 for fault in faults:
-                    if fault == "worker-kill" and kind != "fleet":
-                        continue
+                    if fault in KILLS and KILLS[fault] not in target.procs:
+                        continue  # no such process in this topology
                     print(f"[{kind}] {fault} ...", flush=True)
                     reports.append(await run_fault(rig, fault, args, base))
                     print(f"[{kind}] {fault}: {asdict(reports[-1])}", flush=True)
