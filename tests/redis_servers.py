@@ -57,8 +57,9 @@ async def redis_answers(url: str) -> bool:
         await client.aclose()
 
 
-def _answers(port: int) -> bool:
-    client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+def answers(url: str) -> bool:
+    """Whether the Redis at ``url`` (redis:// or rediss://) answers PING within half a second."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
     try:
         return bool(client.ping())
     except redis.RedisError:
@@ -107,7 +108,7 @@ class RedisServer:
             [exe, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _answers(self.port):  # readiness poll, not a timing assumption
+        while not answers(self.url):  # readiness poll, not a timing assumption
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server on port {self.port} exited: {self._log_tail()}")
             if time.monotonic() > deadline:

@@ -238,6 +238,19 @@ def gateway_stats(base_url: str) -> dict[str, Any]:
     return stats if isinstance(stats, dict) else {}
 
 
+def server_ready(base_url: str, ready_url: str, workers: int = 0) -> bool:
+    """Does `ready_url` answer 200 and, for a kvserve gateway given `workers`, does it list at
+    least that many live workers?"""
+    try:
+        with urllib.request.urlopen(ready_url, timeout=5) as resp:
+            if resp.status != 200:
+                return False
+    except (urllib.error.URLError, OSError):
+        return False  # not listening yet, or 503 while loading
+    live = gateway_stats(base_url).get("workers") if workers else None
+    return not workers or len(live or {}) >= workers
+
+
 @dataclass
 class ServerProcess:
     """One arm's server: started in its own process group, stopped with the whole group (and
@@ -300,14 +313,7 @@ class ServerProcess:
             time.sleep(0.5)
 
     def _ready(self, url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                if resp.status != 200:
-                    return False
-        except (urllib.error.URLError, OSError):
-            return False  # not listening yet, or 503 while loading
-        live = gateway_stats(self.base_url).get("workers") if self.workers else None
-        return not self.workers or len(live or {}) >= self.workers
+        return server_ready(self.base_url, url, self.workers)
 
     def stop(self, grace: float = 20.0) -> None:
         try:

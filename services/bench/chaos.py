@@ -192,16 +192,7 @@ class Target:
             time.sleep(0.5)
 
     def ready(self) -> bool:
-        try:
-            import urllib.request
-
-            with urllib.request.urlopen(self.base_url + "/ready", timeout=5) as resp:
-                if resp.status != 200:
-                    return False
-        except OSError:
-            return False
-        live = arms.gateway_stats(self.base_url).get("workers") or {}
-        return len(live) >= max(1, self.workers)
+        return arms.server_ready(self.base_url, self.base_url + "/ready", self.workers)
 
     def stats(self) -> dict[str, Any]:
         return arms.gateway_stats(self.base_url)

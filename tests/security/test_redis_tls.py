@@ -32,7 +32,7 @@ from kvserve.shared.store.codec import BlockMeta, DecodedBlock, decode_block, en
 from kvserve.shared.store.hashing import BlockHash, block_hashes, root_hash
 from kvserve.shared.store.redis import RedisStore
 
-from tests.redis_servers import free_port
+from tests.redis_servers import answers, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -84,16 +84,6 @@ def _make_certificates(cwd: Path) -> None:
              cwd=cwd)  # fmt: skip
 
 
-def _answers(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
 def _output(proc: subprocess.Popen[bytes], log: Path) -> str:
     """What an exited redis-server said: its log file, then its stderr."""
     text = log.read_text(errors="replace") if log.exists() else ""
@@ -118,7 +108,7 @@ def tls_redis() -> Iterator[TlsRedis]:
                             stderr=subprocess.PIPE)  # fmt: skip
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _answers(server.url()):
+        while not answers(server.url()):
             if proc.poll() is not None:
                 said = _output(proc, workdir / "redis.log")
                 if "tls" in said.lower() and "support" in said.lower():
