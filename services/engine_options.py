@@ -8,7 +8,13 @@ import argparse
 from typing import Any
 
 from kvserve.services.cli_support import CliError, check_at_least_one
-from kvserve.shared.config import KV_DTYPES, MATMUL_DTYPES, MODEL_DTYPES, POPULATE_MODES
+from kvserve.shared.config import (
+    KV_DTYPES,
+    MATMUL_DTYPES,
+    MODEL_DTYPES,
+    POPULATE_MODES,
+    WEIGHT_MODES,
+)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +45,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype float32 uses the CPU's bf16 instructions, the KV cache stays float32",
     )
     p.add_argument(
+        "--weights",
+        choices=WEIGHT_MODES,
+        default="auto",
+        help="the linear layers' weights: the GGUF file's own quantized blocks (file; auto: "
+        "where a kernel serves them, else fp32), expanded to --dtype (fp32), or expanded with "
+        "bfloat16 matmuls (bf16)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -62,6 +76,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             model_path=args.model,
             dtype=args.dtype,
             matmul_dtype=args.matmul_dtype,
+            weights=args.weights,
             device=args.device,
             attention_backend=args.attention_backend,
             num_threads=args.threads,

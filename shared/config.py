@@ -166,6 +166,9 @@ class StoreConfig:
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 MATMUL_DTYPES = ("auto", *MODEL_DTYPES)
+# The linear layers' weights: the GGUF file's own blocks where a kernel serves them (auto, file),
+# expanded to --dtype (fp32), or expanded with bf16 matmuls (bf16).
+WEIGHT_MODES = ("auto", "fp32", "bf16", "file")
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,7 @@ class EngineConfig:
     # The linear layers' matmuls alone ("auto": `dtype`); "bfloat16" in a float32 model runs
     # them on the CPU's bf16 instructions and keeps everything else float32.
     matmul_dtype: str = "auto"
+    weights: str = "auto"  # WEIGHT_MODES
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -191,7 +195,28 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.num_threads}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if self.weights == "bf16" and self.matmul_dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"weights 'bf16' runs bfloat16 matmuls, not {self.matmul_dtype}")
+        if self.weights == "file" and (
+            self.dtype != "float32" or self.resolved_matmul_dtype != "float32"
+        ):
+            raise ValueError("weights 'file' computes in float32: it needs dtype float32")
 
     @property
     def resolved_matmul_dtype(self) -> str:
+        if self.weights == "bf16":
+            return "bfloat16"
         return self.dtype if self.matmul_dtype == "auto" else self.matmul_dtype
+
+    @property
+    def file_weights_possible(self) -> bool:
+        """Whether the settings let the linear layers run on the file's quantized blocks (the
+        kernels and the file decide the rest)."""
+        return (
+            self.weights in ("auto", "file")
+            and self.dtype == "float32"
+            and self.resolved_matmul_dtype == "float32"
+            and self.device == "cpu"
+        )

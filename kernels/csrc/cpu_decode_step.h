@@ -14,15 +14,17 @@
 #include "simd.h"
 #include "cpu_ops.h"
 #include "cpu_linear.h"
+#include "cpu_qlinear.h"
 #include "cpu_decode_attention.h"
 
 namespace cpu_decode_step {
 
 // Every layer of the model for B decode tokens. x [B, H] is the residual stream, updated in
 // place; h [B, H] the first layer's input norm of it. Per layer i: the fused QKV, O,
-// gate/up and down weights as cpu_linear panels, the post-attention norm's weight and the
-// weight of the norm after the MLP (the next layer's input norm, the final norm after the
-// last), the layer's K and V caches [NB, BS, KVH, D]. Returns the final norm of x.
+// gate/up and down weights as cpu_linear panels or cpu_qlinear's quantized ones, the
+// post-attention norm's weight and the weight of the norm after the MLP (the next layer's
+// input norm, the final norm after the last), the layer's K and V caches [NB, BS, KVH, D].
+// Returns the final norm of x.
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> qkv,
                             std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
                             std::vector<torch::Tensor> down, std::vector<torch::Tensor> post_norm,
@@ -44,16 +46,16 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch:
                   v_cache.size() == qkv.size(),
               "decode_layers: one of each per layer");
   for (int64_t i = 0; i < L; ++i) {
-    auto t = cpu_linear::linear(h, qkv[i], rows * head_dim).view({B, rows, head_dim});
+    auto t = cpu_qlinear::any_linear(h, qkv[i], rows * head_dim).view({B, rows, head_dim});
     cpu_ops::rope_(t, heads + kv_heads, pos, cos_t, sin_t);
     cpu_ops::store_kv(t.narrow(1, heads, kv_heads), t.narrow(1, heads + kv_heads, kv_heads),
                       k_cache[i], v_cache[i], slots);
     auto attn = cpu_decode_attention::paged_decode(t.narrow(1, 0, heads).contiguous(),
                                                    k_cache[i], v_cache[i], tables, lens, scale);
-    auto a = cpu_linear::linear(attn.reshape({B, heads * head_dim}), o[i], H);
+    auto a = cpu_qlinear::any_linear(attn.reshape({B, heads * head_dim}), o[i], H);
     h = cpu_ops::add_rms_norm(a, x, post_norm[i], eps);
-    auto act = cpu_ops::silu_mul(cpu_linear::linear(h, gate_up[i], 2 * intermediate));
-    h = cpu_ops::add_rms_norm(cpu_linear::linear(act, down[i], H), x, next_norm[i], eps);
+    auto act = cpu_ops::silu_mul(cpu_qlinear::any_linear(h, gate_up[i], 2 * intermediate));
+    h = cpu_ops::add_rms_norm(cpu_qlinear::any_linear(act, down[i], H), x, next_norm[i], eps);
   }
   return h;
 }

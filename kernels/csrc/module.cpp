@@ -4,6 +4,7 @@
 // library built from other sources or flags, or for another CPU, has another name.
 #include "cpu_ops.h"
 #include "cpu_linear.h"
+#include "cpu_qlinear.h"
 #include "cpu_decode_attention.h"
 #include "cpu_prefill_attention.h"
 #include "cpu_decode_step.h"
@@ -17,6 +18,7 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
   m.def("store_kv", &cpu_ops::store_kv);
   m.def("linear", &cpu_linear::linear);
   m.def("geometry", &cpu_linear::geometry);
+  m.def("qlinear", &cpu_qlinear::linear);
   m.def("paged_decode", &cpu_decode_attention::paged_decode);
   m.def("prefill_attention", &cpu_prefill_attention::prefill_attention);
   m.def("decode_layers", &cpu_decode_step::decode_layers);

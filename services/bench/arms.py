@@ -385,7 +385,7 @@ def _kvserve_exe() -> str:
     return str(beside) if beside.exists() else (shutil.which("kvserve") or "kvserve")
 
 
-ARMS = ("kvserve", "kvserve-bf16", "kvserve-disagg", "llama-server", "hf")
+ARMS = ("kvserve", "kvserve-fp32", "kvserve-bf16", "kvserve-disagg", "llama-server", "hf")
 DISAGG_REDIS_MAXMEMORY = "2gb"  # compose.yaml's default
 
 
@@ -451,11 +451,13 @@ def make_server(
     timeout = ["--request-timeout", str(request_timeout)]
     threads_env = _threads_env(threads)
     log = log_dir / f"{arm}.log"
-    if arm in ("kvserve", "kvserve-bf16"):
+    if arm in ("kvserve", "kvserve-fp32", "kvserve-bf16"):
         cmd = [_kvserve_exe(), "serve", "--model", str(model), "--port", str(port)]
         cmd += ["--store", "memory://", *timeout]
+        if arm == "kvserve-fp32":  # the file's weights expanded to fp32
+            cmd += ["--weights", "fp32"]
         if arm == "kvserve-bf16":  # bf16 matmuls, everything else (KV cache included) fp32
-            cmd += ["--matmul-dtype", "bfloat16"]
+            cmd += ["--weights", "bf16"]
         return ServerProcess(arm, cmd, port, "/ready", log, threads_env)
     if arm == "kvserve-disagg":
         flags = _disagg_flags(threads)

@@ -2,9 +2,11 @@
 the same `kvserve bench serve` workload against kvserve and the servers a user would pick instead,
 one arm after another, on the same GGUF file.
 
-Arms (see kvserve.services.bench.arms): `kvserve` (`kvserve serve --store memory://`),
-`kvserve-bf16` (the same with `--matmul-dtype bfloat16`), `kvserve-disagg` (`kvserve stack` on
-a local redis-server the harness starts as compose.yaml does, or on `--redis URL`),
+Arms (see kvserve.services.bench.arms): `kvserve` (`kvserve serve --store memory://`: the
+GGUF's own quantized weights), `kvserve-fp32` (the same with `--weights fp32`: the weights
+expanded to fp32), `kvserve-bf16` (`--weights bf16`: bf16 matmuls), `kvserve-disagg`
+(`kvserve stack` on a local redis-server the harness starts as compose.yaml does, or on
+`--redis URL`),
 `llama-server` (llama.cpp, built on demand into the cache dir; 8 slots x 2,048 tokens, continuous
 batching, prompt cache on) and `hf` (transformers behind a minimal OpenAI shim). Every repeat
 starts the arm's server fresh (so no repeat finds the previous one's prompts cached), sends

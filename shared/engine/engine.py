@@ -23,7 +23,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
-from kvserve.kernels import cpp_build
+from kvserve.kernels import cpp_build, cpu_qlinear
 from kvserve.kernels.backend import get_backend
 from kvserve.shared.config import EngineConfig, ModelConfig
 from kvserve.shared.engine.beam_search import BeamGroup, BeamSearch
@@ -36,6 +36,7 @@ from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
 from kvserve.shared.model.llama import LlamaModel
 from kvserve.shared.model.loader import LoadedWeights, load_weights
+from kvserve.shared.model.quantized import QuantizedWeight
 from kvserve.shared.model.tokenizer import IncrementalDetokenizer, KVTokenizer
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.store.codec import BlockMeta
@@ -111,8 +112,13 @@ class Engine:
     ) -> tuple[LoadedWeights, LlamaModel]:
         """Weights, tokenizer and kernels, each a timed part of start-up."""
         config, phase = self.config, functools.partial(_timed, self.startup_s)
+        with phase("kernel_load"):
+            if torch.device(config.device).type == "cpu":
+                cpp_build.extension()
         with phase("model_read"):
-            loaded = weights or load_weights(config.model_path, DTYPES[config.dtype])
+            loaded = weights or load_weights(
+                config.model_path, DTYPES[config.dtype], self._kept_formats()
+            )
         matmul = config.resolved_matmul_dtype
         # Other matmul numerics give other K/V: such blocks must not meet in a shared store.
         self.model_fingerprint = (
@@ -122,14 +128,26 @@ class Engine:
         )
         with phase("tokenizer"):
             self.tokenizer = tokenizer or KVTokenizer.from_path(config.model_path)
-        with phase("kernel_load"):
-            if torch.device(config.device).type == "cpu":
-                cpp_build.extension()
         with phase("weight_packing"):
             # Weights go to the device first: the model prepacks them for that device.
-            on_device = {k: v.to(config.device) for k, v in loaded.weights.items()}
+            on_device = {
+                k: v if isinstance(v, QuantizedWeight) else v.to(config.device)
+                for k, v in loaded.weights.items()
+            }
             model = LlamaModel(loaded.config, on_device, DTYPES[matmul]).eval()
         return loaded, model
+
+    def _kept_formats(self) -> frozenset[str]:
+        """The GGUF block formats the linear layers keep (EngineConfig.weights); `file` where
+        none can be kept is a ValueError."""
+        config = self.config
+        gguf = str(config.model_path).endswith(".gguf")
+        if config.file_weights_possible and gguf and cpu_qlinear.available():
+            return frozenset(cpu_qlinear.FORMATS)
+        if config.weights == "file":
+            why = "not a GGUF file" if not gguf else "no compiled CPU kernels"
+            raise ValueError(f"weights 'file': the file's blocks cannot be used ({why})")
+        return frozenset()
 
     def _kv_cache_manager(self, model: ModelConfig) -> KVCacheManager:
         """The KV cache (its memory reserved) and the tiers behind it."""

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvserve.kernels import cpu_decode_step, cpu_linear, cpu_ops
+from kvserve.kernels import cpu_decode_step, cpu_linear, cpu_ops, cpu_qlinear
 from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.config import ModelConfig
 from kvserve.shared.model.attention import AttentionMetadata, OutputRows, PagedKV
+from kvserve.shared.model.quantized import QuantizedWeight, Weight, expand, fuse
 from torch import nn
 
 
@@ -37,20 +39,32 @@ class Linear(nn.Module):
     torch.compile's CPU backend does with frozen weights; faster than F.linear's BLAS path);
     elsewhere plain F.linear. Only the copies a path needs are kept.
 
+    A weight in its GGUF file's blocks (QuantizedWeight) is packed for kernels.cpu_qlinear,
+    whose results are bit-identical to cpu_linear's over the expanded weight; without the
+    compiled kernels it is expanded.
+
     `compute_dtype` (default: the weight's) is the dtype of the matmul itself: the weight is
     stored in it, the input is cast to it and the output back to the input's dtype (bfloat16
     matmuls in a float32 model use the CPU's bf16 dot-product instructions)."""
 
-    def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, weight: Weight, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.qpanels: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        if isinstance(weight, QuantizedWeight):
+            self.out_features, self.in_features = weight.out_features, weight.in_features
+            self.compute_dtype = torch.float32
+            if cpu_qlinear.available() and compute_dtype in (None, torch.float32):
+                self.qpanels = cpu_qlinear.pack(weight.blocks, weight.fmt)
+                return
+            weight = weight.dequantize()
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = compute_dtype or weight.dtype
         weight = weight.to(self.compute_dtype)
-        self.panels: torch.Tensor | None = None
         if weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.available():
             self.panels = cpu_linear.pack(weight)
-        self.packed: torch.Tensor | None = None
-        self.weight: torch.Tensor | None = None
         if self.panels is not None and cpu_linear.max_rows() is None:
             return  # the panels take every input
         if _can_prepack(weight):
@@ -61,12 +75,20 @@ class Linear(nn.Module):
         if self.packed is None:
             self.weight = weight.contiguous()
 
+    @property
+    def cpp_weight(self) -> torch.Tensor | None:
+        """The weight as kernels.cpu_decode_step takes it (either kind of panels), or None."""
+        return self.qpanels if self.qpanels is not None else self.panels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         y: torch.Tensor | None = None
-        if self.panels is not None:
+        if self.qpanels is not None:
+            y = cpu_qlinear.linear(x, self.qpanels, self.out_features)
+            assert y is not None, "the quantized kernel takes every fp32 input"
+        if y is None and self.panels is not None:
             y = cpu_linear.linear(x, self.panels, self.out_features)
         if y is None and self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(
@@ -76,11 +98,6 @@ class Linear(nn.Module):
             assert self.weight is not None, "no matmul path for this input"
             y = F.linear(x, self.weight)
         return y if y.dtype == dtype else y.to(dtype)
-
-
-def _panels(linear: Linear) -> torch.Tensor:
-    assert linear.panels is not None
-    return linear.panels
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -196,7 +213,7 @@ class Attention(nn.Module):
         self,
         config: ModelConfig,
         layer: int,
-        w: dict[str, torch.Tensor],
+        w: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
@@ -207,7 +224,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv = Linear(
-            torch.cat([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]]),
+            fuse([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]]),
             matmul_dtype,
         )
         self.o = Linear(w[p + "o_proj.weight"], matmul_dtype)
@@ -282,12 +299,12 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(
-        self, layer: int, w: dict[str, torch.Tensor], matmul_dtype: torch.dtype | None = None
+        self, layer: int, w: Mapping[str, Weight], matmul_dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
         p = f"model.layers.{layer}.mlp."
         self.gate_up = Linear(
-            torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), matmul_dtype
+            fuse([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), matmul_dtype
         )
         self.down = Linear(w[p + "down_proj.weight"], matmul_dtype)
 
@@ -305,56 +322,70 @@ class DecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         layer: int,
-        w: dict[str, torch.Tensor],
+        w: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         p = f"model.layers.{layer}."
         eps = config.rms_norm_eps
-        self.input_norm = RMSNorm(w[p + "input_layernorm.weight"], eps)
+        self.input_norm = RMSNorm(expand(w[p + "input_layernorm.weight"]), eps)
         self.attn = Attention(config, layer, w, matmul_dtype)
-        self.post_attn_norm = RMSNorm(w[p + "post_attention_layernorm.weight"], eps)
+        self.post_attn_norm = RMSNorm(expand(w[p + "post_attention_layernorm.weight"]), eps)
         self.mlp = MLP(layer, w, matmul_dtype)
 
 
 class LlamaModel(nn.Module):
-    """Weights are taken (not copied) from `weights` under Hugging Face names. `matmul_dtype`
-    (default: the weights' dtype) is the dtype of every linear layer's matmul; norms, RoPE,
-    attention, the residual stream and the KV cache keep the weights' dtype."""
+    """Weights are taken (not copied) from `weights` under Hugging Face names, as tensors or in
+    their GGUF file's blocks (QuantizedWeight: the linear layers and the embedding; a lookup
+    expands the rows it takes). `matmul_dtype` (default: the weights' dtype) is the dtype of
+    every linear layer's matmul; norms, RoPE, attention, the residual stream and the KV cache
+    keep the weights' dtype (the norms' dtype where the matrices are quantized)."""
 
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        embed = weights["model.embed_tokens.weight"]
+        self.embed_blocks = embed if isinstance(embed, QuantizedWeight) else None
+        self.embed = nn.Parameter(
+            expand(weights["model.norm.weight"]) if self.embed_blocks else expand(embed),
+            requires_grad=False,
+        )  # with embed_blocks: a stand-in that carries the model's dtype and device
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, weights, matmul_dtype) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
+        self.norm = RMSNorm(expand(weights["model.norm.weight"]), config.rms_norm_eps)
         lm_head = weights.get("lm_head.weight")
         if config.tie_word_embeddings or lm_head is None:
-            lm_head = self.embed
+            lm_head = embed
         self.lm_head = Linear(lm_head, matmul_dtype)
         self.rope = RotaryEmbedding(config)
         self.decoder_weights = self._decoder_weights()
 
     def _decoder_weights(self) -> tuple[list[torch.Tensor], ...] | None:
         """Each layer's weights as kernels.cpu_decode_step takes them, or None where some layer
-        has no cpu_linear panels (or its norms are not fp32)."""
+        has no panels of either kind (or its norms are not fp32)."""
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         linears = [(x.attn.qkv, x.attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
-        if any(lin.panels is None for group in linears for lin in group):
+        kernel_weights = [[group[j].cpp_weight for group in linears] for j in range(4)]
+        panels = [[p for p in ws if p is not None] for ws in kernel_weights]
+        if any(len(p) != len(layers) for p in panels):
             return None
         posts = [x.post_attn_norm.weight.data for x in layers]
         nexts = [x.input_norm.weight.data for x in layers[1:]] + [self.norm.weight.data]
         if any(w.dtype != torch.float32 for w in posts + nexts):
             return None
-        panels = [[_panels(group[j]) for group in linears] for j in range(4)]
         return (*panels, posts, nexts)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden] in the model's dtype."""
+        if self.embed_blocks is None:
+            return F.embedding(input_ids, self.embed)
+        return self.embed_blocks.rows(input_ids).dequantize().to(self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -376,7 +407,7 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm, [T, hidden], or only at `out_rows.rows`: the
         last layer then attends, projects and runs its MLP for those rows alone (every token's
         K/V is still written)."""
-        x = F.embedding(input_ids, self.embed)  # the residual stream, added to in place
+        x = self.embed_tokens(input_ids)  # the residual stream, added to in place
         rope = self.rope(positions, x.dtype)
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         h = layers[0].input_norm(x)

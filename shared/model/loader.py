@@ -8,6 +8,7 @@ weights (names, shapes and contents) computed once here.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ import numpy as np
 import torch
 from kvserve.shared.config import FETCH_MODEL_COMMAND, ModelConfig
 from kvserve.shared.model.gguf_file import gguf_model_config, open_gguf
+from kvserve.shared.model.quantized import QuantizedWeight, Weight
+
+log = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -25,8 +29,13 @@ class ModelNotFoundError(FileNotFoundError):
 @dataclass(frozen=True)
 class LoadedWeights:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]  # expanded tensors, or the file's blocks (QuantizedWeight)
     fingerprint: str  # hex sha256 over sorted (name, shape, bytes) of the weights as stored
+
+    @property
+    def quantized(self) -> dict[str, str]:
+        """Name -> format of the weights kept in the file's blocks."""
+        return {k: w.fmt for k, w in self.weights.items() if isinstance(w, QuantizedWeight)}
 
 
 _GGUF_LAYER_NAMES = {
@@ -40,6 +49,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -54,11 +64,16 @@ def resolve_model_path(path: str | Path) -> Path:
     return p
 
 
-def load_weights(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWeights:
-    """Load a `.gguf` file or a Hugging Face model directory."""
+def load_weights(
+    path: str | Path, dtype: torch.dtype = torch.float32, keep: frozenset[str] = frozenset()
+) -> LoadedWeights:
+    """Load a `.gguf` file or a Hugging Face model directory. A GGUF's linear-layer weights
+    (and the embedding) whose format is in `keep` (kernels.cpu_qlinear.FORMATS keys) stay in
+    the file's blocks; with `keep`, each other quantized format met is named in one log line
+    and expanded."""
     p = resolve_model_path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return _load_gguf(p, dtype)
+        return _load_gguf(p, dtype, keep)
     if p.is_dir() and (p / "config.json").exists():
         return _load_hf_dir(p, dtype)
     raise ValueError(f"{p}: expected a .gguf file or a directory with config.json")
@@ -71,22 +86,31 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
+def _load_gguf(path: Path, dtype: torch.dtype, keep: frozenset[str]) -> LoadedWeights:
     reader = open_gguf(str(path.resolve()))
     config = gguf_model_config(reader)
     fp = hashlib.sha256()
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
+    expanded: set[str] = set()
     for t in sorted(reader.tensors, key=lambda t: t.name):
         raw = np.asarray(t.data)
         fp.update(t.name.encode() + b"\0" + str(list(t.shape)).encode() + b"\0")
         fp.update(raw.tobytes())
-        arr = dequantize(raw, t.tensor_type)
         name = _gguf_to_hf_name(t.name)
-        if name.endswith("self_attn.q_proj.weight"):
+        fmt = t.tensor_type.name.lower()
+        quantized = t.tensor_type.name not in _FLOAT_TYPES
+        kept = quantized and fmt in keep and raw.ndim == 2
+        arr = raw if kept else dequantize(raw, t.tensor_type)
+        if keep and quantized and not kept:
+            expanded.add(t.tensor_type.name)
+        if name.endswith("self_attn.q_proj.weight"):  # rows: the same on blocks or floats
             arr = _unpermute_rope_rows(arr, config.num_heads)
         elif name.endswith("self_attn.k_proj.weight"):
             arr = _unpermute_rope_rows(arr, config.num_kv_heads)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+        tensor = torch.from_numpy(np.array(arr, order="C"))  # a copy: raw is the file's map
+        weights[name] = QuantizedWeight(fmt, tensor) if kept else tensor.to(dtype)
+    for kind in sorted(expanded):
+        log.info("GGUF tensor type %s has no quantized kernel: expanded to fp32", kind)
     return LoadedWeights(config, weights, fp.hexdigest())
 
 
@@ -141,5 +165,5 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedWeights:
         t = raw[name]
         fp.update(name.encode() + b"\0" + str(list(t.shape)).encode() + b"\0")
         fp.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    weights = {k: v.to(dtype) for k, v in raw.items()}
+    weights: dict[str, Weight] = {k: v.to(dtype) for k, v in raw.items()}
     return LoadedWeights(config, weights, fp.hexdigest())

@@ -63,6 +63,7 @@ def test_workers_share_the_cores() -> None:
         (["stack", "--redis", "redis://h:1/0", "--prefill", "0"], "--prefill"),
         (["stack", "--redis", "redis://h:1/0", "--worker-store", "local"], "--worker-store"),
         (["serve", "--threads", "0"], "--threads"),
+        (["serve", "--weights", "file", "--dtype", "bfloat16"], "weights 'file'"),
         (["prefill", "--bus", "redis://h:1/0", "--store", "redis://h:1/0", "--threads", "0"],
          "--threads"),
     ],
@@ -155,3 +156,6 @@ def test_threads_reach_the_engine_config() -> None:
         assert engine_config(build_parser(argv).parse_args(argv)).num_threads == 2
     argv = ["serve"]
     assert engine_config(build_parser(argv).parse_args(argv)).num_threads is None
+    assert engine_config(build_parser(argv).parse_args(argv)).weights == "auto"
+    argv = ["serve", "--weights", "fp32"]
+    assert engine_config(build_parser(argv).parse_args(argv)).weights == "fp32"
