@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from kvserve.kernels import cpu_qlinear
 from kvserve.services.bench.machine import (
     FP32_BYTES,
     KernelChain,
@@ -71,7 +72,7 @@ from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.sampling_params import SamplingParams
 
 FIRST_ORDINARY_TOKEN = 17  # ids below are special tokens in SmolLM2's vocabulary
-PROBE_BATCHES = (1, 32)
+PROBE_BATCHES = (1, 8, 32)
 PROBE_WARMUP_STEPS = 1
 TARGET_RATIO = 5.0
 TARGET_ROOFLINE_B1 = 0.8
@@ -103,6 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-out", metavar="DIR", help="writes DIR/engine.json")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot here")
     p.add_argument("--kv-events", action="store_true", help="publish KV events (no Redis)")
+    p.add_argument(
+        "--weights",
+        choices=("auto", "fp32", "file"),
+        default="auto",
+        help="the kvserve arm's linear weights (as `serve --weights`; the HF arm runs fp32)",
+    )
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -257,6 +264,7 @@ def engine_config(
     return EngineConfig(
         model_path=str(model_path),
         dtype="float32",
+        weights=args.weights,
         cache=cache,
         scheduler=sched,
         num_threads=args.threads,
@@ -470,14 +478,18 @@ def measure_roofline(chain: LinearChain, args: argparse.Namespace) -> Roofline:
     )
 
 
-def paired_figures(args: argparse.Namespace, b1: DecodeProbe, b32: DecodeProbe) -> dict[str, float]:
+def paired_figures(
+    args: argparse.Namespace, b1: DecodeProbe, b8: DecodeProbe, b32: DecodeProbe
+) -> dict[str, float]:
     """The machine figures measured beside the probes' steps: read bandwidth (best sample, as
-    `memory_bandwidth_gb_s`), the engine's linear kernels alone at batch 1 and the bare chain
-    at batch 32 (medians, as `median_ms`)."""
+    `memory_bandwidth_gb_s`), the engine's linear kernels alone at batch 1 and 8 and the bare
+    chain at batch 32 (medians, as `median_ms`)."""
     nbytes = ((args.bandwidth_mib << 20) // FP32_BYTES) * FP32_BYTES
     return {
         "bandwidth_paired_b1_gb_s": nbytes / min(b1.paired_s["bandwidth"]) / 1e9,
         "kernel_linear_b1_paired_ms": statistics.median(b1.paired_s["kernel_linear"]) * 1e3,
+        "bandwidth_paired_b8_gb_s": nbytes / min(b8.paired_s["bandwidth"]) / 1e9,
+        "kernel_linear_b8_paired_ms": statistics.median(b8.paired_s["kernel_linear"]) * 1e3,
         "bare_linear_b32_paired_ms": statistics.median(b32.paired_s["bare_linear"]) * 1e3,
     }
 
@@ -485,23 +497,29 @@ def paired_figures(args: argparse.Namespace, b1: DecodeProbe, b32: DecodeProbe) 
 def roofline_ratios(
     roof: Roofline,
     model: ModelConfig,
-    b1: DecodeProbe,
-    b32: DecodeProbe,
+    side: EngineSide,
     paired: dict[str, float],
 ) -> dict[str, float]:
     """roofline_b1 and linear_share_b32 divide by the figures measured beside the steps (the
     read bandwidth of a shared machine drifts within minutes, so a figure taken at another
     time would not describe the steps); flop_frac_b32 by the matmul peak.
     linear_roofline_b1 is the engine's linear kernels alone against the same bandwidth: what
-    roofline_b1 would be if a step did nothing but its projections."""
-    weight_bytes = roof.linear_params * FP32_BYTES
-    kv_bytes = b1.mean_context * model.kv_bytes_per_token(FP32_BYTES)
-    bandwidth = paired["bandwidth_paired_b1_gb_s"] * 1e9
-    ideal_b1_s = (weight_bytes + kv_bytes) / bandwidth
+    roofline_b1 would be if a step did nothing but its projections. The weight bytes are those
+    the engine's layers store (fp32 panels, or the file's quantized blocks); batch 8 likewise."""
+    weight_bytes = side.weight_bytes
+    b32 = side.b32
+    ratios = {}
+    for probe in (side.b1, side.b8):
+        b = probe.batch
+        kv_bytes = probe.batch * probe.mean_context * model.kv_bytes_per_token(FP32_BYTES)
+        bandwidth = paired[f"bandwidth_paired_b{b}_gb_s"] * 1e9
+        ideal_s = (weight_bytes + kv_bytes) / bandwidth
+        linear_ms = paired[f"kernel_linear_b{b}_paired_ms"]
+        ratios[f"roofline_b{b}"] = ideal_s * 1e3 / probe.step_ms
+        ratios[f"linear_roofline_b{b}"] = weight_bytes / bandwidth * 1e3 / linear_ms
     b32_flops = 2 * roof.linear_params * b32.batch / (b32.step_ms / 1e3)
     return {
-        "roofline_b1": ideal_b1_s * 1e3 / b1.step_ms,
-        "linear_roofline_b1": weight_bytes / bandwidth * 1e3 / paired["kernel_linear_b1_paired_ms"],
+        **ratios,
         "linear_share_b32": paired["bare_linear_b32_paired_ms"] / b32.step_ms,
         "flop_frac_b32": b32_flops / (roof.matmul_gflop_s * 1e9),
     }
@@ -532,10 +550,12 @@ def print_report(summary: dict[str, Any]) -> None:
     _print_measurements(s)
     print(f"ratio kvserve/hf = {_verdict(s['ratio'], TARGET_RATIO)}")
     print(f"roofline_b1 = {_verdict(s['roofline_b1'], TARGET_ROOFLINE_B1)}")
+    print(f"roofline_b8 = {_verdict(s['roofline_b8'], TARGET_ROOFLINE_B1)}")
     print(
         f"linear_roofline_b1 = {s['linear_roofline_b1']:.3f} "
         "(the linear kernels alone: the ceiling of roofline_b1 with these kernels)"
     )
+    print(f"linear_roofline_b8 = {s['linear_roofline_b8']:.3f}")
     print(f"linear_share_b32 = {_verdict(s['linear_share_b32'], TARGET_LINEAR_SHARE_B32)}")
     print(f"flop_frac_b32 = {s['flop_frac_b32']:.3f}")
     print(json.dumps(s, sort_keys=True))
@@ -547,10 +567,12 @@ def _print_measurements(s: dict[str, Any]) -> None:
         f"b1 {s['bare_linear_b1_ms']:.2f} ms, b32 {s['bare_linear_b32_ms']:.2f} ms"
     )
     print(
-        f"engine decode step: b1 {s['engine_step_b1_ms']:.2f} ms, "
+        f"engine decode step ({s['weights']} weights, {s['weight_bytes'] / 1e6:.1f} MB read per "
+        f"step): b1 {s['engine_step_b1_ms']:.2f} ms, b8 {s['engine_step_b8_ms']:.2f} ms, "
         f"b32 {s['engine_step_b32_ms']:.2f} ms (context ~{s['probe_context']}); beside them: "
         f"bandwidth {s['bandwidth_paired_b1_gb_s']:.1f} GB/s, "
         f"the engine's linear kernels alone b1 {s['kernel_linear_b1_paired_ms']:.2f} ms, "
+        f"b8 {s['kernel_linear_b8_paired_ms']:.2f} ms, "
         f"bare linear b32 {s['bare_linear_b32_paired_ms']:.2f} ms"
     )
     print(
@@ -617,7 +639,10 @@ class EngineSide:
     kvserve: ArmResult
     steps: list[StepRecord]
     b1: DecodeProbe
+    b8: DecodeProbe
     b32: DecodeProbe
+    weights: str  # "fp32" or "file": what the engine's linear layers hold
+    weight_bytes: int  # read per decode step by the engine's linear layers
 
 
 def measure_engine(
@@ -636,17 +661,19 @@ def measure_engine(
     if args.kv_events:
         print(f"KV events: {events['events']} encoded, {events['bytes']} bytes", flush=True)
     ones = torch.ones((args.bandwidth_mib << 20) // FP32_BYTES)
-    kernels = KernelChain(chain)
-    x1 = torch.randn(PROBE_BATCHES[0], chain.weights[0].shape[1])
-    x32 = torch.randn(PROBE_BATCHES[1], chain.weights[0].shape[1])
+    kernels = KernelChain.of_model(engine.runner.model)
+    hidden = chain.weights[0].shape[1]
     pairs: dict[int, dict[str, Callable[[], object]]] = {
-        PROBE_BATCHES[0]: {
+        b: {
             "bandwidth": ones.sum,
-            "kernel_linear": functools.partial(kernels.forward, x1),
-        },
-        PROBE_BATCHES[1]: {"bare_linear": functools.partial(chain.forward, x32)},
+            "kernel_linear": functools.partial(kernels.forward, torch.randn(b, hidden)),
+        }
+        for b in PROBE_BATCHES[:2]
     }
-    b1, b32 = (
+    pairs[PROBE_BATCHES[2]] = {
+        "bare_linear": functools.partial(chain.forward, torch.randn(32, hidden))
+    }
+    b1, b8, b32 = (
         _timed_phase(
             f"decode probe b{b}",
             functools.partial(
@@ -661,7 +688,8 @@ def measure_engine(
         )
         for b in PROBE_BATCHES
     )
-    return EngineSide(kv, steps, b1, b32)
+    quantized = engine.runner.model.lm_head.qpanels is not None
+    return EngineSide(kv, steps, b1, b8, b32, "file" if quantized else "fp32", kernels.weight_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -670,7 +698,13 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--hf-batch-size, --threads, --probe-steps and --repeats must be >= 1")
     torch.set_num_threads(args.threads)
     model_path = Path(args.model) if args.model else default_model_path()
-    weights = _timed_phase("load weights", functools.partial(load_weights, model_path))
+    keep = frozenset(cpu_qlinear.FORMATS) if args.weights != "fp32" else frozenset()
+    if not (cpu_qlinear.available() and model_path.suffix == ".gguf"):
+        if args.weights == "file":
+            raise CliError("--weights file: the model's blocks cannot be used here")
+        keep = frozenset()
+    load = functools.partial(load_weights, model_path, torch.float32, keep)
+    weights = _timed_phase("load weights", load)
     model: ModelConfig = weights.config
     requests = make_requests(spec, model.vocab_size)
     chain = LinearChain(llama_linear_shapes(model))  # the bare chain, before W1 and beside b32
@@ -698,9 +732,9 @@ def build_summary(
     side: EngineSide,
     hf: ArmResult | None,
 ) -> dict[str, Any]:
-    kv, b1, b32 = side.kvserve, side.b1, side.b32
+    kv, b1, b8, b32 = side.kvserve, side.b1, side.b8, side.b32
     ratio = kv.tok_s / hf.tok_s if hf else None
-    paired = paired_figures(args, b1, b32)
+    paired = paired_figures(args, b1, b8, b32)
     return {
         **asdict(spec),
         "hf_batch_size": args.hf_batch_size,
@@ -718,10 +752,14 @@ def build_summary(
         "ratio": ratio,
         "ratio_met": ratio >= TARGET_RATIO if ratio is not None else None,
         **asdict(roof),
+        "weights": side.weights,
+        "weight_bytes": side.weight_bytes,
         "engine_step_b1_ms": b1.step_ms,
+        "engine_step_b8_ms": b8.step_ms,
         "engine_step_b32_ms": b32.step_ms,
         "engine_context_b1": b1.mean_context,
+        "engine_context_b8": b8.mean_context,
         "engine_context_b32": b32.mean_context,
         **paired,
-        **roofline_ratios(roof, model, b1, b32, paired),
+        **roofline_ratios(roof, model, side, paired),
     }

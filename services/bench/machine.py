@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -103,14 +104,34 @@ class LinearChain:
 
 
 class KernelChain:
-    """The same weights through the engine's own linear layers (`llama.Linear`: the panel GEMM
-    of kernels/cpu_linear.py, or oneDNN where it does not apply), chained the same way: what a
-    decode step's projections cost with nothing else in the step."""
+    """Linear layers of the engine's own kind (`llama.Linear`: the panel GEMM of
+    kernels/cpu_linear.py, the quantized one of kernels/cpu_qlinear.py, or oneDNN where neither
+    applies), chained as LinearChain chains its weights: what a decode step's projections cost
+    with nothing else in the step. `of_chain` builds them on a LinearChain's fp32 weights;
+    `of_model` takes a loaded model's own layers, in forward order."""
 
-    def __init__(self, chain: LinearChain) -> None:
+    def __init__(self, layers: list[Any]) -> None:
+        self.layers = layers
+
+    @classmethod
+    def of_chain(cls, chain: LinearChain) -> KernelChain:
         from kvserve.shared.model.llama import Linear
 
-        self.layers = [Linear(w) for w in chain.weights]
+        return cls([Linear(w) for w in chain.weights])
+
+    @classmethod
+    def of_model(cls, model: Any) -> KernelChain:
+        layers = [
+            linear
+            for layer in model.layers
+            for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
+        ]
+        return cls([*layers, model.lm_head])
+
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of weights one pass reads, as the layers store them."""
+        return sum(layer.weight_bytes for layer in self.layers)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor) -> torch.Tensor:

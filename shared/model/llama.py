@@ -76,6 +76,12 @@ class Linear(nn.Module):
             self.weight = weight.contiguous()
 
     @property
+    def weight_bytes(self) -> int:
+        """The bytes of the copy of the weight a matmul reads (the largest copy kept)."""
+        kept = (self.qpanels, self.panels, self.packed, self.weight)
+        return max(t.numel() * t.element_size() for t in kept if t is not None)
+
+    @property
     def cpp_weight(self) -> torch.Tensor | None:
         """The weight as kernels.cpu_decode_step takes it (either kind of panels), or None."""
         return self.qpanels if self.qpanels is not None else self.panels

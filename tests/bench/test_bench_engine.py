@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from kvserve.services.bench.engine import (
     FIRST_ORDINARY_TOKEN,
+    ArmResult,
     DecodeProbe,
+    EngineSide,
     Roofline,
     WorkloadSpec,
     make_requests,
@@ -34,6 +36,9 @@ MEASURED_KEYS = (
     "kernel_linear_b1_paired_ms",
     "bare_linear_b32_paired_ms",
     "linear_roofline_b1",
+    "engine_step_b8_ms",
+    "roofline_b8",
+    "linear_roofline_b8",
 )
 HF_KEYS = ("hf_tok_s", "ratio")
 WORKLOAD = {
@@ -122,16 +127,25 @@ def test_step_ratios_use_the_figures_paired_with_the_steps(weights) -> None:  # 
         100.0,
         {"bandwidth": (0.004, 0.001, 0.002), "kernel_linear": (0.018, 0.016, 0.012)},
     )
+    b8 = DecodeProbe(
+        8, 40.0, 50.0, {"bandwidth": (0.002, 0.002), "kernel_linear": (0.020, 0.030, 0.025)}
+    )
     b32 = DecodeProbe(32, 50.0, 100.0, {"bare_linear": (0.030, 0.040, 0.010)})
-    paired = paired_figures(args, b1, b32)
+    paired = paired_figures(args, b1, b8, b32)
     assert paired["bandwidth_paired_b1_gb_s"] == pytest.approx((1 << 20) / 0.001 / 1e9)
     assert paired["kernel_linear_b1_paired_ms"] == pytest.approx(16.0)
+    assert paired["kernel_linear_b8_paired_ms"] == pytest.approx(25.0)
     assert paired["bare_linear_b32_paired_ms"] == pytest.approx(30.0)
     roof = Roofline(999.0, 100.0, 1_000_000, 1.0, 1.0)  # start-of-run figures, unused here
-    ratios = roofline_ratios(roof, model_config, b1, b32, paired)
+    # The weight bytes are those the engine's layers store (here a quarter of fp32's).
+    side = EngineSide(ArmResult("kvserve", 1.0, 1, 1), [], b1, b8, b32, "file", 1_000_000)
+    ratios = roofline_ratios(roof, model_config, side, paired)
     assert ratios["linear_share_b32"] == pytest.approx(30.0 / 50.0)
     kv = 100.0 * model_config.kv_bytes_per_token(4)
-    want_b1 = (4_000_000 + kv) / (paired["bandwidth_paired_b1_gb_s"] * 1e9) * 1e3 / 20.0
+    want_b1 = (1_000_000 + kv) / (paired["bandwidth_paired_b1_gb_s"] * 1e9) * 1e3 / 20.0
     assert ratios["roofline_b1"] == pytest.approx(want_b1)
-    ideal_linear_ms = 4_000_000 / (paired["bandwidth_paired_b1_gb_s"] * 1e9) * 1e3
+    ideal_linear_ms = 1_000_000 / (paired["bandwidth_paired_b1_gb_s"] * 1e9) * 1e3
     assert ratios["linear_roofline_b1"] == pytest.approx(ideal_linear_ms / 16.0)
+    bandwidth_b8 = paired["bandwidth_paired_b8_gb_s"] * 1e9
+    kv8 = 8 * 50.0 * model_config.kv_bytes_per_token(4)
+    assert ratios["roofline_b8"] == pytest.approx((1_000_000 + kv8) / bandwidth_b8 * 1e3 / 40.0)
