@@ -24,6 +24,10 @@ import torch.nn.functional as F
 from kvserve.kernels import cpp_build, cpu_linear
 
 QK = 32  # weights per block
+# Rows up to which this kernel dequantizes in registers (REG_ROWS in the C++), and up to which
+# it is faster than cpu_linear's fp32 panels: above, its cost is the fp32 tiles' plus the
+# expansion of every panel (docs/benchmarks.md, file weights).
+FAST_ROWS = 4
 # format -> bytes per block of 32 weights (GGML's type sizes)
 FORMATS = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 

@@ -166,7 +166,9 @@ static void run(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_
   const int64_t chunks = (P + CHUNK - 1) / CHUNK;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), chunks), 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(M > REG_ROWS ? K * NR : 0);
+    // One panel's fp32 weights per thread, reused across calls (not zeroed: fully written).
+    thread_local std::vector<float> scratch;
+    if (M > REG_ROWS && scratch.size() < static_cast<size_t>(K * NR)) scratch.resize(K * NR);
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       int64_t p = c * CHUNK;
       const int64_t p1 = std::min(P, p + CHUNK);

@@ -107,7 +107,7 @@ def instrument(engine: Any, timer: StepTimer) -> None:
     from kvserve.shared.model.llama import Linear, RMSNorm
 
     model = engine.runner.model
-    model.decoder_weights = None  # every layer from Python, where the clocks are
+    model.decode_in_cpp = False  # every layer from Python, where the clocks are
     for module in model.modules():
         if isinstance(module, Linear):
             module.forward = timer.wrap("linear", module.forward)  # type: ignore[method-assign]

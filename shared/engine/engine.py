@@ -134,7 +134,8 @@ class Engine:
                 k: v if isinstance(v, QuantizedWeight) else v.to(config.device)
                 for k, v in loaded.weights.items()
             }
-            model = LlamaModel(loaded.config, on_device, DTYPES[matmul]).eval()
+            keep_expansion = config.weights != "file"  # auto: the faster copy per step
+            model = LlamaModel(loaded.config, on_device, DTYPES[matmul], keep_expansion).eval()
         return loaded, model
 
     def _kept_formats(self) -> frozenset[str]:

@@ -41,13 +41,20 @@ class Linear(nn.Module):
 
     A weight in its GGUF file's blocks (QuantizedWeight) is packed for kernels.cpu_qlinear,
     whose results are bit-identical to cpu_linear's over the expanded weight; without the
-    compiled kernels it is expanded.
+    compiled kernels it is expanded. With `keep_expansion` the expanded weight is packed too,
+    and each call takes the faster copy for its row count (cpu_qlinear.FAST_ROWS): the same
+    numbers either way.
 
     `compute_dtype` (default: the weight's) is the dtype of the matmul itself: the weight is
     stored in it, the input is cast to it and the output back to the input's dtype (bfloat16
     matmuls in a float32 model use the CPU's bf16 dot-product instructions)."""
 
-    def __init__(self, weight: Weight, compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        weight: Weight,
+        compute_dtype: torch.dtype | None = None,
+        keep_expansion: bool = False,
+    ) -> None:
         super().__init__()
         self.qpanels: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
@@ -58,7 +65,8 @@ class Linear(nn.Module):
             self.compute_dtype = torch.float32
             if cpu_qlinear.available() and compute_dtype in (None, torch.float32):
                 self.qpanels = cpu_qlinear.pack(weight.blocks, weight.fmt)
-                return
+                if not keep_expansion:
+                    return
             weight = weight.dequantize()
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = compute_dtype or weight.dtype
@@ -81,17 +89,23 @@ class Linear(nn.Module):
         kept = (self.qpanels, self.panels, self.packed, self.weight)
         return max(t.numel() * t.element_size() for t in kept if t is not None)
 
-    @property
-    def cpp_weight(self) -> torch.Tensor | None:
-        """The weight as kernels.cpu_decode_step takes it (either kind of panels), or None."""
-        return self.qpanels if self.qpanels is not None else self.panels
+    def quantized_for(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs on the quantized panels."""
+        return self.qpanels is not None and (
+            (self.panels is None and self.packed is None) or rows <= cpu_qlinear.FAST_ROWS
+        )
+
+    def cpp_weight(self, rows: int) -> torch.Tensor | None:
+        """The weight as kernels.cpu_decode_step takes it for `rows` rows (either kind of
+        panels), or None."""
+        return self.qpanels if self.quantized_for(rows) else self.panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         y: torch.Tensor | None = None
-        if self.qpanels is not None:
+        if self.qpanels is not None and self.quantized_for(x.shape[0]):
             y = cpu_qlinear.linear(x, self.qpanels, self.out_features)
             assert y is not None, "the quantized kernel takes every fp32 input"
         if y is None and self.panels is not None:
@@ -221,6 +235,7 @@ class Attention(nn.Module):
         layer: int,
         w: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
+        keep_expansion: bool = False,
     ) -> None:
         super().__init__()
         p = f"model.layers.{layer}.self_attn."
@@ -232,8 +247,9 @@ class Attention(nn.Module):
         self.qkv = Linear(
             fuse([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]]),
             matmul_dtype,
+            keep_expansion,
         )
-        self.o = Linear(w[p + "o_proj.weight"], matmul_dtype)
+        self.o = Linear(w[p + "o_proj.weight"], matmul_dtype, keep_expansion)
 
     def forward(
         self,
@@ -305,14 +321,17 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(
-        self, layer: int, w: Mapping[str, Weight], matmul_dtype: torch.dtype | None = None
+        self,
+        layer: int,
+        w: Mapping[str, Weight],
+        matmul_dtype: torch.dtype | None = None,
+        keep_expansion: bool = False,
     ) -> None:
         super().__init__()
         p = f"model.layers.{layer}.mlp."
-        self.gate_up = Linear(
-            fuse([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), matmul_dtype
-        )
-        self.down = Linear(w[p + "down_proj.weight"], matmul_dtype)
+        gate_up = fuse([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]])
+        self.gate_up = Linear(gate_up, matmul_dtype, keep_expansion)
+        self.down = Linear(w[p + "down_proj.weight"], matmul_dtype, keep_expansion)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
@@ -330,28 +349,32 @@ class DecoderLayer(nn.Module):
         layer: int,
         w: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
+        keep_expansion: bool = False,
     ) -> None:
         super().__init__()
         p = f"model.layers.{layer}."
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(expand(w[p + "input_layernorm.weight"]), eps)
-        self.attn = Attention(config, layer, w, matmul_dtype)
+        self.attn = Attention(config, layer, w, matmul_dtype, keep_expansion)
         self.post_attn_norm = RMSNorm(expand(w[p + "post_attention_layernorm.weight"]), eps)
-        self.mlp = MLP(layer, w, matmul_dtype)
+        self.mlp = MLP(layer, w, matmul_dtype, keep_expansion)
 
 
 class LlamaModel(nn.Module):
     """Weights are taken (not copied) from `weights` under Hugging Face names, as tensors or in
     their GGUF file's blocks (QuantizedWeight: the linear layers and the embedding; a lookup
-    expands the rows it takes). `matmul_dtype` (default: the weights' dtype) is the dtype of
-    every linear layer's matmul; norms, RoPE, attention, the residual stream and the KV cache
-    keep the weights' dtype (the norms' dtype where the matrices are quantized)."""
+    expands the rows it takes; `keep_expansion`: the linear layers also keep the fp32
+    expansion and take, per call, the faster copy for its rows). `matmul_dtype` (default: the
+    weights' dtype) is the dtype of every linear layer's matmul; norms, RoPE, attention, the
+    residual stream and the KV cache keep the weights' dtype (the norms' dtype where the
+    matrices are quantized)."""
 
     def __init__(
         self,
         config: ModelConfig,
         weights: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
+        keep_expansion: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -362,22 +385,29 @@ class LlamaModel(nn.Module):
             requires_grad=False,
         )  # with embed_blocks: a stand-in that carries the model's dtype and device
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, weights, matmul_dtype) for i in range(config.num_layers)
+            DecoderLayer(config, i, weights, matmul_dtype, keep_expansion)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(expand(weights["model.norm.weight"]), config.rms_norm_eps)
         lm_head = weights.get("lm_head.weight")
         if config.tie_word_embeddings or lm_head is None:
             lm_head = embed
-        self.lm_head = Linear(lm_head, matmul_dtype)
+        self.lm_head = Linear(lm_head, matmul_dtype, keep_expansion)
         self.rope = RotaryEmbedding(config)
-        self.decoder_weights = self._decoder_weights()
+        few, many = cpu_qlinear.FAST_ROWS, cpu_qlinear.FAST_ROWS + 1
+        self._decoder_weights = (self._kernel_weights(few), self._kernel_weights(many))
+        self.decode_in_cpp = True  # False: every step's layers from Python (profiling, tests)
 
-    def _decoder_weights(self) -> tuple[list[torch.Tensor], ...] | None:
-        """Each layer's weights as kernels.cpu_decode_step takes them, or None where some layer
-        has no panels of either kind (or its norms are not fp32)."""
+    def decoder_weights(self, rows: int) -> tuple[list[torch.Tensor], ...] | None:
+        """Each layer's weights as kernels.cpu_decode_step takes them for a step of `rows`
+        rows, or None where some layer has no panels of either kind (or its norms are not
+        fp32)."""
+        return self._decoder_weights[rows > cpu_qlinear.FAST_ROWS]
+
+    def _kernel_weights(self, rows: int) -> tuple[list[torch.Tensor], ...] | None:
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         linears = [(x.attn.qkv, x.attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
-        kernel_weights = [[group[j].cpp_weight for group in linears] for j in range(4)]
+        kernel_weights = [[group[j].cpp_weight(rows) for group in linears] for j in range(4)]
         panels = [[p for p in ws if p is not None] for ws in kernel_weights]
         if any(len(p) != len(layers) for p in panels):
             return None
@@ -435,7 +465,8 @@ class LlamaModel(nn.Module):
     ) -> bool:
         """A pure decode step whose every kernel is the C++ one the Python path would call."""
         return (
-            self.decoder_weights is not None
+            self.decode_in_cpp
+            and self.decoder_weights(x.shape[0]) is not None
             and meta.num_prefill_tokens == 0
             and backend.name == "cpu"
             and x.dtype == torch.float32
@@ -446,14 +477,15 @@ class LlamaModel(nn.Module):
     def _decode_in_cpp(
         self, x: torch.Tensor, h: torch.Tensor, rope: Rope, meta: AttentionMetadata, cache: PagedKV
     ) -> torch.Tensor:
-        assert self.decoder_weights is not None
+        weights = self.decoder_weights(x.shape[0])
+        assert weights is not None
         c = self.config
         first = self.layers[0]
         assert isinstance(first, DecoderLayer)
         return cpu_decode_step.decode_layers(
             x,
             h,
-            *self.decoder_weights,
+            *weights,
             cache.k,
             cache.v,
             rope.positions,

@@ -76,7 +76,7 @@ def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results
 
     engine = make_engine(num_blocks=64, enable_prefix_caching=False)
     runner, model = engine.runner, engine.runner.model
-    if model.decoder_weights is None or not cpu_decode_step.applies(3, model.config.head_dim):
+    if model.decoder_weights(3) is None or not cpu_decode_step.applies(3, model.config.head_dim):
         pytest.skip("no C++ kernels on this machine")
     real, calls = cpu_decode_step.decode_layers, []
 
@@ -105,9 +105,9 @@ def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results
     _, in_cpp = runner.forward(decode)
     cpp_kv = step_kv()
     assert calls == [3]
-    weights, model.decoder_weights = model.decoder_weights, None
+    model.decode_in_cpp = False
     _, in_python = runner.forward(decode)
-    model.decoder_weights = weights
+    model.decode_in_cpp = True
     assert torch.equal(in_cpp, in_python)
     for a, b in zip(cpp_kv, step_kv(), strict=True):
         assert torch.equal(a, b)

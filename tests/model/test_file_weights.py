@@ -68,24 +68,34 @@ def test_the_engine_on_the_file_blocks_gives_the_fp32_numbers(
     file_weights: LoadedWeights,
     chat_prompt_ids,  # type: ignore[no-untyped-def]
 ) -> None:
+    """`file` (the blocks alone) and `auto` (the blocks for steps of up to FAST_ROWS rows, the
+    fp32 expansion above) both give the fp32 expansion's tokens and logits."""
     fp32 = make_engine()
-    config = dataclasses.replace(fp32.config, weights="file")
-    file = Engine(config, tokenizer=fp32.tokenizer, weights=file_weights)
-    model = file.runner.model
-    assert model.layers[0].mlp.down.qpanels is not None and model.lm_head.qpanels is not None
-    assert model.decoder_weights is not None  # the one-call decode step takes them
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=7)
-    prompts = chat_prompt_ids[:4]
-    want = fp32.generate(prompts, params)
-    assert file.generate(prompts, params) == want  # prefill, batched decode, sampling
+    prompts = chat_prompt_ids[:6]
+    want = fp32.generate(prompts, params)  # decode steps of 6 rows: over FAST_ROWS
+    few = fp32.generate(prompts[:2], params)
     seq = prompts[0] + want[0][0]
-    assert torch.equal(file.score(seq), fp32.score(seq))
+    for mode in ("file", "auto"):
+        config = dataclasses.replace(fp32.config, weights=mode)
+        engine = Engine(config, tokenizer=fp32.tokenizer, weights=file_weights)
+        model = engine.runner.model
+        down = model.layers[0].mlp.down
+        assert down.qpanels is not None and model.lm_head.qpanels is not None
+        assert (down.panels is None) == (mode == "file")  # auto keeps the expansion too
+        assert down.quantized_for(1) and down.quantized_for(cpu_qlinear.FAST_ROWS)
+        assert down.quantized_for(cpu_qlinear.FAST_ROWS + 1) == (mode == "file")
+        assert model.decoder_weights(1) is not None  # the one-call decode step takes them
+        assert engine.generate(prompts, params) == want, mode  # prefill, decode, sampling
+        assert engine.generate(prompts[:2], params) == few, mode
+        assert torch.equal(engine.score(seq), fp32.score(seq)), mode
 
 
 @needs_kernels
 def test_the_default_loads_the_file_blocks(model_path: Path) -> None:
     engine = Engine(EngineConfig(model_path=str(model_path)))
     assert engine.runner.model.embed_blocks is not None
+    assert engine.runner.model.layers[0].mlp.down.qpanels is not None
     fp32 = Engine(EngineConfig(model_path=str(model_path), weights="fp32"))
     assert fp32.runner.model.embed_blocks is None
     assert fp32.runner.model.layers[0].mlp.down.qpanels is None
