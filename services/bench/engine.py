@@ -506,13 +506,13 @@ def roofline_ratios(
     linear_roofline_b1 is the engine's linear kernels alone against the same bandwidth: what
     roofline_b1 would be if a step did nothing but its projections. The weight bytes are those
     the engine's layers store (fp32 panels, or the file's quantized blocks); batch 8 likewise."""
-    weight_bytes = side.weight_bytes
     b32 = side.b32
     ratios = {}
     for probe in (side.b1, side.b8):
         b = probe.batch
         kv_bytes = probe.batch * probe.mean_context * model.kv_bytes_per_token(FP32_BYTES)
         bandwidth = paired[f"bandwidth_paired_b{b}_gb_s"] * 1e9
+        weight_bytes = side.weight_bytes[b]
         ideal_s = (weight_bytes + kv_bytes) / bandwidth
         linear_ms = paired[f"kernel_linear_b{b}_paired_ms"]
         ratios[f"roofline_b{b}"] = ideal_s * 1e3 / probe.step_ms
@@ -567,8 +567,9 @@ def _print_measurements(s: dict[str, Any]) -> None:
         f"b1 {s['bare_linear_b1_ms']:.2f} ms, b32 {s['bare_linear_b32_ms']:.2f} ms"
     )
     print(
-        f"engine decode step ({s['weights']} weights, {s['weight_bytes'] / 1e6:.1f} MB read per "
-        f"step): b1 {s['engine_step_b1_ms']:.2f} ms, b8 {s['engine_step_b8_ms']:.2f} ms, "
+        f"engine decode step (--weights {s['weights']}: {s['weight_bytes_b1'] / 1e6:.1f} MB of "
+        f"weights read at b1, {s['weight_bytes_b8'] / 1e6:.1f} MB at b8): "
+        f"b1 {s['engine_step_b1_ms']:.2f} ms, b8 {s['engine_step_b8_ms']:.2f} ms, "
         f"b32 {s['engine_step_b32_ms']:.2f} ms (context ~{s['probe_context']}); beside them: "
         f"bandwidth {s['bandwidth_paired_b1_gb_s']:.1f} GB/s, "
         f"the engine's linear kernels alone b1 {s['kernel_linear_b1_paired_ms']:.2f} ms, "
@@ -641,8 +642,8 @@ class EngineSide:
     b1: DecodeProbe
     b8: DecodeProbe
     b32: DecodeProbe
-    weights: str  # "fp32" or "file": what the engine's linear layers hold
-    weight_bytes: int  # read per decode step by the engine's linear layers
+    weights: str  # --weights
+    weight_bytes: dict[int, int]  # batch -> weight bytes a decode step's linear layers read
 
 
 def measure_engine(
@@ -688,8 +689,8 @@ def measure_engine(
         )
         for b in PROBE_BATCHES
     )
-    quantized = engine.runner.model.lm_head.qpanels is not None
-    return EngineSide(kv, steps, b1, b8, b32, "file" if quantized else "fp32", kernels.weight_bytes)
+    read = {b: kernels.weight_bytes(b) for b in PROBE_BATCHES[:2]}
+    return EngineSide(kv, steps, b1, b8, b32, args.weights, read)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -753,7 +754,8 @@ def build_summary(
         "ratio_met": ratio >= TARGET_RATIO if ratio is not None else None,
         **asdict(roof),
         "weights": side.weights,
-        "weight_bytes": side.weight_bytes,
+        "weight_bytes_b1": side.weight_bytes[1],
+        "weight_bytes_b8": side.weight_bytes[8],
         "engine_step_b1_ms": b1.step_ms,
         "engine_step_b8_ms": b8.step_ms,
         "engine_step_b32_ms": b32.step_ms,

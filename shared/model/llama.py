@@ -83,11 +83,13 @@ class Linear(nn.Module):
         if self.packed is None:
             self.weight = weight.contiguous()
 
-    @property
-    def weight_bytes(self) -> int:
-        """The bytes of the copy of the weight a matmul reads (the largest copy kept)."""
-        kept = (self.qpanels, self.panels, self.packed, self.weight)
-        return max(t.numel() * t.element_size() for t in kept if t is not None)
+    def weight_bytes(self, rows: int) -> int:
+        """The bytes of weights a call of `rows` rows reads (the copy it runs on)."""
+        if self.quantized_for(rows):
+            assert self.qpanels is not None
+            return self.qpanels.numel()
+        kept = [t for t in (self.panels, self.packed, self.weight) if t is not None]
+        return kept[0].numel() * kept[0].element_size()
 
     def quantized_for(self, rows: int) -> bool:
         """Whether a call of `rows` rows runs on the quantized panels."""
