@@ -1,18 +1,23 @@
-"""y = x @ W.T in fp32 on the CPU for W held in a GGUF file's own blocks (Q4_0, Q4_1, Q8_0).
+"""y = x @ W.T on the CPU for W held in a GGUF file's own blocks (Q4_0, Q4_1, Q8_0).
 
 A GGUF block holds 32 consecutive weights of one output row: an fp16 scale d (and, Q4_1, an
 fp16 offset m) and 32 quants (4-bit: w = d q + m, Q4_0 w = d (q - 8); 8-bit: w = d q). `pack`
-lays the blocks out as cpu_linear's column panels: per panel of NR output columns and per block
-of 32 rows of k, the NR scales (and offsets) as fp16, then the quants row by row, NR to a row
-(4-bit: one byte holds rows 2j and 2j + 1 of a column, low nibble first). The bytes per column
-and block are the format's GGML type size (18, 20, 34), which names the format to the kernel.
+lays the blocks out as cpu_linear's column panels, per panel of NR output columns and per block
+of 32 rows of k: the NR scales (and offsets) as fp16, then the quants.
 
-The kernel turns each quant into its fp32 weight in registers (the file's own value, exactly as
-the fp32 expansion holds it) and accumulates every output element as one lane's sequential sum
-over k, as cpu_linear does: its result is bit-identical to cpu_linear over the dequantized
-weight, for any number of rows, while it reads 4.5-8.5 bits per weight instead of 32. Up to
-REG_ROWS rows dequantize in registers; more rows dequantize each panel once into a scratch
-buffer and run cpu_linear's tiles on it.
+- 4-bit (Q4_0 packed as Q4_1 with m = -8 d, exact in fp16): the quants as 4 groups of NR x 4
+  bytes, byte j of column c in group g holding rows 4g + j (low nibble) and 16 + 4g + j (high).
+  Each row of x is quantized to int8 per block of 32 (scale max|x| / 127, rounded to nearest
+  even), and each block's products are summed exactly in int32 by the CPU's byte dot-product
+  instructions (AVX512-VNNI / AVX-VNNI `dpbusd`, else `maddubs` + `madd`), four k to a lane:
+  y = sum over blocks of d_w d_x dot(q_w, q_x) + m_w d_x sum(q_x). This is llama.cpp's
+  arithmetic for these types (its Q8_1 activations): the activations are rounded to 8 bits, so
+  the results are close to the fp32 expansion's, not equal (docs/benchmarks.md, file weights).
+- Q8_0: each quant turned into its fp32 weight in registers (d q, exact) and summed as
+  cpu_linear sums, bit-identical to cpu_linear over the expanded weight (the LM head of the
+  default model, whose logits then match the fp32 expansion given the same hidden state).
+
+Either way a row's result does not depend on the other rows in the call.
 """
 
 from __future__ import annotations
@@ -24,12 +29,9 @@ import torch.nn.functional as F
 from kvserve.kernels import cpp_build, cpu_linear
 
 QK = 32  # weights per block
-# Rows up to which this kernel dequantizes in registers (REG_ROWS in the C++), and up to which
-# it is faster than cpu_linear's fp32 panels: above, its cost is the fp32 tiles' plus the
-# expansion of every panel (docs/benchmarks.md, file weights).
-FAST_ROWS = 4
-# format -> bytes per block of 32 weights (GGML's type sizes)
+# format -> bytes per block of 32 weights in the file (GGML's type sizes)
 FORMATS = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+INT8_ACTIVATIONS = frozenset({"q4_0", "q4_1"})  # the formats computed on int8 activations
 
 
 def _extension() -> Any | None:
@@ -45,9 +47,20 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
 
 
+def _scales(b: torch.Tensor, fmt: str) -> list[torch.Tensor]:
+    """The fp16 scale bytes of blocks [..., size]: [d], or [d, m] for the 4-bit formats."""
+    d = b[..., 0:2]
+    if fmt == "q8_0":
+        return [d]
+    if fmt == "q4_1":
+        return [d, b[..., 2:4]]
+    m = (d.contiguous().view(torch.float16) * -8).view(torch.uint8)  # Q4_0: d (q - 8)
+    return [d, m]
+
+
 def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """A GGUF tensor's blocks, uint8 [N, K / 32 * size] (one row of blocks per output row) ->
-    panels [ceil(N / NR), K / 32, NR * size], zero-padded to whole panels (zero scales)."""
+    panels [ceil(N / NR), K / 32, NR * packed size], zero-padded to whole panels (zero scales)."""
     size = FORMATS[fmt]
     n = blocks.shape[0]
     nb = blocks.shape[1] // size
@@ -55,13 +68,13 @@ def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     panels = -(-n // nr)
     b = F.pad(blocks.view(n, nb, size), (0, 0, 0, 0, 0, panels * nr - n))
     b = b.view(panels, nr, nb, size).transpose(1, 2)  # [P, nb, NR, size]
-    scales = 4 if fmt == "q4_1" else 2
-    parts = [b[..., i : i + 2].reshape(panels, nb, 2 * nr) for i in range(0, scales, 2)]
-    quants = b[..., scales:]  # [P, nb, NR, 16 or 32]
-    if fmt != "q8_0":
-        q = _nibbles(quants)  # [P, nb, NR, 32]: quant k of each column
-        quants = q[..., 0::2] | (q[..., 1::2] << 4)  # byte j: rows 2j, 2j + 1
-    parts.append(quants.transpose(2, 3).reshape(panels, nb, -1))  # rows of NR
+    parts = [s.reshape(panels, nb, 2 * nr) for s in _scales(b, fmt)]
+    if fmt == "q8_0":
+        quants = b[..., 2:].transpose(2, 3)  # [P, nb, 32, NR]: row k of the block, NR columns
+    else:
+        q = _nibbles(b[..., size - 16 :]).view(panels, nb, nr, 2, 4, 4)  # [.., half, g, j]
+        quants = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).transpose(2, 3)  # [P, nb, g, NR, j]
+    parts.append(quants.reshape(panels, nb, -1))
     return torch.cat(parts, dim=2).contiguous()
 
 

@@ -62,7 +62,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_engine_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad engine options before anything starts (logging included)."""
+    from kvserve.shared.config import EngineConfig
+
     check_at_least_one(args, ("block_size", "max_num_seqs", "num_blocks", "threads"))
+    try:
+        EngineConfig(dtype=args.dtype, matmul_dtype=args.matmul_dtype, weights=args.weights)
+    except ValueError as e:
+        raise CliError(str(e)) from e
 
 
 def engine_config(args: argparse.Namespace) -> Any:

@@ -166,9 +166,8 @@ class StoreConfig:
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 MATMUL_DTYPES = ("auto", *MODEL_DTYPES)
-# The linear layers' weights: the GGUF file's own blocks where a kernel serves them (file: only
-# them; auto: them and the fp32 expansion, the faster per step, bit-identical), expanded to
-# --dtype (fp32), or expanded with bf16 matmuls (bf16).
+# The linear layers' weights: the GGUF file's own blocks (file; auto: where a kernel serves them,
+# else fp32), expanded to --dtype (fp32), or expanded with bf16 matmuls (bf16).
 WEIGHT_MODES = ("auto", "fp32", "bf16", "file")
 
 

@@ -12,6 +12,7 @@
 
 #include "simd.h"
 #include "cpu_linear.h"
+#include "cpu_q4i8.h"
 
 namespace cpu_qlinear {
 
@@ -20,23 +21,17 @@ using cpu_linear::NR;
 using cpu_linear::NV;
 
 constexpr int QK = 32;  // weights per block along K
-// A format is named by its bytes per block of 32 weights (GGML's type sizes).
-constexpr int Q4_0 = 18, Q4_1 = 20, Q8_0 = 34;
+// A packed format is named by its bytes per column and block of 32 weights: Q8_0's blocks run
+// here; the 4-bit ones (Q4_0 and Q4_1, both packed as d, m and 16 bytes) in cpu_q4i8.
+constexpr int Q8_0 = 34;
 // Rows of x up to which the weights are dequantized in registers (each weight once per tile of
 // rows); above, a panel is dequantized once into a thread's scratch and cpu_linear's tiles run
 // over it.
 constexpr int REG_ROWS = 4;
 constexpr int ROW_PANELS = 2;
 
-// VW bytes widened to VW int32 lanes (vpmovzxbd / vpmovsxbd: GCC's generic conversion of a
-// byte vector is scalar code).
-static inline __attribute__((always_inline)) vi load_u8(const uint8_t* p) {
-#if VW == 16
-  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#endif
-}
+// VW bytes widened to VW int32 lanes (vpmovsxbd: GCC's generic conversion of a byte vector is
+// scalar code).
 static inline __attribute__((always_inline)) vi load_i8(const uint8_t* p) {
 #if VW == 16
   return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -53,39 +48,23 @@ static inline __attribute__((always_inline)) vf load_half(const uint8_t* p) {
 #endif
 }
 
-// One block's scales of one panel: d and (Q4_1) m, or (Q4_0) -8 d, per output column.
+// One block's scales of one panel, per output column.
 template <int F>
 struct Scales {
-  vf d[NV], m[NV];
+  vf d[NV];
   void load(const uint8_t* blk) {
-    for (int v = 0; v < NV; ++v) {
-      d[v] = load_half(blk + 2 * v * VW);
-      if constexpr (F == Q4_1) m[v] = load_half(blk + 2 * (NR + v * VW));
-      if constexpr (F == Q4_0) m[v] = d[v] * -8.f;
-    }
+    for (int v = 0; v < NV; ++v) d[v] = load_half(blk + 2 * v * VW);
   }
 };
 
-template <int F>
-constexpr int quant_offset() {
-  return F == Q4_1 ? 4 * NR : 2 * NR;
-}
-
-// The weights w[NV] of row k (0..31) of a panel's block: d q + m (Q4_0: d (q - 8), Q8_0: d q).
-// Each product d q is exact in fp32 (an 11-bit by an at most 8-bit integer), so the fused d q +
-// m rounds once, as gguf's multiply then add does: the same fp32 weight as the dequantized file.
+// The weights w[NV] of row k (0..31) of a panel's block: d q. The product is exact in fp32 (an
+// 11-bit by an 8-bit integer): the same fp32 weight as the dequantized file.
 template <int F>
 static inline __attribute__((always_inline)) void weights(const uint8_t* blk, const Scales<F>& s,
                                                           int k, vf* w) {
-  const uint8_t* q = blk + quant_offset<F>();
+  const uint8_t* q = blk + 2 * NR;
   for (int v = 0; v < NV; ++v) {
-    if constexpr (F == Q8_0) {
-      w[v] = s.d[v] * __builtin_convertvector(load_i8(q + k * NR + v * VW), vf);
-    } else {
-      vi qi = load_u8(q + (k / 2) * NR + v * VW);  // byte j: rows 2j (low nibble), 2j + 1
-      qi = (k & 1) ? qi >> 4 : qi & 15;
-      w[v] = s.d[v] * __builtin_convertvector(qi, vf) + s.m[v];
-    }
+    w[v] = s.d[v] * __builtin_convertvector(load_i8(q + k * NR + v * VW), vf);
     // The weight as a value of its own: -ffast-math would otherwise be free to reassociate
     // x (d q) into (x d) q, which rounds differently.
     asm("" : "+v"(w[v]));
@@ -200,14 +179,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
                   packed.size(2) % NR == 0,
               "qlinear: packed weight does not match x or N");
   const int64_t format = packed.size(2) / NR;
+  if (format == cpu_q4i8::BYTES) return cpu_q4i8::linear(x, packed, N);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   switch (format) {
-    case Q4_0: run<Q4_0>(xp, wp, yp, M, N, K, P); break;
-    case Q4_1: run<Q4_1>(xp, wp, yp, M, N, K, P); break;
     case Q8_0: run<Q8_0>(xp, wp, yp, M, N, K, P); break;
     default: TORCH_CHECK(false, "qlinear: no format of ", format, " bytes per block");
   }

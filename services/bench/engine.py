@@ -689,7 +689,7 @@ def measure_engine(
         )
         for b in PROBE_BATCHES
     )
-    read = {b: kernels.weight_bytes(b) for b in PROBE_BATCHES[:2]}
+    read = {b: kernels.weight_bytes for b in PROBE_BATCHES[:2]}
     return EngineSide(kv, steps, b1, b8, b32, args.weights, read)
 
 

@@ -128,9 +128,10 @@ class KernelChain:
         ]
         return cls([*layers, model.lm_head])
 
-    def weight_bytes(self, rows: int) -> int:
-        """The bytes of weights one pass of `rows` rows reads, as the layers store them."""
-        return sum(layer.weight_bytes(rows) for layer in self.layers)
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of weights one pass reads, as the layers store them."""
+        return sum(layer.weight_bytes for layer in self.layers)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -134,8 +134,10 @@ class Engine:
                 k: v if isinstance(v, QuantizedWeight) else v.to(config.device)
                 for k, v in loaded.weights.items()
             }
-            keep_expansion = config.weights != "file"  # auto: the faster copy per step
-            model = LlamaModel(loaded.config, on_device, DTYPES[matmul], keep_expansion).eval()
+            model = LlamaModel(loaded.config, on_device, DTYPES[matmul]).eval()
+        if model.int8_activations:  # other K/V than the fp32 expansion's: other store keys
+            digest = f"{self.model_fingerprint}/activations=int8".encode()
+            self.model_fingerprint = hashlib.sha256(digest).hexdigest()
         return loaded, model
 
     def _kept_formats(self) -> frozenset[str]:

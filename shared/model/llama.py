@@ -39,34 +39,28 @@ class Linear(nn.Module):
     torch.compile's CPU backend does with frozen weights; faster than F.linear's BLAS path);
     elsewhere plain F.linear. Only the copies a path needs are kept.
 
-    A weight in its GGUF file's blocks (QuantizedWeight) is packed for kernels.cpu_qlinear,
-    whose results are bit-identical to cpu_linear's over the expanded weight; without the
-    compiled kernels it is expanded. With `keep_expansion` the expanded weight is packed too,
-    and each call takes the faster copy for its row count (cpu_qlinear.FAST_ROWS): the same
-    numbers either way.
+    A weight in its GGUF file's blocks (QuantizedWeight) is packed for kernels.cpu_qlinear
+    (4-bit formats on int8 activations, `int8_activations`; Q8_0 bit-identical to cpu_linear
+    over the expanded weight); without the compiled kernels it is expanded.
 
     `compute_dtype` (default: the weight's) is the dtype of the matmul itself: the weight is
     stored in it, the input is cast to it and the output back to the input's dtype (bfloat16
     matmuls in a float32 model use the CPU's bf16 dot-product instructions)."""
 
-    def __init__(
-        self,
-        weight: Weight,
-        compute_dtype: torch.dtype | None = None,
-        keep_expansion: bool = False,
-    ) -> None:
+    def __init__(self, weight: Weight, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.qpanels: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
+        self.int8_activations = False
         if isinstance(weight, QuantizedWeight):
             self.out_features, self.in_features = weight.out_features, weight.in_features
             self.compute_dtype = torch.float32
             if cpu_qlinear.available() and compute_dtype in (None, torch.float32):
                 self.qpanels = cpu_qlinear.pack(weight.blocks, weight.fmt)
-                if not keep_expansion:
-                    return
+                self.int8_activations = weight.fmt in cpu_qlinear.INT8_ACTIVATIONS
+                return
             weight = weight.dequantize()
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = compute_dtype or weight.dtype
@@ -83,31 +77,23 @@ class Linear(nn.Module):
         if self.packed is None:
             self.weight = weight.contiguous()
 
-    def weight_bytes(self, rows: int) -> int:
-        """The bytes of weights a call of `rows` rows reads (the copy it runs on)."""
-        if self.quantized_for(rows):
-            assert self.qpanels is not None
-            return self.qpanels.numel()
-        kept = [t for t in (self.panels, self.packed, self.weight) if t is not None]
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of the copy of the weight a matmul reads (the largest copy kept)."""
+        kept = [t for t in (self.qpanels, self.panels, self.packed, self.weight) if t is not None]
         return kept[0].numel() * kept[0].element_size()
 
-    def quantized_for(self, rows: int) -> bool:
-        """Whether a call of `rows` rows runs on the quantized panels."""
-        return self.qpanels is not None and (
-            (self.panels is None and self.packed is None) or rows <= cpu_qlinear.FAST_ROWS
-        )
-
-    def cpp_weight(self, rows: int) -> torch.Tensor | None:
-        """The weight as kernels.cpu_decode_step takes it for `rows` rows (either kind of
-        panels), or None."""
-        return self.qpanels if self.quantized_for(rows) else self.panels
+    @property
+    def cpp_weight(self) -> torch.Tensor | None:
+        """The weight as kernels.cpu_decode_step takes it (either kind of panels), or None."""
+        return self.qpanels if self.qpanels is not None else self.panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         y: torch.Tensor | None = None
-        if self.qpanels is not None and self.quantized_for(x.shape[0]):
+        if self.qpanels is not None:
             y = cpu_qlinear.linear(x, self.qpanels, self.out_features)
             assert y is not None, "the quantized kernel takes every fp32 input"
         if y is None and self.panels is not None:
@@ -237,7 +223,6 @@ class Attention(nn.Module):
         layer: int,
         w: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
-        keep_expansion: bool = False,
     ) -> None:
         super().__init__()
         p = f"model.layers.{layer}.self_attn."
@@ -249,9 +234,8 @@ class Attention(nn.Module):
         self.qkv = Linear(
             fuse([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]]),
             matmul_dtype,
-            keep_expansion,
         )
-        self.o = Linear(w[p + "o_proj.weight"], matmul_dtype, keep_expansion)
+        self.o = Linear(w[p + "o_proj.weight"], matmul_dtype)
 
     def forward(
         self,
@@ -327,13 +311,12 @@ class MLP(nn.Module):
         layer: int,
         w: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
-        keep_expansion: bool = False,
     ) -> None:
         super().__init__()
         p = f"model.layers.{layer}.mlp."
         gate_up = fuse([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]])
-        self.gate_up = Linear(gate_up, matmul_dtype, keep_expansion)
-        self.down = Linear(w[p + "down_proj.weight"], matmul_dtype, keep_expansion)
+        self.gate_up = Linear(gate_up, matmul_dtype)
+        self.down = Linear(w[p + "down_proj.weight"], matmul_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
@@ -351,32 +334,28 @@ class DecoderLayer(nn.Module):
         layer: int,
         w: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
-        keep_expansion: bool = False,
     ) -> None:
         super().__init__()
         p = f"model.layers.{layer}."
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(expand(w[p + "input_layernorm.weight"]), eps)
-        self.attn = Attention(config, layer, w, matmul_dtype, keep_expansion)
+        self.attn = Attention(config, layer, w, matmul_dtype)
         self.post_attn_norm = RMSNorm(expand(w[p + "post_attention_layernorm.weight"]), eps)
-        self.mlp = MLP(layer, w, matmul_dtype, keep_expansion)
+        self.mlp = MLP(layer, w, matmul_dtype)
 
 
 class LlamaModel(nn.Module):
     """Weights are taken (not copied) from `weights` under Hugging Face names, as tensors or in
     their GGUF file's blocks (QuantizedWeight: the linear layers and the embedding; a lookup
-    expands the rows it takes; `keep_expansion`: the linear layers also keep the fp32
-    expansion and take, per call, the faster copy for its rows). `matmul_dtype` (default: the
-    weights' dtype) is the dtype of every linear layer's matmul; norms, RoPE, attention, the
-    residual stream and the KV cache keep the weights' dtype (the norms' dtype where the
-    matrices are quantized)."""
+    expands the rows it takes). `matmul_dtype` (default: the weights' dtype) is the dtype of
+    every linear layer's matmul; norms, RoPE, attention, the residual stream and the KV cache
+    keep the weights' dtype (the norms' dtype where the matrices are quantized)."""
 
     def __init__(
         self,
         config: ModelConfig,
         weights: Mapping[str, Weight],
         matmul_dtype: torch.dtype | None = None,
-        keep_expansion: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -387,29 +366,29 @@ class LlamaModel(nn.Module):
             requires_grad=False,
         )  # with embed_blocks: a stand-in that carries the model's dtype and device
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, weights, matmul_dtype, keep_expansion)
-            for i in range(config.num_layers)
+            DecoderLayer(config, i, weights, matmul_dtype) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(expand(weights["model.norm.weight"]), config.rms_norm_eps)
         lm_head = weights.get("lm_head.weight")
         if config.tie_word_embeddings or lm_head is None:
             lm_head = embed
-        self.lm_head = Linear(lm_head, matmul_dtype, keep_expansion)
+        self.lm_head = Linear(lm_head, matmul_dtype)
         self.rope = RotaryEmbedding(config)
-        few, many = cpu_qlinear.FAST_ROWS, cpu_qlinear.FAST_ROWS + 1
-        self._decoder_weights = (self._kernel_weights(few), self._kernel_weights(many))
+        self.decoder_weights = self._decoder_weights()
         self.decode_in_cpp = True  # False: every step's layers from Python (profiling, tests)
 
-    def decoder_weights(self, rows: int) -> tuple[list[torch.Tensor], ...] | None:
-        """Each layer's weights as kernels.cpu_decode_step takes them for a step of `rows`
-        rows, or None where some layer has no panels of either kind (or its norms are not
-        fp32)."""
-        return self._decoder_weights[rows > cpu_qlinear.FAST_ROWS]
+    @property
+    def int8_activations(self) -> bool:
+        """Whether some linear layer computes on int8 activations (its K/V then differ from
+        the fp32 expansion's)."""
+        return any(m.int8_activations for m in self.modules() if isinstance(m, Linear))
 
-    def _kernel_weights(self, rows: int) -> tuple[list[torch.Tensor], ...] | None:
+    def _decoder_weights(self) -> tuple[list[torch.Tensor], ...] | None:
+        """Each layer's weights as kernels.cpu_decode_step takes them, or None where some layer
+        has no panels of either kind (or its norms are not fp32)."""
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         linears = [(x.attn.qkv, x.attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
-        kernel_weights = [[group[j].cpp_weight(rows) for group in linears] for j in range(4)]
+        kernel_weights = [[group[j].cpp_weight for group in linears] for j in range(4)]
         panels = [[p for p in ws if p is not None] for ws in kernel_weights]
         if any(len(p) != len(layers) for p in panels):
             return None
@@ -468,7 +447,7 @@ class LlamaModel(nn.Module):
         """A pure decode step whose every kernel is the C++ one the Python path would call."""
         return (
             self.decode_in_cpp
-            and self.decoder_weights(x.shape[0]) is not None
+            and self.decoder_weights is not None
             and meta.num_prefill_tokens == 0
             and backend.name == "cpu"
             and x.dtype == torch.float32
@@ -479,7 +458,7 @@ class LlamaModel(nn.Module):
     def _decode_in_cpp(
         self, x: torch.Tensor, h: torch.Tensor, rope: Rope, meta: AttentionMetadata, cache: PagedKV
     ) -> torch.Tensor:
-        weights = self.decoder_weights(x.shape[0])
+        weights = self.decoder_weights
         assert weights is not None
         c = self.config
         first = self.layers[0]

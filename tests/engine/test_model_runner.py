@@ -76,7 +76,7 @@ def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results
 
     engine = make_engine(num_blocks=64, enable_prefix_caching=False)
     runner, model = engine.runner, engine.runner.model
-    if model.decoder_weights(3) is None or not cpu_decode_step.applies(3, model.config.head_dim):
+    if model.decoder_weights is None or not cpu_decode_step.applies(3, model.config.head_dim):
         pytest.skip("no C++ kernels on this machine")
     real, calls = cpu_decode_step.decode_layers, []
 
