@@ -63,23 +63,7 @@ static __attribute__((noinline)) void tile(const float* x, int64_t ldx, const fl
       for (int v = 0; v < NV; ++v) acc[i][v] += xi * w[v];
     }
   }
-  for (int i = 0; i < R; ++i) {
-    if (cols == NR) {
-      for (int v = 0; v < NV; ++v) storev(y + i * ldy + v * VW, acc[i][v]);
-    } else {
-      for (int64_t c = 0; c < cols; ++c) y[i * ldy + c] = acc[i][c / VW][c % VW];
-    }
-  }
-}
-
-// The tile of height `rows` (1..R).
-template <int R>
-static void tile_of(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t K,
-                    float* y, int64_t ldy, int64_t cols, const float* pf, int64_t nlines) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile<R>(x, ldx, panel, K, y, ldy, cols, pf, nlines);
-    tile_of<R - 1>(rows, x, ldx, panel, K, y, ldy, cols, pf, nlines);
-  }
+  for (int i = 0; i < R; ++i) store_row(y + i * ldy, acc[i], cols);
 }
 
 // x [M, K] contiguous f32; packed [P, K, NR] f32 -> y [M, N].
@@ -105,9 +89,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m = t * MR, l0 = std::min(lines, t * per_tile);
         const int64_t l1 = next == nullptr ? l0 : std::min(lines, l0 + per_tile);
-        tile_of<MR>(std::min<int64_t>(MR, M - m), xp + m * K, K, wp + p * K * NR, K,
-                    yp + m * N + p * NR, N, cols, next == nullptr ? nullptr : next + 16 * l0,
-                    l1 - l0);
+        const float* pf = next == nullptr ? nullptr : next + 16 * l0;
+        with_rows<MR>(std::min<int64_t>(MR, M - m), [&]<int R>() {
+          tile<R>(xp + m * K, K, wp + p * K * NR, K, yp + m * N + p * NR, N, cols, pf, l1 - l0);
+        });
       }
     }
   });

@@ -81,14 +81,6 @@ static inline __attribute__((always_inline)) vf to_float(vq v) {
 #endif
 }
 
-static inline __attribute__((always_inline)) vf load_half(const uint8_t* p) {
-#if VW == 16
-  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#else
-  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#endif
-}
-
 static inline __attribute__((always_inline)) vq shift8(vq v) {  // v * 256 per int32 lane
 #if VW == 16
   return _mm512_slli_epi32(v, 8);
@@ -197,22 +189,7 @@ static __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row,
       }
     }
   }
-  for (int i = 0; i < R; ++i) {
-    if (cols == NR) {
-      for (int v = 0; v < NV; ++v) storev(y + i * ldy + v * VW, acc[i][v]);
-    } else {
-      for (int64_t c = 0; c < cols; ++c) y[i * ldy + c] = acc[i][c / VW][c % VW];
-    }
-  }
-}
-
-template <int R>
-static void tile_of(int64_t rows, const QuantizedRows& xq, int64_t row, int64_t K,
-                    const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile<R>(xq, row, K, panel, y, ldy, cols);
-    tile_of<R - 1>(rows, xq, row, K, panel, y, ldy, cols);
-  }
+  for (int i = 0; i < R; ++i) store_row(y + i * ldy, acc[i], cols);
 }
 
 // x [M, K] contiguous f32; packed [P, K / 32, NR * 20] uint8 -> y [M, N]. Threads take runs of
@@ -232,8 +209,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
       for (int64_t p = c * CHUNK; p < std::min(P, (c + 1) * CHUNK); ++p) {
         const int64_t cols = std::min<int64_t>(NR, N - p * NR);
         for (int64_t m = 0; m < M; m += TR)
-          tile_of<TR>(std::min<int64_t>(TR, M - m), xq, m, K, wp + p * panel_bytes,
-                      yp + m * N + p * NR, N, cols);
+          with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
+            tile<R>(xq, m, K, wp + p * panel_bytes, yp + m * N + p * NR, N, cols);
+          });
       }
   });
   return y;

@@ -3,6 +3,8 @@
 // would be split into pairs that the compiler spills to the stack in register-blocked loops, so
 // the kernels size their register blocks in these vectors. Loads and stores are unaligned.
 #pragma once
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +24,37 @@ static inline __attribute__((always_inline)) vf loadv(const float* p) {
 static inline __attribute__((always_inline)) void storev(float* p, vf v) {
   std::memcpy(p, &v, sizeof v);
 }
+// VW fp16 values widened to floats (exact).
+static inline __attribute__((always_inline)) vf load_half(const uint8_t* p) {
+#if VW == 16
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+}
+
+// One row of a tile's N accumulator vectors into y: whole vectors when all N * VW columns are
+// valid, else the first `cols`.
+template <int N>
+static inline __attribute__((always_inline)) void store_row(float* y, const vf (&acc)[N],
+                                                            int64_t cols) {
+  if (cols == N * VW) {
+    for (int v = 0; v < N; ++v) storev(y + v * VW, acc[v]);
+  } else {
+    for (int64_t c = 0; c < cols; ++c) y[c] = acc[c / VW][c % VW];
+  }
+}
+
+// f.template operator()<R>() for R = rows (1 <= rows <= MAX): a tile's height as a template
+// argument, so that each height gets its own register-blocked code.
+template <int MAX, class F>
+static inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (MAX > 0) {
+    if (rows == MAX) return f.template operator()<MAX>();
+    with_rows<MAX - 1>(rows, f);
+  }
+}
+
 static inline __attribute__((always_inline)) vf lanes() {  // {0, 1, ..., VW - 1}
   vf v;
   for (int i = 0; i < VW; ++i) v[i] = static_cast<float>(i);

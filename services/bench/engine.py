@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from kvserve.kernels import cpu_qlinear
 from kvserve.services.bench.machine import (
     FP32_BYTES,
     KernelChain,
@@ -64,7 +63,7 @@ from kvserve.shared.config import (
     SchedulerConfig,
     default_model_path,
 )
-from kvserve.shared.engine.engine import Engine
+from kvserve.shared.engine.engine import Engine, kept_formats
 from kvserve.shared.engine.kv_cache import kv_bytes_per_token
 from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.engine.scheduler import Batch
@@ -512,11 +511,10 @@ def roofline_ratios(
         b = probe.batch
         kv_bytes = probe.batch * probe.mean_context * model.kv_bytes_per_token(FP32_BYTES)
         bandwidth = paired[f"bandwidth_paired_b{b}_gb_s"] * 1e9
-        weight_bytes = side.weight_bytes[b]
-        ideal_s = (weight_bytes + kv_bytes) / bandwidth
+        ideal_s = (side.weight_bytes + kv_bytes) / bandwidth
         linear_ms = paired[f"kernel_linear_b{b}_paired_ms"]
         ratios[f"roofline_b{b}"] = ideal_s * 1e3 / probe.step_ms
-        ratios[f"linear_roofline_b{b}"] = weight_bytes / bandwidth * 1e3 / linear_ms
+        ratios[f"linear_roofline_b{b}"] = side.weight_bytes / bandwidth * 1e3 / linear_ms
     b32_flops = 2 * roof.linear_params * b32.batch / (b32.step_ms / 1e3)
     return {
         **ratios,
@@ -567,8 +565,8 @@ def _print_measurements(s: dict[str, Any]) -> None:
         f"b1 {s['bare_linear_b1_ms']:.2f} ms, b32 {s['bare_linear_b32_ms']:.2f} ms"
     )
     print(
-        f"engine decode step (--weights {s['weights']}: {s['weight_bytes_b1'] / 1e6:.1f} MB of "
-        f"weights read at b1, {s['weight_bytes_b8'] / 1e6:.1f} MB at b8): "
+        f"engine decode step (--weights {s['weights']}: {s['weight_bytes'] / 1e6:.1f} MB of "
+        "weights read a step): "
         f"b1 {s['engine_step_b1_ms']:.2f} ms, b8 {s['engine_step_b8_ms']:.2f} ms, "
         f"b32 {s['engine_step_b32_ms']:.2f} ms (context ~{s['probe_context']}); beside them: "
         f"bandwidth {s['bandwidth_paired_b1_gb_s']:.1f} GB/s, "
@@ -643,7 +641,7 @@ class EngineSide:
     b8: DecodeProbe
     b32: DecodeProbe
     weights: str  # --weights
-    weight_bytes: dict[int, int]  # batch -> weight bytes a decode step's linear layers read
+    weight_bytes: int  # read per decode step by the engine's linear layers
 
 
 def measure_engine(
@@ -689,8 +687,7 @@ def measure_engine(
         )
         for b in PROBE_BATCHES
     )
-    read = {b: kernels.weight_bytes for b in PROBE_BATCHES[:2]}
-    return EngineSide(kv, steps, b1, b8, b32, args.weights, read)
+    return EngineSide(kv, steps, b1, b8, b32, args.weights, kernels.weight_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -699,11 +696,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--hf-batch-size, --threads, --probe-steps and --repeats must be >= 1")
     torch.set_num_threads(args.threads)
     model_path = Path(args.model) if args.model else default_model_path()
-    keep = frozenset(cpu_qlinear.FORMATS) if args.weights != "fp32" else frozenset()
-    if not (cpu_qlinear.available() and model_path.suffix == ".gguf"):
-        if args.weights == "file":
-            raise CliError("--weights file: the model's blocks cannot be used here")
-        keep = frozenset()
+    try:  # the formats the engine would keep with these settings
+        keep = kept_formats(EngineConfig(model_path=str(model_path), weights=args.weights))
+    except ValueError as e:
+        raise CliError(str(e)) from e
     load = functools.partial(load_weights, model_path, torch.float32, keep)
     weights = _timed_phase("load weights", load)
     model: ModelConfig = weights.config
@@ -754,8 +750,7 @@ def build_summary(
         "ratio_met": ratio >= TARGET_RATIO if ratio is not None else None,
         **asdict(roof),
         "weights": side.weights,
-        "weight_bytes_b1": side.weight_bytes[1],
-        "weight_bytes_b8": side.weight_bytes[8],
+        "weight_bytes": side.weight_bytes,
         "engine_step_b1_ms": b1.step_ms,
         "engine_step_b8_ms": b8.step_ms,
         "engine_step_b32_ms": b32.step_ms,

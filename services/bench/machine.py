@@ -107,17 +107,11 @@ class KernelChain:
     """Linear layers of the engine's own kind (`llama.Linear`: the panel GEMM of
     kernels/cpu_linear.py, the quantized one of kernels/cpu_qlinear.py, or oneDNN where neither
     applies), chained as LinearChain chains its weights: what a decode step's projections cost
-    with nothing else in the step. `of_chain` builds them on a LinearChain's fp32 weights;
-    `of_model` takes a loaded model's own layers, in forward order."""
+    with nothing else in the step. `of_model` takes a loaded model's own layers, in forward
+    order."""
 
     def __init__(self, layers: list[Any]) -> None:
         self.layers = layers
-
-    @classmethod
-    def of_chain(cls, chain: LinearChain) -> KernelChain:
-        from kvserve.shared.model.llama import Linear
-
-        return cls([Linear(w) for w in chain.weights])
 
     @classmethod
     def of_model(cls, model: Any) -> KernelChain:

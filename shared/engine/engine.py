@@ -76,6 +76,18 @@ def _timed(into: dict[str, float], name: str) -> Iterator[None]:
         into[name] = time.perf_counter() - t0
 
 
+def kept_formats(config: EngineConfig) -> frozenset[str]:
+    """The GGUF block formats the linear layers keep (EngineConfig.weights); `file` where none
+    can be kept is a ValueError."""
+    gguf = str(config.model_path).endswith(".gguf")
+    if config.file_weights_possible and gguf and cpu_qlinear.available():
+        return frozenset(cpu_qlinear.FORMATS)
+    if config.weights == "file":
+        why = "not a GGUF file" if not gguf else "no compiled CPU kernels"
+        raise ValueError(f"weights 'file': the file's blocks cannot be used ({why})")
+    return frozenset()
+
+
 class Engine:
     def __init__(
         self,
@@ -117,7 +129,7 @@ class Engine:
                 cpp_build.extension()
         with phase("model_read"):
             loaded = weights or load_weights(
-                config.model_path, DTYPES[config.dtype], self._kept_formats()
+                config.model_path, DTYPES[config.dtype], kept_formats(config)
             )
         matmul = config.resolved_matmul_dtype
         # Other matmul numerics give other K/V: such blocks must not meet in a shared store.
@@ -139,18 +151,6 @@ class Engine:
             digest = f"{self.model_fingerprint}/activations=int8".encode()
             self.model_fingerprint = hashlib.sha256(digest).hexdigest()
         return loaded, model
-
-    def _kept_formats(self) -> frozenset[str]:
-        """The GGUF block formats the linear layers keep (EngineConfig.weights); `file` where
-        none can be kept is a ValueError."""
-        config = self.config
-        gguf = str(config.model_path).endswith(".gguf")
-        if config.file_weights_possible and gguf and cpu_qlinear.available():
-            return frozenset(cpu_qlinear.FORMATS)
-        if config.weights == "file":
-            why = "not a GGUF file" if not gguf else "no compiled CPU kernels"
-            raise ValueError(f"weights 'file': the file's blocks cannot be used ({why})")
-        return frozenset()
 
     def _kv_cache_manager(self, model: ModelConfig) -> KVCacheManager:
         """The KV cache (its memory reserved) and the tiers behind it."""

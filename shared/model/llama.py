@@ -79,7 +79,7 @@ class Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        """The bytes of the copy of the weight a matmul reads (the largest copy kept)."""
+        """The bytes of the copy of the weight a matmul reads (the first `forward` tries)."""
         kept = [t for t in (self.qpanels, self.panels, self.packed, self.weight) if t is not None]
         return kept[0].numel() * kept[0].element_size()
 
@@ -361,10 +361,9 @@ class LlamaModel(nn.Module):
         self.config = config
         embed = weights["model.embed_tokens.weight"]
         self.embed_blocks = embed if isinstance(embed, QuantizedWeight) else None
-        self.embed = nn.Parameter(
-            expand(weights["model.norm.weight"]) if self.embed_blocks else expand(embed),
-            requires_grad=False,
-        )  # with embed_blocks: a stand-in that carries the model's dtype and device
+        self.embed: nn.Parameter | None = None
+        if not isinstance(embed, QuantizedWeight):
+            self.embed = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, weights, matmul_dtype) for i in range(config.num_layers)
         )
@@ -400,17 +399,18 @@ class LlamaModel(nn.Module):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] in the model's dtype."""
-        if self.embed_blocks is None:
+        if self.embed is not None:
             return F.embedding(input_ids, self.embed)
+        assert self.embed_blocks is not None
         return self.embed_blocks.rows(input_ids).dequantize().to(self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.weight.device
 
     def forward(
         self,

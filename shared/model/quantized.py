@@ -51,10 +51,10 @@ Weight = torch.Tensor | QuantizedWeight
 def fuse(parts: Sequence[Weight]) -> Weight:
     """Weights stacked along the output rows (a fused QKV or gate/up projection): in the file's
     blocks when every part is in the same format, else as fp32 (or the tensors' dtype)."""
-    fmts = {p.fmt for p in parts if isinstance(p, QuantizedWeight)}
-    if len(fmts) == 1 and all(isinstance(p, QuantizedWeight) for p in parts):
-        return QuantizedWeight(fmts.pop(), torch.cat([p.blocks for p in parts]))  # type: ignore[union-attr]
-    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
+    blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(blocks) == len(parts) and len({p.fmt for p in blocks}) == 1:
+        return QuantizedWeight(blocks[0].fmt, torch.cat([p.blocks for p in blocks]))
+    return torch.cat([expand(p) for p in parts])
 
 
 def expand(weight: Weight) -> torch.Tensor:

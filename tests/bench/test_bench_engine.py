@@ -138,8 +138,7 @@ def test_step_ratios_use_the_figures_paired_with_the_steps(weights) -> None:  # 
     assert paired["bare_linear_b32_paired_ms"] == pytest.approx(30.0)
     roof = Roofline(999.0, 100.0, 1_000_000, 1.0, 1.0)  # start-of-run figures, unused here
     # The weight bytes are those the engine's layers store (here a quarter of fp32's).
-    read = {1: 1_000_000, 8: 1_000_000}
-    side = EngineSide(ArmResult("kvserve", 1.0, 1, 1), [], b1, b8, b32, "file", read)
+    side = EngineSide(ArmResult("kvserve", 1.0, 1, 1), [], b1, b8, b32, "file", 1_000_000)
     ratios = roofline_ratios(roof, model_config, side, paired)
     assert ratios["linear_share_b32"] == pytest.approx(30.0 / 50.0)
     kv = 100.0 * model_config.kv_bytes_per_token(4)

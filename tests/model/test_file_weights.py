@@ -19,6 +19,8 @@ from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.quantized import QuantizedWeight
 from kvserve.shared.sampling_params import SamplingParams
 
+from tests.model.fidelity import teacher_forced
+
 needs_kernels = pytest.mark.skipif(not cpu_qlinear.available(), reason="no C++ toolchain")
 ALL = frozenset(cpu_qlinear.FORMATS)
 
@@ -84,17 +86,9 @@ def test_the_engine_on_the_file_blocks_stays_with_the_fp32_expansion(
     together = file.generate(prompts, params)  # prefill and decode in one batch
     alone = [file.generate([p], params)[0] for p in prompts]
     assert together == alone  # a row's numbers do not depend on the batch
-    kls, agree, total = [], 0, 0
-    for prompt, completions in zip(prompts, want, strict=True):
-        seq = prompt + completions[0]
-        ref = fp32.score(seq)[len(prompt) - 1 :].log_softmax(-1)
-        got = file.score(seq)[len(prompt) - 1 :].log_softmax(-1)
-        assert not torch.equal(ref, got)  # the int8 path really ran
-        kls.append((ref.exp() * (ref - got)).sum(-1))
-        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-        total += ref.shape[0]
-    assert torch.cat(kls).mean().item() < 1e-4
-    assert agree / total >= 0.99
+    kl, agree = teacher_forced(fp32, file, prompts, [c[0] for c in want])  # int8 path ran
+    assert kl < 1e-4
+    assert agree >= 0.99
 
 
 @needs_kernels
