@@ -7,12 +7,15 @@ of 32 rows of k: the NR scales (and offsets) as fp16, then the quants.
 
 - 4-bit (Q4_0 packed as Q4_1 with m = -8 d, exact in fp16): the quants as 4 groups of NR x 4
   bytes, byte j of column c in group g holding rows 4g + j (low nibble) and 16 + 4g + j (high).
-  Each row of x is quantized to int8 per block of 32 (scale max|x| / 127, rounded to nearest
-  even), and each block's products are summed exactly in int32 by the CPU's byte dot-product
-  instructions (AVX512-VNNI / AVX-VNNI `dpbusd`, else `maddubs` + `madd`), four k to a lane:
-  y = sum over blocks of d_w d_x dot(q_w, q_x) + m_w d_x sum(q_x). This is llama.cpp's
-  arithmetic for these types (its Q8_1 activations): the activations are rounded to 8 bits, so
-  the results are close to the fp32 expansion's, not equal (docs/benchmarks.md, file weights).
+  Each row of x is quantized per block of 32 into two int8 terms, x ~ d (q + r / 256) (d =
+  max|x| / 127; q and r rounded to nearest even), and each block's 256 dot(q_w, q) + dot(q_w, r)
+  is summed exactly in int32 by the CPU's byte dot products (AVX512-VNNI / AVX-VNNI `dpbusd`,
+  else `maddubs` into int16 lanes, widened once per block): y = sum over blocks of
+  d_w d / 256 (that sum) + m_w d / 256 (256 sum(q) + sum(r)). The activations are ~15-bit, so
+  the results are within ~1e-5 of the fp32 expansion's, not equal (docs/benchmarks.md, file
+  weights). Without VNNI, calls of many rows take a float path that computes the same block
+  sums with FMAs on integer-valued floats (faster where maddubs runs at half the FMA's rate):
+  the same results bit for bit.
 - Q8_0: each quant turned into its fp32 weight in registers (d q, exact) and summed as
   cpu_linear sums, bit-identical to cpu_linear over the expanded weight (the LM head of the
   default model, whose logits then match the fp32 expansion given the same hidden state).
@@ -78,11 +81,17 @@ def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.cat(parts, dim=2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor | None:
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, float_rows: int | None = None
+) -> torch.Tensor | None:
     """x [M, K] @ W.T for W packed by `pack`, or None where this input is not for the kernel
-    (not fp32 on the CPU, no compiled kernel)."""
+    (not fp32 on the CPU, no compiled kernel). `float_rows` (tests): rows from which the 4-bit
+    formats take the float path (-1: never); by default the machine's choice."""
     ext = _extension()
     if ext is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2:
         return None
-    out: torch.Tensor = ext.qlinear(x.contiguous(), packed, out_features)
+    if float_rows is None:
+        out: torch.Tensor = ext.qlinear(x.contiguous(), packed, out_features)
+    else:
+        out = ext.qlinear(x.contiguous(), packed, out_features, float_rows)
     return out

@@ -56,20 +56,27 @@ static inline __attribute__((always_inline)) void nibbles(vq raw, vq& lo, vq& hi
 #endif
 }
 
-// acc (int32 lanes) += per lane the dot product of its 4 weight bytes (unsigned) with the 4
-// activations x4 (signed). Without a VNNI instruction: pairs into int16 (at most 2 * 15 * 128, no
-// saturation), then into int32.
+// The integer dot products of a block. With a VNNI instruction (dpbusd), acc holds int32 lanes:
+// acc += per lane the dot product of its 4 weight bytes (unsigned) with the 4 activations x4
+// (signed). Without one, acc holds int16 lanes, each the sum of pairs (maddubs: at most
+// 2 * 15 * 127): 8 of them per lane over a block of 32 stay within 30,480, so the pairs are
+// added as int16 and widened to int32 once per block (`combine`), instead of a madd and an add
+// per dot product.
+#if defined(__AVX512VNNI__) || (VW == 8 && defined(__AVXVNNI__))
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
+#endif
+
 static inline __attribute__((always_inline)) vq dot(vq acc, vq w, int32_t x4) {
 #if VW == 16 && defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
 #elif VW == 16
-  const vq pairs = _mm512_maddubs_epi16(w, _mm512_set1_epi32(x4));
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+  return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, _mm512_set1_epi32(x4)));
 #elif defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x4));
 #else
-  const vq pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)));
 #endif
 }
 
@@ -81,27 +88,41 @@ static inline __attribute__((always_inline)) vf to_float(vq v) {
 #endif
 }
 
-static inline __attribute__((always_inline)) vq shift8(vq v) {  // v * 256 per int32 lane
-#if VW == 16
-  return _mm512_slli_epi32(v, 8);
-#else
-  return _mm256_slli_epi32(v, 8);
-#endif
-}
-
-static inline __attribute__((always_inline)) vq add32(vq a, vq b) {
-#if VW == 16
-  return _mm512_add_epi32(a, b);
-#else
-  return _mm256_add_epi32(a, b);
-#endif
-}
-
 static inline __attribute__((always_inline)) vq zero() {
 #if VW == 16
   return _mm512_setzero_si512();
 #else
   return _mm256_setzero_si256();
+#endif
+}
+
+// A block's two accumulated sums (`dot` with q, with r) as int32 lanes 256 sum_q + sum_r
+// (exact: |256 sum_q + sum_r| < 2^24).
+static inline __attribute__((always_inline)) vq combine(vq q, vq r) {
+#if VW == 16
+  if constexpr (VNNI) return _mm512_add_epi32(_mm512_slli_epi32(q, 8), r);
+  return _mm512_add_epi32(_mm512_madd_epi16(q, _mm512_set1_epi16(256)),
+                          _mm512_madd_epi16(r, _mm512_set1_epi16(1)));
+#else
+  if constexpr (VNNI) return _mm256_add_epi32(_mm256_slli_epi32(q, 8), r);
+  return _mm256_add_epi32(_mm256_madd_epi16(q, _mm256_set1_epi16(256)),
+                          _mm256_madd_epi16(r, _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + sum (d_w d_x / 256) + m_w s_x: one block's part of a row's result, from its exact
+// integer sum (as a float) and `dx` = d_x / 256. Fenced and fused by hand, so that the integer
+// and the float kernels round the same way whatever -ffast-math would do with the expression.
+static inline __attribute__((always_inline)) vf flush(vf acc, vf sum, vf dw, vf m, float dx,
+                                                      float sx) {
+  vf f = dw * dx;
+  asm("" : "+v"(f), "+v"(sum), "+v"(acc));
+#if VW == 16
+  acc = (vf)_mm512_fmadd_ps((__m512)sum, (__m512)f, (__m512)acc);
+  return (vf)_mm512_fmadd_ps((__m512)m, _mm512_set1_ps(sx), (__m512)acc);
+#else
+  acc = (vf)_mm256_fmadd_ps((__m256)sum, (__m256)f, (__m256)acc);
+  return (vf)_mm256_fmadd_ps((__m256)m, _mm256_set1_ps(sx), (__m256)acc);
 #endif
 }
 
@@ -113,35 +134,67 @@ static inline __attribute__((always_inline)) vq zero() {
 struct QuantizedRows {
   std::vector<int8_t> q;  // [M, K]
   std::vector<int8_t> r;  // [M, K]
-  std::vector<float> d;   // [M, K / 32]
+  std::vector<float> dx;  // [M, K / 32]: d / 256
   std::vector<float> s;   // [M, K / 32]
+  std::vector<float> X;   // [M, K]: 256 q + r (exact), for the float path only
 };
 
-static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
+static inline __attribute__((always_inline)) vf round_even(vf x) {
+#if VW == 16
+  return (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  return (vf)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+}
+
+// VW int32 lanes, each within int8's range, as VW bytes.
+static inline __attribute__((always_inline)) void store_bytes(int8_t* p, vi v) {
+#if VW == 16
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)v));
+#else
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128((__m256i)v),
+                                    _mm256_extracti128_si256((__m256i)v, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+#endif
+}
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out,
+                          bool floats) {
+  constexpr int BV = QK / VW;  // vectors per block
   const int64_t nb = K / QK;
   out.q.resize(M * K);
   out.r.resize(M * K);
-  out.d.resize(M * nb);
+  out.dx.resize(M * nb);
   out.s.resize(M * nb);
+  out.X.resize(floats ? M * K : 0);
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + r * K + b * QK;
-        float amax = 0.f;
-        for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int sum = 0;
-        for (int k = 0; k < QK; ++k) {
-          const float q = std::nearbyint(xb[k] * id);
-          const float res = std::nearbyint((xb[k] - d * q) * id * 256.f);
-          const int rq = static_cast<int>(std::clamp(res, -127.f, 127.f));
-          out.q[r * K + b * QK + k] = static_cast<int8_t>(q);
-          out.r[r * K + b * QK + k] = static_cast<int8_t>(rq);
-          sum += 256 * static_cast<int>(q) + rq;
-        }
-        out.d[r * nb + b] = d;
-        out.s[r * nb + b] = d / 256.f * static_cast<float>(sum);
+    for (int64_t i = r0 * K; i < r1 * K; i += QK) {
+      vf xv[BV], amax{};
+      for (int v = 0; v < BV; ++v) {
+        xv[v] = loadv(x + i + v * VW);
+        const vf a = (vf)((vi)xv[v] & 0x7fffffff);
+        amax = amax > a ? amax : a;
       }
+      float am = 0.f;
+      for (int l = 0; l < VW; ++l) am = std::max(am, amax[l]);
+      const float d = am / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      vi sum{};
+      for (int v = 0; v < BV; ++v) {
+        const vf q = round_even(xv[v] * id);
+        vf res = round_even((xv[v] - d * q) * (id * 256.f));
+        res = res < -127.f ? -127.f : res;
+        res = res > 127.f ? 127.f : res;
+        const vi qi = __builtin_convertvector(q, vi), ri = __builtin_convertvector(res, vi);
+        store_bytes(out.q.data() + i + v * VW, qi);
+        store_bytes(out.r.data() + i + v * VW, ri);
+        sum += 256 * qi + ri;
+        if (floats) storev(out.X.data() + i + v * VW, 256.f * q + res);
+      }
+      int total = 0;
+      for (int l = 0; l < VW; ++l) total += sum[l];
+      out.dx[i / QK] = d / 256.f;
+      out.s[i / QK] = d / 256.f * static_cast<float>(total);
+    }
   });
 }
 
@@ -180,37 +233,126 @@ static __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row,
         }
       }
     for (int i = 0; i < R; ++i)
-      for (int v = 0; v < NV; ++v) dots[i][v] = add32(shift8(dots[i][v]), rdots[i][v]);
+      for (int v = 0; v < NV; ++v) dots[i][v] = combine(dots[i][v], rdots[i][v]);
     for (int v = 0; v < NV; ++v) {
       const vf d = load_half(blk + 2 * v * VW), m = load_half(blk + 2 * (NR + v * VW));
-      for (int i = 0; i < R; ++i) {
-        acc[i][v] += to_float(dots[i][v]) * (d * (xq.d[(row + i) * nb + b] * (1.f / 256)));
-        acc[i][v] += m * xq.s[(row + i) * nb + b];
-      }
+      for (int i = 0; i < R; ++i)
+        acc[i][v] = flush(acc[i][v], to_float(dots[i][v]), d, m, xq.dx[(row + i) * nb + b],
+                          xq.s[(row + i) * nb + b]);
     }
   }
   for (int i = 0; i < R; ++i) store_row(y + i * ldy, acc[i], cols);
 }
 
-// x [M, K] contiguous f32; packed [P, K / 32, NR * 20] uint8 -> y [M, N]. Threads take runs of
-// CHUNK panels from a shared counter (a thread that loses its core leaves the rest to others).
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+// The float path, for many rows on a machine without VNNI (whose maddubs runs at half its
+// FMA's rate): the same block sums, computed by FMAs on exact integer-valued floats. A panel's
+// quants as floats 0..15 ([K][NR], a thread's scratch) times X = 256 q + r per activation:
+// every product (< 2^19) and partial sum (< 2^24) of a block is an integer below 2^24, exact
+// in fp32 in any order, and the block's flush is the integer kernel's. Bit-identical results.
+#if VW == 16
+constexpr int FR = 4;  // rows per float tile: 2 FR NV accumulators in registers
+#else
+constexpr int FR = 6;
+#endif
+
+static inline __attribute__((always_inline)) vf low_nibble(vq raw, int shift) {
+#if VW == 16
+  return (vf)_mm512_cvtepi32_ps(
+      _mm512_and_si512(_mm512_srli_epi32(raw, shift), _mm512_set1_epi32(0x0F)));
+#else
+  return (vf)_mm256_cvtepi32_ps(
+      _mm256_and_si256(_mm256_srli_epi32(raw, shift), _mm256_set1_epi32(0x0F)));
+#endif
+}
+
+// A panel's quants as floats [K][NR]: per group g and column, byte j's nibbles are rows 4g + j
+// (low) and 16 + 4g + j (high) of the block.
+static void panel_quants(const uint8_t* panel, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const uint8_t* quants = panel + b * BYTES * NR + 4 * NR;
+    float* rows = out + b * QK * NR;
+    for (int g = 0; g < 4; ++g)
+      for (int v = 0; v < NV; ++v) {
+        const vq raw = loadq(quants + (g * NR + v * VW) * 4);  // lane: a column's 4 bytes
+        for (int j = 0; j < 4; ++j) {
+          storev(rows + (4 * g + j) * NR + v * VW, low_nibble(raw, 8 * j));
+          storev(rows + (16 + 4 * g + j) * NR + v * VW, low_nibble(raw, 8 * j + 4));
+        }
+      }
+  }
+}
+
+// R rows of X [., K] (see above) times one panel, its quants as floats in wq.
+template <int R>
+static __attribute__((noinline)) void float_tile(const QuantizedRows& xq,
+                                                 int64_t row, int64_t K, const uint8_t* panel,
+                                                 const float* wq, float* y, int64_t ldy,
+                                                 int64_t cols) {
+  const int64_t nb = K / QK;
+  const float* X = xq.X.data();
+  vf acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = vf{};
+  for (int64_t b = 0; b < nb; ++b) {
+    vf sums[R][NV];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < NV; ++v) sums[i][v] = vf{};
+    for (int64_t k = b * QK; k < (b + 1) * QK; ++k) {
+      vf w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = loadv(wq + k * NR + v * VW);
+      for (int i = 0; i < R; ++i) {
+        const float xi = X[(row + i) * K + k];
+        for (int v = 0; v < NV; ++v) sums[i][v] += xi * w[v];
+      }
+    }
+    const uint8_t* blk = panel + b * BYTES * NR;
+    for (int v = 0; v < NV; ++v) {
+      const vf d = load_half(blk + 2 * v * VW), m = load_half(blk + 2 * (NR + v * VW));
+      for (int i = 0; i < R; ++i)
+        acc[i][v] = flush(acc[i][v], sums[i][v], d, m, xq.dx[(row + i) * nb + b],
+                          xq.s[(row + i) * nb + b]);
+    }
+  }
+  for (int i = 0; i < R; ++i) store_row(y + i * ldy, acc[i], cols);
+}
+
+// Rows from which `linear` takes the float path (-1: never; with VNNI, dpbusd's 4 products
+// per lane beat FMAs).
+constexpr int64_t FLOAT_ROWS = VNNI ? -1 : 16;
+
+// x [M, K] contiguous f32; packed [P, K / 32, NR * 20] uint8 -> y [M, N]: the integer kernel,
+// or from `float_rows` rows on (-1: never) the float path. Threads take runs of CHUNK panels
+// from a shared counter (a thread that loses its core leaves the rest to others).
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t float_rows) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
+  const bool floats = float_rows >= 0 && M >= float_rows;
   QuantizedRows xq;
-  quantize_rows(x.data_ptr<float>(), M, K, xq);
+  quantize_rows(x.data_ptr<float>(), M, K, xq, floats);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t panel_bytes = K / QK * BYTES * NR, chunks = (P + CHUNK - 1) / CHUNK;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), chunks), 1, [&](int64_t, int64_t) {
+    thread_local std::vector<float> scratch;  // a panel's quants as floats (fully rewritten)
+    if (floats && scratch.size() < static_cast<size_t>(K * NR)) scratch.resize(K * NR);
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
       for (int64_t p = c * CHUNK; p < std::min(P, (c + 1) * CHUNK); ++p) {
         const int64_t cols = std::min<int64_t>(NR, N - p * NR);
+        const uint8_t* panel = wp + p * panel_bytes;
+        if (floats) {
+          panel_quants(panel, K, scratch.data());
+          for (int64_t m = 0; m < M; m += FR)
+            with_rows<FR>(std::min<int64_t>(FR, M - m), [&]<int R>() {
+              float_tile<R>(xq, m, K, panel, scratch.data(), yp + m * N + p * NR, N,
+                            cols);
+            });
+          continue;
+        }
         for (int64_t m = 0; m < M; m += TR)
           with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
-            tile<R>(xq, m, K, wp + p * panel_bytes, yp + m * N + p * NR, N, cols);
+            tile<R>(xq, m, K, panel, yp + m * N + p * NR, N, cols);
           });
       }
   });

@@ -144,14 +144,15 @@ static void run(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_
 
 // x [M, K] contiguous f32; packed [P, K / 32, NR * bytes] uint8 (kernels/cpu_qlinear.py) ->
 // y [M, N]: Q8_0 here, the 4-bit formats in cpu_q4i8.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
+                     int64_t float_rows = cpu_q4i8::FLOAT_ROWS) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 &&
                   packed.size(1) * QK == K && (N + NR - 1) / NR == P &&
                   packed.size(2) % NR == 0,
               "qlinear: packed weight does not match x or N");
   const int64_t format = packed.size(2) / NR;
-  if (format == cpu_q4i8::BYTES) return cpu_q4i8::linear(x, packed, N);
+  if (format == cpu_q4i8::BYTES) return cpu_q4i8::linear(x, packed, N, float_rows);
   TORCH_CHECK(format == Q8_0, "qlinear: no format of ", format, " bytes per block");
   auto y = torch::empty({M, N}, x.options());
   if (M > 0)

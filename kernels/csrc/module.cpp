@@ -18,7 +18,8 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
   m.def("store_kv", &cpu_ops::store_kv);
   m.def("linear", &cpu_linear::linear);
   m.def("geometry", &cpu_linear::geometry);
-  m.def("qlinear", &cpu_qlinear::linear);
+  m.def("qlinear", &cpu_qlinear::linear, pybind11::arg("x"), pybind11::arg("packed"),
+        pybind11::arg("N"), pybind11::arg("float_rows") = cpu_q4i8::FLOAT_ROWS);
   m.def("paged_decode", &cpu_decode_attention::paged_decode);
   m.def("prefill_attention", &cpu_prefill_attention::prefill_attention);
   m.def("decode_layers", &cpu_decode_step::decode_layers);
