@@ -16,11 +16,12 @@ of 32 rows of k: the NR scales (and offsets) as fp16, then the quants.
   weights). Without VNNI, calls of many rows take a float path that computes the same block
   sums with FMAs on integer-valued floats (faster where maddubs runs at half the FMA's rate):
   the same results bit for bit.
-- Q8_0: each quant turned into its fp32 weight in registers (d q, exact) and summed as
-  cpu_linear sums, bit-identical to cpu_linear over the expanded weight (the LM head of the
-  default model, whose logits then match the fp32 expansion given the same hidden state).
+- Q8_0: the quants as 16 pairs of rows of the block, NR columns x 2 bytes each, widened to int16
+  and multiplied with the same activations as one int16 term, 256 q + r, in pairs (`madd`, or
+  VNNI's `dpwssd`): y = sum over blocks of d_w d / 256 (sum of q_w (256 q + r)), each block's
+  sum exact in int32.
 
-Either way a row's result does not depend on the other rows in the call.
+A row's result does not depend on the other rows in the call.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from kvserve.kernels import cpp_build, cpu_linear
 QK = 32  # weights per block
 # format -> bytes per block of 32 weights in the file (GGML's type sizes)
 FORMATS = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
-INT8_ACTIVATIONS = frozenset({"q4_0", "q4_1"})  # the formats computed on int8 activations
 
 
 def _extension() -> Any | None:
@@ -72,8 +72,8 @@ def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     b = F.pad(blocks.view(n, nb, size), (0, 0, 0, 0, 0, panels * nr - n))
     b = b.view(panels, nr, nb, size).transpose(1, 2)  # [P, nb, NR, size]
     parts = [s.reshape(panels, nb, 2 * nr) for s in _scales(b, fmt)]
-    if fmt == "q8_0":
-        quants = b[..., 2:].transpose(2, 3)  # [P, nb, 32, NR]: row k of the block, NR columns
+    if fmt == "q8_0":  # [P, nb, 16, NR, 2]: rows 2p and 2p + 1 of the block, per column
+        quants = b[..., 2:].reshape(panels, nb, nr, 16, 2).transpose(2, 3)
     else:
         q = _nibbles(b[..., size - 16 :]).view(panels, nb, nr, 2, 4, 4)  # [.., half, g, j]
         quants = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).transpose(2, 3)  # [P, nb, g, NR, j]

@@ -137,6 +137,7 @@ struct QuantizedRows {
   std::vector<float> dx;  // [M, K / 32]: d / 256
   std::vector<float> s;   // [M, K / 32]
   std::vector<float> X;   // [M, K]: 256 q + r (exact), for the float path only
+  std::vector<int16_t> X16;  // [M, K]: 256 q + r, for 8-bit weights only
 };
 
 static inline __attribute__((always_inline)) vf round_even(vf x) {
@@ -158,8 +159,19 @@ static inline __attribute__((always_inline)) void store_bytes(int8_t* p, vi v) {
 #endif
 }
 
+// VW int32 lanes, each within int16's range, as VW int16.
+static inline __attribute__((always_inline)) void store_words(int16_t* p, vi v) {
+#if VW == 16
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)v));
+#else
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi32(_mm256_castsi256_si128((__m256i)v),
+                                   _mm256_extracti128_si256((__m256i)v, 1)));
+#endif
+}
+
 static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out,
-                          bool floats) {
+                          bool floats, bool words = false) {
   constexpr int BV = QK / VW;  // vectors per block
   const int64_t nb = K / QK;
   out.q.resize(M * K);
@@ -167,6 +179,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
   out.dx.resize(M * nb);
   out.s.resize(M * nb);
   out.X.resize(floats ? M * K : 0);
+  out.X16.resize(words ? M * K : 0);
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0 * K; i < r1 * K; i += QK) {
       vf xv[BV], amax{};
@@ -189,6 +202,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
         store_bytes(out.r.data() + i + v * VW, ri);
         sum += 256 * qi + ri;
         if (floats) storev(out.X.data() + i + v * VW, 256.f * q + res);
+        if (words) store_words(out.X16.data() + i + v * VW, 256 * qi + ri);
       }
       int total = 0;
       for (int l = 0; l < VW; ++l) total += sum[l];

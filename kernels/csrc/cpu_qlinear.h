@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <vector>
+#include <cstring>
 
 #include "simd.h"
 #include "cpu_linear.h"
@@ -16,7 +16,6 @@
 
 namespace cpu_qlinear {
 
-using cpu_linear::MR;
 using cpu_linear::NR;
 using cpu_linear::NV;
 
@@ -24,121 +23,87 @@ constexpr int QK = 32;  // weights per block along K
 // A packed format is named by its bytes per column and block of 32 weights: Q8_0's blocks run
 // here; the 4-bit ones (Q4_0 and Q4_1, both packed as d, m and 16 bytes) in cpu_q4i8.
 constexpr int Q8_0 = 34;
-// Rows of x up to which the weights are dequantized in registers (each weight once per tile of
-// rows); above, a panel is dequantized once into a thread's scratch and cpu_linear's tiles run
-// over it.
-constexpr int REG_ROWS = 4;
-constexpr int ROW_PANELS = 2;
+using cpu_q4i8::QuantizedRows;
+using cpu_q4i8::vq;
+constexpr int TR = cpu_q4i8::TR;
 
-// VW bytes widened to VW int32 lanes (vpmovsxbd: GCC's generic conversion of a byte vector is
-// scalar code).
-static inline __attribute__((always_inline)) vi load_i8(const uint8_t* p) {
+// VW columns' two quants each (rows 2p and 2p + 1 of a block) as 2 VW int16 lanes.
+static inline __attribute__((always_inline)) vq load_pairs(const uint8_t* p) {
 #if VW == 16
-  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #else
-  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #endif
 }
 
-// A panel's block: NR fp16 scales d, then 32 rows of NR int8 quants.
-struct Block {
-  const uint8_t* bytes = nullptr;
-  vf d[NV];
-  Block() = default;
-  explicit Block(const uint8_t* blk) : bytes(blk) {
-    for (int v = 0; v < NV; ++v) d[v] = load_half(blk + 2 * v * VW);
-  }
-  // The weights w[NV] of row k (0..31): d q. The product is exact in fp32 (an 11-bit by an
-  // 8-bit integer): the same fp32 weight as the dequantized file.
-  inline __attribute__((always_inline)) void weights(int k, vf* w) const {
-    const uint8_t* q = bytes + 2 * NR + k * NR;
-    for (int v = 0; v < NV; ++v) {
-      w[v] = d[v] * __builtin_convertvector(load_i8(q + v * VW), vf);
-      // The weight as a value of its own: -ffast-math would otherwise be free to reassociate
-      // x (d q) into (x d) q, which rounds differently.
-      asm("" : "+v"(w[v]));
-    }
-  }
-};
+// acc (int32 lanes) += per lane its two int16 weights times the two int16 activations x2.
+static inline __attribute__((always_inline)) vq dot_pairs(vq acc, vq w, int32_t x2) {
+#if VW == 16 && defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x2));
+#elif VW == 16
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(x2)));
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, w, _mm256_set1_epi32(x2));
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x2)));
+#endif
+}
 
-// R rows of x times PN consecutive panels, dequantized in registers, into y (row stride ldy;
-// `cols` valid columns in the last panel). Per lane the same sequential sum over k as
-// cpu_linear's tiles, over the same fp32 weights: bit-identical to them.
-template <int R, int PN>
-static __attribute__((noinline)) void qtile(const float* x, int64_t ldx, const uint8_t* panel,
-                                            int64_t panel_bytes, int64_t K, float* y,
-                                            int64_t ldy, int64_t cols) {
-  vf acc[PN][R][NV];
-  for (int q = 0; q < PN; ++q)
+// R rows times one panel into y (row stride ldy; `cols` valid columns). A block's 16 pairs of
+// rows: NR columns x 2 quants each. Per block and lane the integer sum of q_w (256 q + r) is
+// exact in int32 (|sum| <= 32 * 128 * 32,639); then acc += float(sum) (d_w d_x / 256), the
+// same for a row in any tile.
+template <int R>
+static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t row, int64_t K,
+                                           const uint8_t* panel, float* y, int64_t ldy,
+                                           int64_t cols) {
+  const int64_t nb = K / QK;
+  const int16_t* X = xq.X16.data();
+  vf acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = vf{};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * Q8_0 * NR;
+    const uint8_t* quants = blk + 2 * NR;
+    vq sums[R][NV];
     for (int i = 0; i < R; ++i)
-      for (int v = 0; v < NV; ++v) acc[q][i][v] = vf{};
-  for (int64_t b = 0; b < K / QK; ++b) {
-    Block blk[PN];
-    for (int q = 0; q < PN; ++q) blk[q] = Block(panel + q * panel_bytes + b * Q8_0 * NR);
-    for (int k = 0; k < QK; ++k)
-      for (int q = 0; q < PN; ++q) {
-        vf w[NV];
-        blk[q].weights(k, w);
+      for (int v = 0; v < NV; ++v) sums[i][v] = cpu_q4i8::zero();
+    for (int p = 0; p < QK / 2; ++p)
+      for (int v = 0; v < NV; ++v) {
+        const vq w = load_pairs(quants + (p * NR + v * VW) * 2);
         for (int i = 0; i < R; ++i) {
-          const float xi = x[i * ldx + b * QK + k];
-          for (int v = 0; v < NV; ++v) acc[q][i][v] += xi * w[v];
+          int32_t x2;
+          std::memcpy(&x2, X + (row + i) * K + b * QK + 2 * p, 4);
+          sums[i][v] = dot_pairs(sums[i][v], w, x2);
         }
       }
-  }
-  for (int q = 0; q < PN; ++q)
-    for (int i = 0; i < R; ++i)
-      store_row(y + i * ldy + q * NR, acc[q][i], q + 1 < PN ? NR : cols);
-}
-
-// One panel's fp32 weights [K][NR] into out, as cpu_linear's panels hold them.
-static void dequantize_panel(const uint8_t* panel, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const Block blk(panel + b * Q8_0 * NR);
-    for (int k = 0; k < QK; ++k) {
-      vf w[NV];
-      blk.weights(k, w);
-      for (int v = 0; v < NV; ++v) storev(out + (b * QK + k) * NR + v * VW, w[v]);
+    for (int v = 0; v < NV; ++v) {
+      const vf d = load_half(blk + 2 * v * VW);
+      for (int i = 0; i < R; ++i)
+        acc[i][v] = cpu_q4i8::flush(acc[i][v], cpu_q4i8::to_float(sums[i][v]), d, vf{},
+                                    xq.dx[(row + i) * nb + b], 0.f);
     }
   }
+  for (int i = 0; i < R; ++i) store_row(y + i * ldy, acc[i], cols);
 }
 
-// Threads take runs of CHUNK panels from a shared counter rather than one fixed range each:
-// on a machine whose cores also run the server's event loop, a thread that loses its core for a
-// while leaves its remaining panels to the others instead of holding them all up at the end.
 static void run(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t N, int64_t K,
                 int64_t P) {
+  QuantizedRows xq;
+  cpu_q4i8::quantize_rows(xp, M, K, xq, false, true);
   const int64_t panel_bytes = K / QK * Q8_0 * NR;
-  constexpr int64_t CHUNK = ROW_PANELS;
+  constexpr int64_t CHUNK = cpu_q4i8::CHUNK;
   const int64_t chunks = (P + CHUNK - 1) / CHUNK;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), chunks), 1, [&](int64_t, int64_t) {
-    // One panel's fp32 weights per thread, reused across calls (not zeroed: fully written).
-    thread_local std::vector<float> scratch;
-    if (M > REG_ROWS && scratch.size() < static_cast<size_t>(K * NR)) scratch.resize(K * NR);
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      int64_t p = c * CHUNK;
-      const int64_t p1 = std::min(P, p + CHUNK);
-      if (M == 1 && p1 - p == ROW_PANELS && p1 * NR <= N) {
-        qtile<1, ROW_PANELS>(xp, K, wp + p * panel_bytes, panel_bytes, K, yp + p * NR, N, NR);
-        continue;
-      }
-      for (; p < p1; ++p) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
+      for (int64_t p = c * CHUNK; p < std::min(P, (c + 1) * CHUNK); ++p) {
         const int64_t cols = std::min<int64_t>(NR, N - p * NR);
-        const uint8_t* panel = wp + p * panel_bytes;
-        if (M <= REG_ROWS) {
-          with_rows<REG_ROWS>(M, [&]<int R>() {
-            qtile<R, 1>(xp, K, panel, panel_bytes, K, yp + p * NR, N, cols);
-          });
-          continue;
-        }
-        dequantize_panel(panel, K, scratch.data());
-        for (int64_t m = 0; m < M; m += MR)
-          with_rows<MR>(std::min<int64_t>(MR, M - m), [&]<int R>() {
-            cpu_linear::tile<R>(xp + m * K, K, scratch.data(), K, yp + m * N + p * NR, N, cols,
-                                nullptr, 0);
+        for (int64_t m = 0; m < M; m += TR)
+          with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
+            q8_tile<R>(xq, m, K, wp + p * panel_bytes, yp + m * N + p * NR, N, cols);
           });
       }
-    }
   });
 }
 

@@ -39,9 +39,9 @@ class Linear(nn.Module):
     torch.compile's CPU backend does with frozen weights; faster than F.linear's BLAS path);
     elsewhere plain F.linear. Only the copies a path needs are kept.
 
-    A weight in its GGUF file's blocks (QuantizedWeight) is packed for kernels.cpu_qlinear
-    (4-bit formats on int8 activations, `int8_activations`; Q8_0 bit-identical to cpu_linear
-    over the expanded weight); without the compiled kernels it is expanded.
+    A weight in its GGUF file's blocks (QuantizedWeight) is packed for kernels.cpu_qlinear,
+    which computes on activations quantized to two int8 terms (`int8_activations`); without the
+    compiled kernels it is expanded.
 
     `compute_dtype` (default: the weight's) is the dtype of the matmul itself: the weight is
     stored in it, the input is cast to it and the output back to the input's dtype (bfloat16
@@ -59,7 +59,7 @@ class Linear(nn.Module):
             self.compute_dtype = torch.float32
             if cpu_qlinear.available() and compute_dtype in (None, torch.float32):
                 self.qpanels = cpu_qlinear.pack(weight.blocks, weight.fmt)
-                self.int8_activations = weight.fmt in cpu_qlinear.INT8_ACTIVATIONS
+                self.int8_activations = True
                 return
             weight = weight.dequantize()
         self.out_features, self.in_features = weight.shape

@@ -29,9 +29,11 @@ def test_pack_keeps_every_byte_of_the_blocks() -> None:
     blocks = random_blocks("q8_0", nr + 3, 64, seed=1)
     packed = cpu_qlinear.pack(blocks, "q8_0")
     assert packed.dtype == torch.uint8 and packed.shape == (2, 2, nr * 34)
-    first = packed[0, 1]  # panel 0, block 1: NR scales then 32 rows of NR quants
+    first = packed[0, 1]  # panel 0, block 1: NR scales, then 16 pairs of rows x NR columns
     assert torch.equal(first[: 2 * nr].view(nr, 2), blocks[:nr, 34:36])
-    assert torch.equal(first[2 * nr :].view(32, nr).T, blocks[:nr, 36:68])
+    pairs = first[2 * nr :].view(16, nr, 2)
+    assert torch.equal(pairs[:, :, 0].T, blocks[:nr, 36:68:2])
+    assert torch.equal(pairs[:, :, 1].T, blocks[:nr, 37:68:2])
     assert torch.count_nonzero(packed[1, :, : 2 * nr].view(2, nr, 2)[:, 3:]) == 0  # padding
 
 
@@ -50,33 +52,26 @@ def test_pack_lays_out_4bit_quants_four_k_to_a_column() -> None:
         assert torch.equal(quants[g] >> 4, q[:, 16 + 4 * g : 20 + 4 * g])
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (50, 64), (7, 32)])
-def test_q8_0_is_bit_identical_to_the_fp32_expansion(shape: tuple[int, int]) -> None:
-    n, k = shape
-    weight = QuantizedWeight("q8_0", random_blocks("q8_0", n, k, seed=n + k))
-    assert (weight.out_features, weight.in_features) == (n, k)
-    packed = cpu_qlinear.pack(weight.blocks, "q8_0")
-    panels = cpu_linear.pack(weight.dequantize())
-    mr = cpu_linear.tile_rows()
-    for rows in (1, 2, 3, 4, 5, mr + 1, 3 * mr + 2):
-        x = torch.randn(rows, k)
-        got = cpu_qlinear.linear(x, packed, n)
-        want = cpu_linear.linear(x, panels, n)
-        assert got is not None and want is not None
-        assert torch.equal(got, want), (shape, rows)
-
-
 def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The kernel's product for 4-bit blocks, in float64: each row's blocks of 32 as two int8
-    terms x ~ d (q + r / 256) (d = max|x| / 127, q = round(x / d), r = round((x - d q) 256 / d)
-    clamped to +-127, to nearest even), then per block d_w d / 256 (256 dot(q_w, q) + dot(q_w,
-    r)) + m_w d / 256 (256 sum(q) + sum(r))."""
+    """The kernel's product in float64: each row's blocks of 32 as two int8 terms
+    x ~ d (q + r / 256) (d = max|x| / 127, q = round(x / d), r = round((x - d q) 256 / d)
+    clamped to +-127, to nearest even), then per block d_w d / 256 dot(q_w, 256 q + r)
+    + m_w d / 256 (256 sum(q) + sum(r)) (Q4_1: w = d_w q_w + m_w, Q4_0: m_w = -8 d_w, Q8_0:
+    signed q_w, m_w = 0)."""
     n, size = blocks.shape[0], cpu_qlinear.FORMATS[fmt]
     b = blocks.view(n, -1, size)
     d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].double()  # [n, nb]
-    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].double() if fmt == "q4_1" else -8 * d
-    quants = b[..., size - 16 :]
-    q = torch.cat((quants & 15, quants >> 4), dim=-1).double()  # [n, nb, 32]
+    if fmt == "q8_0":
+        m = torch.zeros_like(d)
+        q = b[..., 2:].contiguous().view(torch.int8).double()  # [n, nb, 32]
+    else:
+        m = (
+            b[..., 2:4].contiguous().view(torch.float16)[..., 0].double()
+            if fmt == "q4_1"
+            else -8 * d
+        )
+        quants = b[..., size - 16 :]
+        q = torch.cat((quants & 15, quants >> 4), dim=-1).double()  # [n, nb, 32]
     xb = x.view(x.shape[0], -1, 32)
     dx = xb.abs().amax(-1) / 127  # [rows, nb], fp32 as the kernel computes it
     inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))[..., None]
@@ -88,9 +83,9 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Ten
     return (dots * d[None] * scale + m[None] * (scale * whole.sum(-1)[:, None])).sum(-1)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", sorted(cpu_qlinear.FORMATS))
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (50, 64), (7, 32)])
-def test_4bit_formats_compute_on_int8_activations(fmt: str, shape: tuple[int, int]) -> None:
+def test_every_format_computes_on_int8_activations(fmt: str, shape: tuple[int, int]) -> None:
     n, k = shape
     blocks = random_blocks(fmt, n, k, seed=n + k)
     packed = cpu_qlinear.pack(blocks, fmt)
