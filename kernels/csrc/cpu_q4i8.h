@@ -1,5 +1,6 @@
 // The C++ kernels behind kernels/cpu_qlinear.py's 4-bit formats (see its docstring): 4-bit
-// weights times int8 activations in integer dot products; bound through cpu_qlinear.h.
+// weights times two-term int8 activations in integer dot products, or without VNNI for many
+// rows the same sums by FMAs; the activations' quantization is Q8_0's too (cpu_qlinear.h).
 #pragma once
 
 #include <torch/extension.h>
