@@ -195,7 +195,13 @@ class OpenAIApiSuite:
         assert lp is not None and lp.content is not None and len(lp.content) == 4
         assert all(t.logprob <= 0 for t in lp.content)
         assert "".join(t.token for t in lp.content) == r.choices[0].message.content
-        c = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, logprobs=0)
+        c = client.completions.create(
+            model=MODEL,
+            prompt="Hi",
+            max_tokens=3,
+            logprobs=0,
+            extra_body={"ignore_eos": True},  # sampled at temperature 1: EOS must not end it
+        )
         assert c.choices[0].logprobs is not None
         assert len(c.choices[0].logprobs.token_logprobs or []) == 3
 
