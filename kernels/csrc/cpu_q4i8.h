@@ -335,9 +335,20 @@ static __attribute__((noinline)) void float_tile(const QuantizedRows& xq,
 // per lane beat FMAs).
 constexpr int64_t FLOAT_ROWS = VNNI ? -1 : 16;
 
+// fn(p) for every panel p < P. Threads take runs of CHUNK panels from a shared counter (a
+// thread that loses its core leaves the rest to others).
+template <class F>
+static void each_panel(int64_t P, F&& fn) {
+  const int64_t chunks = (P + CHUNK - 1) / CHUNK;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
+      for (int64_t p = c * CHUNK; p < std::min(P, (c + 1) * CHUNK); ++p) fn(p);
+  });
+}
+
 // x [M, K] contiguous f32; packed [P, K / 32, NR * 20] uint8 -> y [M, N]: the integer kernel,
-// or from `float_rows` rows on (-1: never) the float path. Threads take runs of CHUNK panels
-// from a shared counter (a thread that loses its core leaves the rest to others).
+// or from `float_rows` rows on (-1: never) the float path.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t float_rows) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
@@ -347,29 +358,24 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t f
   quantize_rows(x.data_ptr<float>(), M, K, xq, floats);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = K / QK * BYTES * NR, chunks = (P + CHUNK - 1) / CHUNK;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), chunks), 1, [&](int64_t, int64_t) {
+  const int64_t panel_bytes = K / QK * BYTES * NR;
+  each_panel(P, [&](int64_t p) {
+    const int64_t cols = std::min<int64_t>(NR, N - p * NR);
+    const uint8_t* panel = wp + p * panel_bytes;
+    if (!floats) {
+      for (int64_t m = 0; m < M; m += TR)
+        with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
+          tile<R>(xq, m, K, panel, yp + m * N + p * NR, N, cols);
+        });
+      return;
+    }
     thread_local std::vector<float> scratch;  // a panel's quants as floats (fully rewritten)
-    if (floats && scratch.size() < static_cast<size_t>(K * NR)) scratch.resize(K * NR);
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
-      for (int64_t p = c * CHUNK; p < std::min(P, (c + 1) * CHUNK); ++p) {
-        const int64_t cols = std::min<int64_t>(NR, N - p * NR);
-        const uint8_t* panel = wp + p * panel_bytes;
-        if (floats) {
-          panel_quants(panel, K, scratch.data());
-          for (int64_t m = 0; m < M; m += FR)
-            with_rows<FR>(std::min<int64_t>(FR, M - m), [&]<int R>() {
-              float_tile<R>(xq, m, K, panel, scratch.data(), yp + m * N + p * NR, N,
-                            cols);
-            });
-          continue;
-        }
-        for (int64_t m = 0; m < M; m += TR)
-          with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
-            tile<R>(xq, m, K, panel, yp + m * N + p * NR, N, cols);
-          });
-      }
+    if (scratch.size() < static_cast<size_t>(K * NR)) scratch.resize(K * NR);
+    panel_quants(panel, K, scratch.data());
+    for (int64_t m = 0; m < M; m += FR)
+      with_rows<FR>(std::min<int64_t>(FR, M - m), [&]<int R>() {
+        float_tile<R>(xq, m, K, panel, scratch.data(), yp + m * N + p * NR, N, cols);
+      });
   });
   return y;
 }

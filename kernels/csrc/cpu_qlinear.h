@@ -92,18 +92,12 @@ static void run(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_
   QuantizedRows xq;
   cpu_q4i8::quantize_rows(xp, M, K, xq, false, true);
   const int64_t panel_bytes = K / QK * Q8_0 * NR;
-  constexpr int64_t CHUNK = cpu_q4i8::CHUNK;
-  const int64_t chunks = (P + CHUNK - 1) / CHUNK;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), chunks), 1, [&](int64_t, int64_t) {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
-      for (int64_t p = c * CHUNK; p < std::min(P, (c + 1) * CHUNK); ++p) {
-        const int64_t cols = std::min<int64_t>(NR, N - p * NR);
-        for (int64_t m = 0; m < M; m += TR)
-          with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
-            q8_tile<R>(xq, m, K, wp + p * panel_bytes, yp + m * N + p * NR, N, cols);
-          });
-      }
+  cpu_q4i8::each_panel(P, [&](int64_t p) {
+    const int64_t cols = std::min<int64_t>(NR, N - p * NR);
+    for (int64_t m = 0; m < M; m += TR)
+      with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
+        q8_tile<R>(xq, m, K, wp + p * panel_bytes, yp + m * N + p * NR, N, cols);
+      });
   });
 }
 
