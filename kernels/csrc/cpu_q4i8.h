@@ -35,6 +35,12 @@ typedef __m256i vq;
 constexpr int TR = 2;
 #endif
 constexpr int64_t CHUNK = 2;  // panels a thread takes at a time
+// The weights stream from memory once a step: each block asks for the block PREFETCH blocks on
+// (the hardware's prefetcher alone left one-row calls at ~60% of that speed).
+constexpr int64_t PREFETCH = 8;
+static inline __attribute__((always_inline)) void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
+}
 
 static inline __attribute__((always_inline)) vq loadq(const uint8_t* p) {
 #if VW == 16
@@ -228,6 +234,7 @@ static __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row,
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * BYTES * NR;
     const uint8_t* quants = blk + 4 * NR;
+    prefetch(blk + PREFETCH * BYTES * NR, BYTES * NR);
     vq dots[R][NV], rdots[R][NV];  // with q, with r
     for (int i = 0; i < R; ++i)
       for (int v = 0; v < NV; ++v) dots[i][v] = rdots[i][v] = zero();

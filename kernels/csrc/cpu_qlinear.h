@@ -64,6 +64,7 @@ static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t r
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * Q8_0 * NR;
     const uint8_t* quants = blk + 2 * NR;
+    cpu_q4i8::prefetch(blk + cpu_q4i8::PREFETCH * Q8_0 * NR, Q8_0 * NR);
     vq sums[R][NV];
     for (int i = 0; i < R; ++i)
       for (int v = 0; v < NV; ++v) sums[i][v] = cpu_q4i8::zero();

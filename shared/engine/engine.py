@@ -34,6 +34,7 @@ from kvserve.shared.engine.outputs import Completion, Emitted, RequestOutput
 from kvserve.shared.engine.sampler import Sampler, SampleRow, position_seed
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
+from kvserve.shared.engine.step_threads import StepThreads
 from kvserve.shared.model.llama import LlamaModel
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.quantized import QuantizedWeight
@@ -108,6 +109,8 @@ class Engine:
         self.kv = self._kv_cache_manager(loaded.config)
         self.block_size = self.kv.block_size
         backend = get_backend(config.attention_backend, config.device)
+        on_cpu = torch.device(config.device).type == "cpu"
+        self.step_threads = StepThreads(torch.get_num_threads(), enabled=on_cpu)
         self.runner = ModelRunner(model, self.kv.cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler()
@@ -389,7 +392,7 @@ class Engine:
         if not batch:
             return []
         t0 = time.perf_counter()
-        out = self.runner.run(batch)
+        out = self.step_threads.run(batch.num_tokens, lambda: self.runner.run(batch))
         self._observe_prefill(batch, time.perf_counter() - t0)
         for s in batch.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
