@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvserve.kernels import cpu_ops
-from kvserve.shared.engine.sampler import Sampler, SampleRow
+from kvserve.shared.engine.sampler import Sampler, SampleRow, draw
 from kvserve.shared.sampling_params import SamplingParams
 
 
@@ -68,3 +68,17 @@ def test_extreme_temperature_or_top_p_draws_the_most_likely_token(
     rows = [SampleRow(params, torch.Generator().manual_seed(1))]
     tokens, _, _ = Sampler().sample(logits, rows)
     assert tokens == [int(logits.argmax())]
+
+
+def test_draws_follow_the_distribution_and_skip_zero_probabilities() -> None:
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0]) * 3  # unnormalised, zeros inside
+    gen = torch.Generator()
+    counts = torch.zeros(6)
+    draws = 20_000
+    for seed in range(draws):
+        counts[draw(probs, gen.manual_seed(seed))] += 1
+    assert counts[[0, 2, 5]].sum() == 0
+    # within 4 standard deviations of a binomial count
+    expected = probs / probs.sum() * draws
+    assert ((counts - expected).abs() <= 4 * (expected * (1 - expected / draws)).sqrt() + 1).all()
+    assert draw(probs, gen.manual_seed(7)) == draw(probs, gen.manual_seed(7))
