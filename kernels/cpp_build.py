@@ -1,6 +1,7 @@
 """Build the C++ CPU kernels (kernels/csrc/) once per machine, and load them.
 
-The kernels compile with -march=native into one library,
+The kernels compile with -march=native (or -march=$KVSERVE_CPU_ARCH: x86-64-v3 builds the AVX2
+code on a machine that has more, for a portable library or to measure that code) into one library,
 `<cache dir>/kernels/<name>_<key>.so`, whose key hashes everything that changes the binary: the
 sources, the compiler flags, this CPU's feature flags, torch's and Python's versions. A process
 loads the library it finds there and runs the compiler only when there is none (set-up builds it
@@ -46,7 +47,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20")
+ARCH_ENV = "KVSERVE_CPU_ARCH"
+CFLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20")
 LDFLAGS = ("-fopenmp",)
 # Bump when the way a library is built or laid out changes (part of every key).
 LAYOUT = "1"
@@ -68,7 +70,7 @@ class Recipe:
     name: str
     main: Path
     sources: tuple[Path, ...]
-    cflags: tuple[str, ...] = CFLAGS
+    cflags: tuple[str, ...] = ("-march=native", *CFLAGS)
     torch: bool = True
     ldflags: tuple[str, ...] = LDFLAGS
 
@@ -126,7 +128,13 @@ def _cpu_flags() -> str:
 
 def kernels_recipe() -> Recipe:
     """The kvserve CPU kernels: csrc/module.cpp and the headers it includes."""
-    return Recipe("kvserve_kernels", CSRC / "module.cpp", tuple(sorted(CSRC.glob("*.h"))), CFLAGS)
+    flags = (f"-march={cpu_arch()}", *CFLAGS)
+    return Recipe("kvserve_kernels", CSRC / "module.cpp", tuple(sorted(CSRC.glob("*.h"))), flags)
+
+
+def cpu_arch() -> str:
+    """The -march the kernels are built for: $KVSERVE_CPU_ARCH, or this CPU's (`native`)."""
+    return os.environ.get(ARCH_ENV, "").strip() or "native"
 
 
 def kernel_dir() -> Path:

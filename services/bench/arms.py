@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.kernels import cpp_build
 from kvserve.shared import config
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.16"
 # Bump to rebuild when the cmake flags change.
+_BUILD_TYPE = "-DCMAKE_BUILD_TYPE=Release"
 _BUILD_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -53,12 +53,34 @@ class ArmSetupError(RuntimeError):
     """An arm's server could not be built or started; the message says why."""
 
 
+# llama.cpp's instruction sets for the kernels' -march (kernels/cpp_build.py, KVSERVE_CPU_ARCH),
+# so that both servers run the same ones: this CPU's, or AVX2 with FMA alone (GGML_NATIVE off
+# turns every other set off).
+_ISA_FLAGS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "x86-64-v3": (
+        "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{isa}=ON" for isa in ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2")),
+    ),
+}
+
+
+def _build_flags() -> tuple[str, ...]:
+    arch = cpp_build.cpu_arch()
+    if arch not in _ISA_FLAGS:
+        choices = ", ".join(_ISA_FLAGS)
+        raise ArmSetupError(f"llama-server: {cpp_build.ARCH_ENV}={arch!r} is not one of {choices}")
+    return (_BUILD_TYPE, *_ISA_FLAGS[arch], *_BUILD_FLAGS)
+
+
 def llama_cpp_dir() -> Path:
-    return config.cache_dir() / "llama.cpp"
+    """The build of llama.cpp for the kernels' -march (its own directory unless `native`)."""
+    arch = cpp_build.cpu_arch()
+    return config.cache_dir() / ("llama.cpp" if arch == "native" else f"llama.cpp-{arch}")
 
 
 def _marker_text(version: str) -> str:
-    return f"llama-cpp-python=={version}\n" + " ".join(_BUILD_FLAGS) + "\n"
+    return f"llama-cpp-python=={version}\n" + " ".join(_build_flags()) + "\n"
 
 
 def llama_server_path() -> Path | None:
@@ -117,6 +139,7 @@ def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) 
     `llama-server` target with cmake; a marker file naming the version and flags makes a second
     call a no-op. Raises ArmSetupError with the failing step and the log's tail.
     """
+    flags = _build_flags()
     if version == LLAMA_CPP_PYTHON_VERSION and (found := llama_server_path()) is not None:
         return found
     root = llama_cpp_dir()
@@ -134,7 +157,7 @@ def ensure_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) 
     log = root / "build.log"
     started = time.monotonic()
     _extract_vendored_llama_cpp(version, root, log)
-    _run(["cmake", "-B", "build", *_BUILD_FLAGS], root, log)
+    _run(["cmake", "-B", "build", *flags], root, log)
     _run(["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)], root, log)
     if not binary.is_file():
         raise ArmSetupError(f"the build finished without {binary}; log: {log}")

@@ -12,6 +12,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from kvserve.kernels import cpp_build
+from kvserve.services.bench import arms
 from kvserve.services.bench.arms import (
     ensure_llama_server,
     free_port,
@@ -156,3 +158,17 @@ def test_kvserve_arms_take_the_clients_timeout(arm: str, model_path: Path, tmp_p
     short: the other servers have none."""
     server = make_server(arm, model_path, free_port(), tmp_path, request_timeout=3660)
     assert server.cmd[server.cmd.index("--request-timeout") + 1] == "3660"
+
+
+def test_llama_server_is_built_for_the_kernels_march(monkeypatch: pytest.MonkeyPatch) -> None:
+    native_dir = llama_cpp_dir()
+    assert "-DGGML_NATIVE=ON" in arms._build_flags()
+    monkeypatch.setenv(cpp_build.ARCH_ENV, "x86-64-v3")
+    flags = arms._build_flags()
+    assert {"-DGGML_AVX2=ON", "-DGGML_FMA=ON"} <= set(flags)
+    assert "-DGGML_NATIVE=OFF" in flags
+    assert not any("AVX512" in f for f in flags)
+    assert llama_cpp_dir() != native_dir  # its own build beside the native one
+    monkeypatch.setenv(cpp_build.ARCH_ENV, "armv9-a")
+    with pytest.raises(arms.ArmSetupError, match="armv9-a"):
+        ensure_llama_server()

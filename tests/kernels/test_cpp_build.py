@@ -272,3 +272,12 @@ def test_a_failed_compile_means_torch_in_one_line(tmp_path: Path) -> None:
     assert last.endswith("; using torch")
     assert builds(lib) == 0
     assert not list(lib.glob("*.so"))
+
+
+def test_the_kernels_march_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    native = cpp_build.kernels_recipe()
+    assert "-march=native" in native.cflags
+    monkeypatch.setenv(cpp_build.ARCH_ENV, "x86-64-v3")
+    avx2 = cpp_build.kernels_recipe()
+    assert "-march=x86-64-v3" in avx2.cflags and "-march=native" not in avx2.cflags
+    assert avx2.key != native.key  # a library of its own
