@@ -48,13 +48,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """A token drawn from probs [V] (not necessarily normalised): the first whose cumulative
-    probability (float64) exceeds a uniform draw times the total, so never one of probability
-    0. The same distribution as torch.multinomial at ~1/20 of its time on a CPU (one draw
-    from a 49k vocabulary: ~0.05 against ~1 ms)."""
-    cdf = probs.double().cumsum(0)
-    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
-    return int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    """A token drawn from probs [V] (not necessarily normalised) by the exponential race, the
+    method torch.multinomial uses for one draw: argmax p_i / E_i with E_i = -log U_i ~ Exp(1)
+    picks token i with probability p_i / sum(p), never one of probability 0, and a token's win
+    depends on the few likeliest alone, so last-bit differences in the logits almost never
+    change it. The uniforms come from torch.rand: ~0.2 ms for a 49k vocabulary on a CPU against
+    ~1 ms for torch.multinomial, whose exponential_ draws them one by one."""
+    u = torch.rand(probs.shape, generator=generator, device=probs.device)
+    return int((probs / -torch.log(u)).argmax())
 
 
 TopLogprobs = dict[int, float]  # token id -> logprob, most likely first
