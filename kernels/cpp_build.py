@@ -3,9 +3,9 @@
 The kernels compile with -march=native (or -march=$KVSERVE_CPU_ARCH: x86-64-v3 builds the AVX2
 code on a machine that has more, for a portable library or to measure that code) into one library,
 `<cache dir>/kernels/<name>_<key>.so`, whose key hashes everything that changes the binary: the
-sources, the compiler flags, this CPU's feature flags, torch's and Python's versions. A process
-loads the library it finds there and runs the compiler only when there is none (set-up builds it
-ahead: `python -m kvserve.kernels.cpp_build`).
+sources, the compiler flags, this CPU's feature flags (for -march=native), torch's and Python's
+versions. A process loads the library it finds there and runs the compiler only when there is
+none (set-up builds it ahead: `python -m kvserve.kernels.cpp_build`).
 Another CPU, a changed kernel or another torch gets another key, hence a build of its own.
 
 Building never blocks for good and never leaves half a library behind:
@@ -77,7 +77,9 @@ class Recipe:
     @functools.cached_property
     def key(self) -> str:
         h = hashlib.sha256()
-        parts = [LAYOUT, platform.machine(), _cpu_flags(), sys.implementation.cache_tag]
+        # A named -march builds the same library on any CPU: only `native` depends on this one.
+        cpu = _cpu_flags() if "-march=native" in self.cflags else ""
+        parts = [LAYOUT, platform.machine(), cpu, sys.implementation.cache_tag]
         if self.torch:
             import torch
 

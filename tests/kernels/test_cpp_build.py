@@ -281,3 +281,8 @@ def test_the_kernels_march_follows_the_environment(monkeypatch: pytest.MonkeyPat
     avx2 = cpp_build.kernels_recipe()
     assert "-march=x86-64-v3" in avx2.cflags and "-march=native" not in avx2.cflags
     assert avx2.key != native.key  # a library of its own
+    # ... the same on every CPU (a shared volume holds one), where a native build is per CPU
+    monkeypatch.setattr(cpp_build, "_cpu_flags", lambda: "flags : fpu sse2 avx2")
+    assert cpp_build.kernels_recipe().key == avx2.key
+    monkeypatch.delenv(cpp_build.ARCH_ENV)
+    assert cpp_build.kernels_recipe().key != native.key
