@@ -48,9 +48,8 @@ class StepThreads:
         if cls is None or len(self.options) == 1:
             return self.max_threads
         stats = self._stats.setdefault(cls, {})
-        for n in self.options:
-            if stats.get(n, (0, 0.0))[0] < WARMUP:
-                return n
+        if (n := self._unwarmed(stats)) is not None:
+            return n
         step = self._steps.get(cls, 0) + 1
         self._steps[cls] = step
         fast, slow = sorted(self.options, key=lambda n: stats[n][1])
@@ -62,7 +61,7 @@ class StepThreads:
             return
         stats = self._stats.setdefault(cls, {})
         count, mean = stats.get(threads, (0, seconds))
-        stats[threads] = (count + 1, mean + ALPHA * (seconds - mean) if count else seconds)
+        stats[threads] = (count + 1, mean + ALPHA * (seconds - mean))
 
     def run(self, num_tokens: int, step: Callable[[], T]) -> T:
         """step() on the thread count chosen for its size, timed for the next choice."""
@@ -78,8 +77,12 @@ class StepThreads:
         return {
             cls: min(stats, key=lambda n: stats[n][1])
             for cls, stats in sorted(self._stats.items())
-            if all(stats.get(n, (0, 0.0))[0] >= WARMUP for n in self.options)
+            if self._unwarmed(stats) is None
         }
+
+    def _unwarmed(self, stats: dict[int, tuple[int, float]]) -> int | None:
+        """The first thread count of a size class timed fewer than WARMUP times, or None."""
+        return next((n for n in self.options if stats.get(n, (0, 0.0))[0] < WARMUP), None)
 
 
 @contextlib.contextmanager
