@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 READY_TIMEOUT_S = 180.0
@@ -162,6 +163,15 @@ def idle(http: Http) -> dict[str, Any] | None:
     t = stats["totals"]
     quiet = not (t["num_requests_running"] or t["num_requests_waiting"] or t["num_used_blocks"])
     return dict(t) if quiet and stats["gateway"]["in_flight"] == 0 else None
+
+
+def read_spans(path: Path) -> list[dict[str, Any]]:
+    """The spans a server's file exporter has written to `path` (one JSON object a line), without
+    a last line it is still writing."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")[:-1]  # the part after the last newline is unfinished
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def poll_until(check: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:

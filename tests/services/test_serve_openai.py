@@ -19,7 +19,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services.kvserve_process import Http, ServeProcess, cache_totals, idle, poll_until
+from tests.services.kvserve_process import (
+    Http,
+    ServeProcess,
+    cache_totals,
+    idle,
+    poll_until,
+    read_spans,
+)
 from tests.services.openai_suite import ERROR_KEYS, MODEL, NUM_BLOCKS, OpenAIApiSuite
 
 KEYS = ("key-one", "key-two")
@@ -167,12 +174,6 @@ def test_metrics_names(http: Http, client: openai.OpenAI) -> None:
 # ---- telemetry -------------------------------------------------------------------------------
 
 
-def _spans(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def test_trace_spans_gateway_to_worker_and_logs(
     client: openai.OpenAI, trace_file: Path, server: ServeProcess
 ) -> None:
@@ -181,7 +182,7 @@ def test_trace_spans_gateway_to_worker_and_logs(
     )
 
     def spans_of_request() -> tuple[dict[str, Any], dict[str, Any]] | None:
-        spans = _spans(trace_file)
+        spans = read_spans(trace_file)
         gw = [s for s in spans if s["attributes"].get("kvserve.request_id") == r.id
               and s["name"] == f"chat {MODEL}"]  # fmt: skip
         wk = [s for s in spans if s["attributes"].get("kvserve.request_id") == r.id
@@ -196,7 +197,7 @@ def test_trace_spans_gateway_to_worker_and_logs(
     assert a["gen_ai.usage.output_tokens"] == 3
     assert "gen_ai.usage.cache_read.input_tokens" in a
     assert wk["attributes"]["gen_ai.usage.output_tokens"] == 3
-    children = {s["name"] for s in _spans(trace_file) if s["parent_span_id"] == wk["span_id"]}
+    children = {s["name"] for s in read_spans(trace_file) if s["parent_span_id"] == wk["span_id"]}
     assert {"kvserve.queue", "kvserve.prefill", "kvserve.decode"} <= children
 
     # structlog JSON: the request's log line carries its request and trace ids.
@@ -247,7 +248,8 @@ def test_usage_splits_cached_tokens_by_tier(client: openai.OpenAI, trace_file: P
     assert by_tier["device"] == usage.prompt_tokens_details.cached_tokens >= 64
 
     def spans_of(r: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        mine = [s for s in _spans(trace_file) if s["attributes"].get("kvserve.request_id") == r.id]
+        spans = read_spans(trace_file)
+        mine = [s for s in spans if s["attributes"].get("kvserve.request_id") == r.id]
         gw = [s for s in mine if s["name"] == f"chat {MODEL}"]
         wk = [s for s in mine if s["name"] == "kvserve.worker.generate"]
         return (gw[0]["attributes"], wk[0]["attributes"]) if gw and wk else None

@@ -7,7 +7,6 @@ prefill worker and a flush on every worker, and a decode worker is killed last."
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import urllib.request
@@ -23,7 +22,7 @@ from kvserve.shared.sampling_params import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.redis_servers import RedisServer, free_port, redis_binaries_present
-from tests.services.kvserve_process import Http, ServeProcess, poll_until
+from tests.services.kvserve_process import Http, ServeProcess, poll_until, read_spans
 from tests.services.openai_suite import MODEL, NUM_BLOCKS, OpenAIApiSuite
 
 pytestmark = pytest.mark.redis
@@ -128,10 +127,7 @@ def engine_totals(stack: Stack) -> Callable[[], dict[str, int]]:
 
 
 def spans(traces: Path) -> list[dict[str, Any]]:
-    out = []
-    for f in traces.glob("*.jsonl"):
-        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return out
+    return [span for f in traces.glob("*.jsonl") for span in read_spans(f)]
 
 
 class TestOpenAIApi(OpenAIApiSuite):
