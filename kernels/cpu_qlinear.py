@@ -1,12 +1,15 @@
-"""y = x @ W.T on the CPU for W held in a GGUF file's own blocks (Q4_0, Q4_1, Q8_0).
+"""y = x @ W.T on the CPU for W held in a GGUF file's own blocks (Q4_0, Q4_1, Q4_K, Q8_0).
 
 A GGUF block holds 32 consecutive weights of one output row: an fp16 scale d (and, Q4_1, an
-fp16 offset m) and 32 quants (4-bit: w = d q + m, Q4_0 w = d (q - 8); 8-bit: w = d q). `pack`
-lays the blocks out as cpu_linear's column panels, per panel of NR output columns and per block
-of 32 rows of k: the NR scales (and offsets) as fp16, then the quants.
+fp16 offset m) and 32 quants (4-bit: w = d q + m, Q4_0 w = d (q - 8); 8-bit: w = d q). A Q4_K
+block holds 256: eight such sub-blocks of 32 whose d and m are products of the block's fp16
+scales and each sub-block's 6-bit ones (w = d sc q - dmin mn, in fp32). `pack` lays the blocks
+out as cpu_linear's column panels, per panel of NR output columns and per block of 32 rows of
+k: the NR scales (and offsets), fp16 or (Q4_K: the products, exact) fp32, then the quants.
 
-- 4-bit (Q4_0 packed as Q4_1 with m = -8 d, exact in fp16): the quants as 4 groups of NR x 4
-  bytes, byte j of column c in group g holding rows 4g + j (low nibble) and 16 + 4g + j (high).
+- 4-bit (Q4_0 packed as Q4_1 with m = -8 d, exact in fp16; Q4_K's sub-blocks): the quants as
+  4 groups of NR x 4 bytes, byte j of column c in group g holding rows 4g + j (low nibble) and
+  16 + 4g + j (high).
   Each row of x is quantized per block of 32 into two int8 terms, x ~ d (q + r / 256) (d =
   max|x| / 127; q and r rounded to nearest even), and each block's 256 dot(q_w, q) + dot(q_w, r)
   is summed exactly in int32 by the CPU's byte dot products (AVX512-VNNI / AVX-VNNI `dpbusd`,
@@ -32,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from kvserve.kernels import cpp_build, cpu_linear
 
-QK = 32  # weights per block
-# format -> bytes per block of 32 weights in the file (GGML's type sizes)
-FORMATS = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+QK = 32  # weights per block of the kernels
+# format -> (weights, bytes) per block in the file (GGML's block and type sizes)
+FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144)}
 
 
 def _extension() -> Any | None:
@@ -50,34 +53,64 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
 
 
-def _scales(b: torch.Tensor, fmt: str) -> list[torch.Tensor]:
-    """The fp16 scale bytes of blocks [..., size]: [d], or [d, m] for the 4-bit formats."""
-    d = b[..., 0:2]
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """fp16 bytes [..., 2] -> float32 [..., 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _q4_k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 scale bytes [..., 12] -> its 8 sub-blocks' 6-bit scales and mins [..., 8]."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def _blocks_of_32(blocks: torch.Tensor, fmt: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A GGUF tensor's blocks [n, bytes] as blocks of 32 weights: the bytes of their scales
+    ([n, nb, 2] fp16 each, or [n, nb, 4] fp32 for Q4_K: d, and m for the 4-bit formats, with
+    w = d q + m) and their quants [n, nb, 32] (4-bit values, or Q8_0's int8 bytes)."""
+    n = blocks.shape[0]
+    size = FORMATS[fmt][1]
+    b = blocks.view(n, -1, size)
     if fmt == "q8_0":
-        return [d]
+        return [b[..., 0:2]], b[..., 2:]
+    if fmt == "q4_k":  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of quants
+        sc, mn = _q4_k_scale_min(b[..., 4:16])
+        d = _half(b[..., 0:2]) * sc.float()  # gguf's fp32 products: w = d sc q - dmin m
+        m = -(_half(b[..., 2:4]) * mn.float())
+        qs = b[..., 16:].reshape(n, -1, 4, 1, 32)  # sub-blocks 2j (low), 2j + 1 (high nibbles)
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=3).reshape(n, -1, 32)
+        return [t.reshape(n, -1, 1).view(torch.uint8) for t in (d, m)], q
+    d = b[..., 0:2]
     if fmt == "q4_1":
-        return [d, b[..., 2:4]]
-    m = (d.contiguous().view(torch.float16) * -8).view(torch.uint8)  # Q4_0: d (q - 8)
-    return [d, m]
+        m = b[..., 2:4]
+    else:  # Q4_0: d (q - 8)
+        m = (d.contiguous().view(torch.float16) * -8).view(torch.uint8)
+    return [d, m], _nibbles(b[..., size - 16 :])
 
 
 def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """A GGUF tensor's blocks, uint8 [N, K / 32 * size] (one row of blocks per output row) ->
-    panels [ceil(N / NR), K / 32, NR * packed size], zero-padded to whole panels (zero scales)."""
-    size = FORMATS[fmt]
-    n = blocks.shape[0]
-    nb = blocks.shape[1] // size
+    """A GGUF tensor's blocks, uint8 [N, K / weights * size] (one row of blocks per output row)
+    -> panels [ceil(N / NR), K / 32, NR * packed size], zero-padded to whole panels (zero
+    scales). Packed sizes per column and block of 32: Q8_0 34; Q4_0 and Q4_1 20 (fp16 d, m);
+    Q4_K 24 (fp32 d, m)."""
+    scales, quants = _blocks_of_32(blocks, fmt)
+    n, nb = quants.shape[:2]
     nr = cpu_linear.panel_width()
     panels = -(-n // nr)
-    b = F.pad(blocks.view(n, nb, size), (0, 0, 0, 0, 0, panels * nr - n))
-    b = b.view(panels, nr, nb, size).transpose(1, 2)  # [P, nb, NR, size]
-    parts = [s.reshape(panels, nb, 2 * nr) for s in _scales(b, fmt)]
+
+    def panel_major(t: torch.Tensor) -> torch.Tensor:  # [n, nb, ...] -> [P, nb, NR, ...]
+        t = F.pad(t, (0, 0, 0, 0, 0, panels * nr - n))
+        return t.view(panels, nr, nb, -1).transpose(1, 2)
+
+    parts = [panel_major(s).reshape(panels, nb, -1) for s in scales]
     if fmt == "q8_0":  # [P, nb, 16, NR, 2]: rows 2p and 2p + 1 of the block, per column
-        quants = b[..., 2:].reshape(panels, nb, nr, 16, 2).transpose(2, 3)
+        packed = panel_major(quants).reshape(panels, nb, nr, 16, 2).transpose(2, 3)
     else:
-        q = _nibbles(b[..., size - 16 :]).view(panels, nb, nr, 2, 4, 4)  # [.., half, g, j]
-        quants = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).transpose(2, 3)  # [P, nb, g, NR, j]
-    parts.append(quants.reshape(panels, nb, -1))
+        q = panel_major(quants).reshape(panels, nb, nr, 2, 4, 4)  # [.., half, g, j]
+        packed = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).transpose(2, 3)  # [P, nb, g, NR, j]
+    parts.append(packed.reshape(panels, nb, -1))
     return torch.cat(parts, dim=2).contiguous()
 
 

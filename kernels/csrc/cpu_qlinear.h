@@ -20,7 +20,7 @@ using cpu_linear::NV;
 
 constexpr int QK = 32;  // weights per block along K
 // A packed format is named by its bytes per column and block of 32 weights: Q8_0's blocks run
-// here; the 4-bit ones (Q4_0 and Q4_1, both packed as d, m and 16 bytes) in cpu_q4i8.
+// here; the 4-bit ones (Q4_0, Q4_1 and Q4_K, packed as d, m and 16 bytes) in cpu_q4i8.
 constexpr int Q8_0 = 34;
 using cpu_q4i8::QuantizedRows;
 using cpu_q4i8::vq;
@@ -111,7 +111,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                   packed.size(2) % NR == 0,
               "qlinear: packed weight does not match x or N");
   const int64_t format = packed.size(2) / NR;
-  if (format == cpu_q4i8::BYTES) return cpu_q4i8::linear(x, packed, N, float_rows);
+  if (format == cpu_q4i8::BYTES<2>) return cpu_q4i8::linear<2>(x, packed, N, float_rows);
+  if (format == cpu_q4i8::BYTES<4>) return cpu_q4i8::linear<4>(x, packed, N, float_rows);
   TORCH_CHECK(format == Q8_0, "qlinear: no format of ", format, " bytes per block");
   auto y = torch::empty({M, N}, x.options());
   if (M > 0)

@@ -8,6 +8,7 @@ dtype; for int8 / fp8 also per-(token, head) float32 scales [num_blocks, block_s
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import functools
@@ -17,6 +18,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -99,6 +101,17 @@ def make_resident(tensors: Sequence[torch.Tensor], stop: threading.Event | None 
     return True
 
 
+# Caches whose pages a thread is still faulting in. A process that exits meanwhile stops those
+# threads first: one that wakes up inside a call while the interpreter finalizes aborts it.
+_populating: weakref.WeakSet[KVCache] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_populating() -> None:
+    for cache in list(_populating):
+        cache.close()
+
+
 class KVCache:
     """`populate` says when a CPU cache's memory becomes resident: "eager" before the
     constructor returns (MemoryError if it is not there), "background" in a daemon thread
@@ -142,6 +155,7 @@ class KVCache:
             self._populating = threading.Thread(
                 target=self._populate_in_background, name="kv-populate", daemon=True
             )
+            _populating.add(self)
             self._populating.start()
 
     def _populate_in_background(self) -> None:

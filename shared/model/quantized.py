@@ -1,8 +1,9 @@
 """A weight kept in its GGUF file's own blocks, and the operations the model needs on it.
 
-GGUF quantizes a weight [out, in] in blocks of 32 consecutive inputs of one output row, so a
-weight is a byte matrix [out, in / 32 * block size]: selecting, permuting or concatenating
-output rows is the same operation on the byte rows, and the file's numbers never change.
+GGUF quantizes a weight [out, in] in blocks of consecutive inputs of one output row (32, or
+256 for the k-quants), so a weight is a byte matrix [out, in / block weights * block size]:
+selecting, permuting or concatenating output rows is the same operation on the byte rows, and
+the file's numbers never change.
 `dequantize` gives exactly the fp32 expansion the loader gives for the same tensor.
 """
 
@@ -12,14 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvserve.kernels.cpu_qlinear import FORMATS, QK
+from kvserve.kernels.cpu_qlinear import FORMATS
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """`blocks`: uint8 [out_features, in_features / 32 * block size], one row of blocks per
-    output row, in the file's byte layout; `fmt` a key of kernels.cpu_qlinear.FORMATS (the
-    GGML type's name in lower case)."""
+    """`blocks`: uint8 [out_features, in_features / block weights * block size], a row of
+    blocks per output row, in the file's byte layout; `fmt` a key of kernels.cpu_qlinear.FORMATS
+    (the GGML type's name in lower case)."""
 
     fmt: str
     blocks: torch.Tensor
@@ -30,7 +31,8 @@ class QuantizedWeight:
 
     @property
     def in_features(self) -> int:
-        return int(self.blocks.shape[1]) // FORMATS[self.fmt] * QK
+        weights, size = FORMATS[self.fmt]
+        return int(self.blocks.shape[1]) // size * weights
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The output rows at `index` (a gather: an embedding lookup)."""

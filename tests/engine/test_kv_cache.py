@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from kvserve.shared.engine import kv_cache
 from kvserve.shared.engine.kv_cache import KVCache, zeros
 
 from tests.shared.model_configs import model_config
@@ -91,6 +92,15 @@ def test_close_stops_a_background_population() -> None:
     assert cache._populating is not None and not cache._populating.is_alive()
     cache.k[0].fill_(2.0)  # the tensors stay valid
     assert bool((cache.k[0] == 2.0).all())
+
+
+def test_exit_stops_every_background_population() -> None:
+    """A thread still faulting pages in when the interpreter finalizes aborts the process
+    (`terminate called without an active exception`): the exit hook stops and joins them."""
+    caches = [cache_of("background") for _ in range(2)]
+    assert set(caches) <= set(kv_cache._populating)
+    kv_cache._stop_populating()
+    assert all(c._populating is not None and not c._populating.is_alive() for c in caches)
 
 
 def test_an_unknown_populate_mode_is_refused() -> None:

@@ -4,6 +4,8 @@ in float64, and close to the fp32 product; a row's result independent of the bat
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from kvserve.kernels import cpu_linear, cpu_qlinear
@@ -13,15 +15,43 @@ pytestmark = pytest.mark.skipif(not cpu_qlinear.available(), reason="no C++ tool
 
 
 def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """uint8 [rows, cols / 32 * size]: random quants, small random fp16 scales (and offsets)."""
+    """uint8 [rows, cols / block weights * size]: random quants, small random fp16 scales (and
+    offsets; Q4_K: random 6-bit sub-block scales and mins)."""
     g = torch.Generator().manual_seed(seed)
-    size, nb = cpu_qlinear.FORMATS[fmt], cols // 32
+    weights, size = cpu_qlinear.FORMATS[fmt]
+    nb = cols // weights
     b = torch.randint(0, 256, (rows, nb, size), dtype=torch.uint8, generator=g)
     d = torch.rand(rows, nb, 1, generator=g) * 0.02 + 1e-3
+    if fmt == "q4_k":  # d and dmin scale 6-bit numbers
+        d /= 63
+        b[..., 2:4] = (torch.rand(rows, nb, 1, generator=g) * 0.05 / 63).half().view(torch.uint8)
     b[..., 0:2] = d.half().view(torch.uint8)
     if fmt == "q4_1":
         b[..., 2:4] = (torch.randn(rows, nb, 1, generator=g) * 0.05).half().view(torch.uint8)
     return b.view(rows, nb * size)
+
+
+def block_params(blocks: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
+    """Per block of 32 weights of each row, float64: d and m [n, nb] and the quants [n, nb, 32]
+    (w = d q + m), read by GGML's definitions (Q4_K's sub-block scales by gguf's own code)."""
+    n = blocks.shape[0]
+    size = cpu_qlinear.FORMATS[fmt][1]
+    b = blocks.view(n, -1, size)
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].double()  # [n, nb]
+    if fmt == "q8_0":
+        return d, torch.zeros_like(d), b[..., 2:].contiguous().view(torch.int8).double()
+    if fmt == "q4_k":
+        sc, mn = (
+            torch.from_numpy(a.astype(np.int64)).view(n, -1, 8)
+            for a in gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy())
+        )
+        dmin = b[..., 2:4].contiguous().view(torch.float16).double()  # [n, nb, 1]
+        qs = b[..., 16:].reshape(n, -1, 4, 32)
+        q = torch.stack((qs & 15, qs >> 4), dim=3).reshape(n, -1, 32).double()
+        return (d[..., None] * sc).reshape(n, -1), -(dmin * mn).reshape(n, -1), q
+    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].double() if fmt == "q4_1" else -8 * d
+    quants = b[..., size - 16 :]
+    return d, m, torch.cat((quants & 15, quants >> 4), dim=-1).double()
 
 
 def test_pack_keeps_every_byte_of_the_blocks() -> None:
@@ -52,26 +82,30 @@ def test_pack_lays_out_4bit_quants_four_k_to_a_column() -> None:
         assert torch.equal(quants[g] >> 4, q[:, 16 + 4 * g : 20 + 4 * g])
 
 
+def test_pack_keeps_q4_k_sub_blocks_with_fp32_scales() -> None:
+    nr = cpu_linear.panel_width()
+    blocks = random_blocks("q4_k", nr, 256, seed=5)
+    packed = cpu_qlinear.pack(blocks, "q4_k")
+    assert packed.shape == (1, 8, nr * 24)  # 8 sub-blocks of 32: fp32 d, m, 16 bytes of quants
+    d, m, q = block_params(blocks, "q4_k")  # [nr, 8], [nr, 8], [nr, 8, 32]
+    for j in range(8):
+        sub = packed[0, j]
+        assert torch.equal(sub[: 4 * nr].view(torch.float32).double(), d[:, j])
+        assert torch.equal(sub[4 * nr : 8 * nr].view(torch.float32).double(), m[:, j])
+        quants = sub[8 * nr :].view(4, nr, 4)  # [group, column, byte]
+        for g in range(4):
+            assert torch.equal((quants[g] & 15).double(), q[:, j, 4 * g : 4 * g + 4])
+            assert torch.equal((quants[g] >> 4).double(), q[:, j, 16 + 4 * g : 20 + 4 * g])
+    w = QuantizedWeight("q4_k", blocks).dequantize().view(nr, 8, 32)
+    assert torch.equal(w, d.float()[..., None] * q.float() + m.float()[..., None])  # as gguf
+
+
 def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """The kernel's product in float64: each row's blocks of 32 as two int8 terms
     x ~ d (q + r / 256) (d = max|x| / 127, q = round(x / d), r = round((x - d q) 256 / d)
     clamped to +-127, to nearest even), then per block d_w d / 256 dot(q_w, 256 q + r)
-    + m_w d / 256 (256 sum(q) + sum(r)) (Q4_1: w = d_w q_w + m_w, Q4_0: m_w = -8 d_w, Q8_0:
-    signed q_w, m_w = 0)."""
-    n, size = blocks.shape[0], cpu_qlinear.FORMATS[fmt]
-    b = blocks.view(n, -1, size)
-    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].double()  # [n, nb]
-    if fmt == "q8_0":
-        m = torch.zeros_like(d)
-        q = b[..., 2:].contiguous().view(torch.int8).double()  # [n, nb, 32]
-    else:
-        m = (
-            b[..., 2:4].contiguous().view(torch.float16)[..., 0].double()
-            if fmt == "q4_1"
-            else -8 * d
-        )
-        quants = b[..., size - 16 :]
-        q = torch.cat((quants & 15, quants >> 4), dim=-1).double()  # [n, nb, 32]
+    + m_w d / 256 (256 sum(q) + sum(r)) (block_params' d_w, m_w, q_w)."""
+    d, m, q = block_params(blocks, fmt)
     xb = x.view(x.shape[0], -1, 32)
     dx = xb.abs().amax(-1) / 127  # [rows, nb], fp32 as the kernel computes it
     inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))[..., None]
@@ -83,8 +117,15 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Ten
     return (dots * d[None] * scale + m[None] * (scale * whole.sum(-1)[:, None])).sum(-1)
 
 
-@pytest.mark.parametrize("fmt", sorted(cpu_qlinear.FORMATS))
-@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (50, 64), (7, 32)])
+SHAPES = [(960, 576), (576, 1536), (50, 64), (7, 32), (300, 256), (97, 768)]
+
+
+def cases(formats: list[str]) -> list[tuple[str, tuple[int, int]]]:
+    """Each format with the shapes whose inputs are whole blocks of it."""
+    return [(f, s) for f in formats for s in SHAPES if s[1] % cpu_qlinear.FORMATS[f][0] == 0]
+
+
+@pytest.mark.parametrize(("fmt", "shape"), cases(sorted(cpu_qlinear.FORMATS)))
 def test_every_format_computes_on_int8_activations(fmt: str, shape: tuple[int, int]) -> None:
     n, k = shape
     blocks = random_blocks(fmt, n, k, seed=n + k)
@@ -103,9 +144,9 @@ def test_every_format_computes_on_int8_activations(fmt: str, shape: tuple[int, i
 
 @pytest.mark.parametrize("fmt", sorted(cpu_qlinear.FORMATS))
 def test_a_rows_result_does_not_depend_on_the_batch(fmt: str) -> None:
-    weight = random_blocks(fmt, 200, 96, seed=3)
+    weight = random_blocks(fmt, 200, 256, seed=3)
     packed = cpu_qlinear.pack(weight, fmt)
-    x = torch.randn(20, 96)  # past the rows from which machines without VNNI take the float path
+    x = torch.randn(20, 256)  # past the rows from which machines without VNNI take the float path
     batch = cpu_qlinear.linear(x, packed, 200)
     assert batch is not None
     for i in range(20):
@@ -113,8 +154,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(fmt: str) -> None:
         assert alone is not None and torch.equal(alone[0], batch[i])
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
-@pytest.mark.parametrize("shape", [(960, 576), (50, 1536), (7, 32)])
+@pytest.mark.parametrize(("fmt", "shape"), cases(["q4_0", "q4_1", "q4_k"]))
 def test_the_float_path_gives_the_integer_kernels_results(fmt: str, shape: tuple[int, int]) -> None:
     """The path for many rows on machines without VNNI (FMAs on integer-valued floats) sums the
     same integers per block: bit-identical to the integer kernel, which every machine runs."""

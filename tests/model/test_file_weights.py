@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvserve.kernels import cpu_qlinear
+from kvserve.kernels import cpu_linear, cpu_qlinear
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.model.loader import LoadedWeights, load_weights
-from kvserve.shared.model.quantized import QuantizedWeight
+from kvserve.shared.model.quantized import QuantizedWeight, expand
 from kvserve.shared.sampling_params import SamplingParams
 
 from tests.model.fidelity import teacher_forced
+from tests.model.q4_k import q4_k_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_qlinear.available(), reason="no C++ toolchain")
 ALL = frozenset(cpu_qlinear.FORMATS)
@@ -87,6 +88,44 @@ def test_the_engine_on_the_file_blocks_stays_with_the_fp32_expansion(
     alone = [file.generate([p], params)[0] for p in prompts]
     assert together == alone  # a row's numbers do not depend on the batch
     kl, agree = teacher_forced(fp32, file, prompts, [c[0] for c in want])  # int8 path ran
+    assert kl < 1e-4
+    assert agree >= 0.99
+
+
+@needs_kernels
+def test_q4_k_blocks_run_on_the_4bit_kernel(
+    make_engine,
+    file_weights: LoadedWeights,
+    chat_prompt_ids,  # type: ignore[no-untyped-def]
+) -> None:
+    """Q4_K, the k-quant of most 4-bit GGUFs: the MLP's down projections (1,536 inputs, whole
+    blocks of 256) as Q4_K blocks compute on the 4-bit kernel, and the engine stays with the
+    fp32 expansion of the same blocks, in prefill and in the one-call decode step."""
+    blocks = dict(file_weights.weights)
+    for i in range(file_weights.config.num_layers):
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        w = expand(blocks[name]).numpy()
+        blocks[name] = QuantizedWeight("q4_k", torch.from_numpy(q4_k_blocks(w)))
+    expanded = {name: expand(w) for name, w in blocks.items()}
+    base = make_engine()
+    config = base.config
+    q4_k = LoadedWeights(file_weights.config, blocks, "q4_k")
+    file_config = dataclasses.replace(config, weights="file")
+    file = Engine(file_config, tokenizer=base.tokenizer, weights=q4_k)
+    fp32 = Engine(
+        config,
+        tokenizer=base.tokenizer,
+        weights=LoadedWeights(file_weights.config, expanded, "q4_k-fp32"),
+    )
+    down = file.runner.model.layers[0].mlp.down
+    assert down.qpanels is not None and down.qpanels.shape[2] == 24 * cpu_linear.panel_width()
+    assert fp32.runner.model.layers[0].mlp.down.qpanels is None
+    prompts = chat_prompt_ids[:4]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    want = fp32.generate(prompts, params)
+    together = file.generate(prompts, params)
+    assert together == [file.generate([p], params)[0] for p in prompts]
+    kl, agree = teacher_forced(fp32, file, prompts, [c[0] for c in want])
     assert kl < 1e-4
     assert agree >= 0.99
 
