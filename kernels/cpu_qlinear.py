@@ -1,11 +1,13 @@
-"""y = x @ W.T on the CPU for W held in a GGUF file's own blocks (Q4_0, Q4_1, Q4_K, Q8_0).
+"""y = x @ W.T on the CPU for W held in a GGUF file's own blocks (Q4_0/1, Q4_K, Q8_0, Q6_K).
 
 A GGUF block holds 32 consecutive weights of one output row: an fp16 scale d (and, Q4_1, an
 fp16 offset m) and 32 quants (4-bit: w = d q + m, Q4_0 w = d (q - 8); 8-bit: w = d q). A Q4_K
 block holds 256: eight such sub-blocks of 32 whose d and m are products of the block's fp16
-scales and each sub-block's 6-bit ones (w = d sc q - dmin mn, in fp32). `pack` lays the blocks
-out as cpu_linear's column panels, per panel of NR output columns and per block of 32 rows of
-k: the NR scales (and offsets), fp16 or (Q4_K: the products, exact) fp32, then the quants.
+scales and each sub-block's 6-bit ones (w = d sc q - dmin mn, in fp32); a Q6_K block 256 6-bit
+quants in sixteen sub-blocks of 16, each scaled by d sc (fp16 d, int8 sc). `pack` lays the
+blocks out as cpu_linear's column panels, per panel of NR output columns and per block of 32
+rows of k: the NR scales (and offsets), fp16 or (the k-quants: the products, exact) fp32, then
+the quants.
 
 - 4-bit (Q4_0 packed as Q4_1 with m = -8 d, exact in fp16; Q4_K's sub-blocks): the quants as
   4 groups of NR x 4 bytes, byte j of column c in group g holding rows 4g + j (low nibble) and
@@ -22,7 +24,8 @@ k: the NR scales (and offsets), fp16 or (Q4_K: the products, exact) fp32, then t
 - Q8_0: the quants as 16 pairs of rows of the block, NR columns x 2 bytes each, widened to int16
   and multiplied with the same activations as one int16 term, 256 q + r, in pairs (`madd`, or
   VNNI's `dpwssd`): y = sum over blocks of d_w d / 256 (sum of q_w (256 q + r)), each block's
-  sum exact in int32.
+  sum exact in int32. Q6_K (w = d sc (q - 32) per sub-block of 16) the same way, its quants
+  less 32 as int8 and each half block's sum scaled by its own d sc (fp32, exact).
 
 A row's result does not depend on the other rows in the call.
 """
@@ -37,7 +40,14 @@ from kvserve.kernels import cpp_build, cpu_linear
 
 QK = 32  # weights per block of the kernels
 # format -> (weights, bytes) per block in the file (GGML's block and type sizes)
-FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144)}
+FORMATS = {
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q8_0": (32, 34),
+    "q4_k": (256, 144),
+    "q6_k": (256, 210),
+}
+EIGHT_BIT = ("q8_0", "q6_k")  # packed as int8 quants in pairs of rows
 
 
 def _extension() -> Any | None:
@@ -66,15 +76,34 @@ def _q4_k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def _q6_k(b: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Q6_K blocks [n, ns, 210] (128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales of
+    sub-blocks of 16, fp16 d; w = d sc (q - 32)) -> the fp32 scales d sc of each block of 32's
+    two halves ([n, nb, 4] bytes each) and its quants q - 32 as int8 bytes [n, nb, 32]."""
+    n = b.shape[0]
+    ql = b[..., :128].reshape(n, -1, 2, 1, 64)
+    ql = torch.cat((ql & 0x0F, ql >> 4), dim=3).reshape(n, -1, 256)  # gguf's weight order
+    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).reshape(n, -1, 256)
+    q = ((ql | (qh << 4)).to(torch.int16) - 32).to(torch.int8).view(torch.uint8)
+    d = _half(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()
+    d = d.reshape(n, -1, 2)  # [n, nb, 2]: the two sub-blocks of each block of 32
+    scales = [d[..., h : h + 1].contiguous().view(torch.uint8) for h in (0, 1)]
+    return scales, q.reshape(n, -1, 32)
+
+
 def _blocks_of_32(blocks: torch.Tensor, fmt: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A GGUF tensor's blocks [n, bytes] as blocks of 32 weights: the bytes of their scales
-    ([n, nb, 2] fp16 each, or [n, nb, 4] fp32 for Q4_K: d, and m for the 4-bit formats, with
-    w = d q + m) and their quants [n, nb, 32] (4-bit values, or Q8_0's int8 bytes)."""
+    ([n, nb, 2] fp16 each, or [n, nb, 4] fp32 for the k-quants: d, and m for the 4-bit formats,
+    with w = d q + m; Q6_K: the scales of its halves) and their quants [n, nb, 32] (4-bit
+    values, or int8 bytes)."""
     n = blocks.shape[0]
     size = FORMATS[fmt][1]
     b = blocks.view(n, -1, size)
     if fmt == "q8_0":
         return [b[..., 0:2]], b[..., 2:]
+    if fmt == "q6_k":
+        return _q6_k(b)
     if fmt == "q4_k":  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of quants
         sc, mn = _q4_k_scale_min(b[..., 4:16])
         d = _half(b[..., 0:2]) * sc.float()  # gguf's fp32 products: w = d sc q - dmin m
@@ -93,8 +122,8 @@ def _blocks_of_32(blocks: torch.Tensor, fmt: str) -> tuple[list[torch.Tensor], t
 def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """A GGUF tensor's blocks, uint8 [N, K / weights * size] (one row of blocks per output row)
     -> panels [ceil(N / NR), K / 32, NR * packed size], zero-padded to whole panels (zero
-    scales). Packed sizes per column and block of 32: Q8_0 34; Q4_0 and Q4_1 20 (fp16 d, m);
-    Q4_K 24 (fp32 d, m)."""
+    scales). Packed sizes per column and block of 32: Q8_0 34; Q6_K 40 (two fp32 scales, int8
+    quants); Q4_0 and Q4_1 20 (fp16 d, m); Q4_K 24 (fp32 d, m)."""
     scales, quants = _blocks_of_32(blocks, fmt)
     n, nb = quants.shape[:2]
     nr = cpu_linear.panel_width()
@@ -105,7 +134,7 @@ def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
         return t.view(panels, nr, nb, -1).transpose(1, 2)
 
     parts = [panel_major(s).reshape(panels, nb, -1) for s in scales]
-    if fmt == "q8_0":  # [P, nb, 16, NR, 2]: rows 2p and 2p + 1 of the block, per column
+    if fmt in EIGHT_BIT:  # [P, nb, 16, NR, 2]: rows 2p and 2p + 1 of the block, per column
         packed = panel_major(quants).reshape(panels, nb, nr, 16, 2).transpose(2, 3)
     else:
         q = panel_major(quants).reshape(panels, nb, nr, 2, 4, 4)  # [.., half, g, j]

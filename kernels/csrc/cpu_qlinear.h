@@ -19,9 +19,17 @@ using cpu_linear::NR;
 using cpu_linear::NV;
 
 constexpr int QK = 32;  // weights per block along K
-// A packed format is named by its bytes per column and block of 32 weights: Q8_0's blocks run
-// here; the 4-bit ones (Q4_0, Q4_1 and Q4_K, packed as d, m and 16 bytes) in cpu_q4i8.
+// A packed format is named by its bytes per column and block of 32 weights: the 8-bit ones
+// run here, Q8_0 (an fp16 scale and 32 int8 quants) and Q6_K (its quants less 32 as int8, with
+// the fp32 scales of its two sub-blocks of 16); the 4-bit ones (Q4_0, Q4_1 and Q4_K, packed as
+// d, m and 16 bytes) in cpu_q4i8.
 constexpr int Q8_0 = 34;
+constexpr int Q6_K = 40;
+// Sub-blocks of a Q8_0 (1) or Q6_K (2) block, each with its own scale, and the scales' bytes.
+template <int FMT>
+constexpr int SUBS = FMT == Q6_K ? 2 : 1;
+template <int FMT>
+constexpr int SCALE_BYTES = FMT == Q6_K ? 8 : 2;
 using cpu_q4i8::QuantizedRows;
 using cpu_q4i8::vq;
 constexpr int TR = cpu_q4i8::TR;
@@ -49,10 +57,10 @@ static inline __attribute__((always_inline)) vq dot_pairs(vq acc, vq w, int32_t 
 }
 
 // R rows times one panel into y (row stride ldy; `cols` valid columns). A block's 16 pairs of
-// rows: NR columns x 2 quants each. Per block and lane the integer sum of q_w (256 q + r) is
-// exact in int32 (|sum| <= 32 * 128 * 32,639); then acc += float(sum) (d_w d_x / 256), the
-// same for a row in any tile.
-template <int R>
+// rows: NR columns x 2 quants each. Per sub-block and lane the integer sum of q_w (256 q + r)
+// is exact in int32 (|sum| <= 32 * 128 * 32,639); then acc += float(sum) (d_w d_x / 256), sub-
+// block by sub-block, the same for a row in any tile.
+template <int FMT, int R>
 static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t row, int64_t K,
                                            const uint8_t* panel, float* y, int64_t ldy,
                                            int64_t cols) {
@@ -62,47 +70,56 @@ static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t r
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vf{};
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = panel + b * Q8_0 * NR;
-    const uint8_t* quants = blk + 2 * NR;
-    cpu_q4i8::prefetch(blk + cpu_q4i8::PREFETCH * Q8_0 * NR, Q8_0 * NR);
-    vq sums[R][NV];
-    for (int i = 0; i < R; ++i)
-      for (int v = 0; v < NV; ++v) sums[i][v] = cpu_q4i8::zero();
-    for (int p = 0; p < QK / 2; ++p)
-      for (int v = 0; v < NV; ++v) {
-        const vq w = load_pairs(quants + (p * NR + v * VW) * 2);
-        for (int i = 0; i < R; ++i) {
-          int32_t x2;
-          std::memcpy(&x2, X + (row + i) * K + b * QK + 2 * p, 4);
-          sums[i][v] = dot_pairs(sums[i][v], w, x2);
-        }
-      }
-    for (int v = 0; v < NV; ++v) {
-      const vf d = load_half(blk + 2 * v * VW);
+    constexpr int S = SUBS<FMT>;
+    const uint8_t* blk = panel + b * FMT * NR;
+    const uint8_t* quants = blk + SCALE_BYTES<FMT> * NR;
+    cpu_q4i8::prefetch(blk + cpu_q4i8::PREFETCH * FMT * NR, FMT * NR);
+    vq sums[S][R][NV];
+    for (int s = 0; s < S; ++s)
       for (int i = 0; i < R; ++i)
-        acc[i][v] = cpu_q4i8::flush(acc[i][v], cpu_q4i8::to_float(sums[i][v]), d, vf{},
-                                    xq.dx[(row + i) * nb + b], 0.f);
-    }
+        for (int v = 0; v < NV; ++v) sums[s][i][v] = cpu_q4i8::zero();
+    for (int s = 0; s < S; ++s)
+      for (int p = s * QK / 2 / S; p < (s + 1) * QK / 2 / S; ++p)
+        for (int v = 0; v < NV; ++v) {
+          const vq w = load_pairs(quants + (p * NR + v * VW) * 2);
+          for (int i = 0; i < R; ++i) {
+            int32_t x2;
+            std::memcpy(&x2, X + (row + i) * K + b * QK + 2 * p, 4);
+            sums[s][i][v] = dot_pairs(sums[s][i][v], w, x2);
+          }
+        }
+    for (int v = 0; v < NV; ++v)
+      for (int s = 0; s < S; ++s) {
+        vf d;
+        if constexpr (FMT == Q6_K)
+          std::memcpy(&d, blk + 4 * (s * NR + v * VW), sizeof d);
+        else
+          d = load_half(blk + 2 * v * VW);
+        for (int i = 0; i < R; ++i)
+          acc[i][v] = cpu_q4i8::flush(acc[i][v], cpu_q4i8::to_float(sums[s][i][v]), d, vf{},
+                                      xq.dx[(row + i) * nb + b], 0.f);
+      }
   }
   for (int i = 0; i < R; ++i) store_row(y + i * ldy, acc[i], cols);
 }
 
+template <int FMT>
 static void run(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t N, int64_t K,
                 int64_t P) {
   QuantizedRows xq;
   cpu_q4i8::quantize_rows(xp, M, K, xq, false, true);
-  const int64_t panel_bytes = K / QK * Q8_0 * NR;
+  const int64_t panel_bytes = K / QK * FMT * NR;
   cpu_q4i8::each_panel(P, [&](int64_t p) {
     const int64_t cols = std::min<int64_t>(NR, N - p * NR);
     for (int64_t m = 0; m < M; m += TR)
       with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
-        q8_tile<R>(xq, m, K, wp + p * panel_bytes, yp + m * N + p * NR, N, cols);
+        q8_tile<FMT, R>(xq, m, K, wp + p * panel_bytes, yp + m * N + p * NR, N, cols);
       });
   });
 }
 
 // x [M, K] contiguous f32; packed [P, K / 32, NR * bytes] uint8 (kernels/cpu_qlinear.py) ->
-// y [M, N]: Q8_0 here, the 4-bit formats in cpu_q4i8.
+// y [M, N]: Q8_0 and Q6_K here, the 4-bit formats in cpu_q4i8.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                      int64_t float_rows = cpu_q4i8::FLOAT_ROWS) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
@@ -113,10 +130,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t format = packed.size(2) / NR;
   if (format == cpu_q4i8::BYTES<2>) return cpu_q4i8::linear<2>(x, packed, N, float_rows);
   if (format == cpu_q4i8::BYTES<4>) return cpu_q4i8::linear<4>(x, packed, N, float_rows);
-  TORCH_CHECK(format == Q8_0, "qlinear: no format of ", format, " bytes per block");
+  TORCH_CHECK(format == Q8_0 || format == Q6_K, "qlinear: no format of ", format,
+              " bytes per block");
   auto y = torch::empty({M, N}, x.options());
-  if (M > 0)
-    run(x.data_ptr<float>(), packed.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K, P);
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  if (format == Q8_0)
+    run<Q8_0>(xp, wp, y.data_ptr<float>(), M, N, K, P);
+  else
+    run<Q6_K>(xp, wp, y.data_ptr<float>(), M, N, K, P);
   return y;
 }
 

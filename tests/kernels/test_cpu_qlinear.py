@@ -1,6 +1,7 @@
-"""The quantized-weight GEMM on GGUF blocks: Q8_0 bit-identical to cpu_linear over the weights
-expanded to fp32; Q4_0 / Q4_1 on two-term int8 activations equal to that arithmetic computed
-in float64, and close to the fp32 product; a row's result independent of the batch."""
+"""The quantized-weight GEMM on GGUF blocks (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K): packing keeps the
+blocks' numbers; every format on two-term int8 activations equals that arithmetic computed in
+float64 from GGML's definitions of the blocks, and is close to the fp32 product; a row's result
+is independent of the batch."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     nb = cols // weights
     b = torch.randint(0, 256, (rows, nb, size), dtype=torch.uint8, generator=g)
     d = torch.rand(rows, nb, 1, generator=g) * 0.02 + 1e-3
+    if fmt == "q6_k":  # d (last) scales the int8 sub-block scales
+        b[..., 208:210] = (d / 127).half().view(torch.uint8)
+        return b.view(rows, nb * size)
     if fmt == "q4_k":  # d and dmin scale 6-bit numbers
         d /= 63
         b[..., 2:4] = (torch.rand(rows, nb, 1, generator=g) * 0.05 / 63).half().view(torch.uint8)
@@ -31,12 +35,35 @@ def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     return b.view(rows, nb * size)
 
 
+def q6_k_params(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q6_K blocks [n, ns, 210] read as GGML's C reference (dequantize_row_q6_K) does: per half
+    of 128 weights, weight l + 32 t (l < 32) takes ql[l + 32 (t & 1)]'s low (t < 2) or high
+    nibble and bits 2t of qh[l], minus 32; sub-block of 16 j has the scale d sc[j]. Per block
+    of 32: the two scales [n, nb, 2] and the quants [n, nb, 32], float64."""
+    n, ns = b.shape[:2]
+    ql, qh = b[..., :128].long(), b[..., 128:192].long()
+    q = torch.empty(n, ns, 256, dtype=torch.long)
+    for half in range(2):
+        for t in range(4):
+            low = ql[..., 64 * half + 32 * (t & 1) : 64 * half + 32 * (t & 1) + 32]
+            nib = low & 15 if t < 2 else low >> 4
+            high = (qh[..., 32 * half : 32 * half + 32] >> (2 * t)) & 3
+            q[..., 128 * half + 32 * t : 128 * half + 32 * t + 32] = (nib | (high << 4)) - 32
+    d = b[..., 208:210].contiguous().view(torch.float16).double()  # [n, ns, 1]
+    scales = d * b[..., 192:208].contiguous().view(torch.int8).double()  # [n, ns, 16]
+    return scales.reshape(n, -1, 2), q.reshape(n, -1, 32).double()
+
+
 def block_params(blocks: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
     """Per block of 32 weights of each row, float64: d and m [n, nb] and the quants [n, nb, 32]
-    (w = d q + m), read by GGML's definitions (Q4_K's sub-block scales by gguf's own code)."""
+    (w = d q + m), read by GGML's definitions (Q4_K's sub-block scales by gguf's own code);
+    Q6_K: d [n, nb, 2], one per half (w = d q)."""
     n = blocks.shape[0]
     size = cpu_qlinear.FORMATS[fmt][1]
     b = blocks.view(n, -1, size)
+    if fmt == "q6_k":
+        d, q = q6_k_params(b)
+        return d, torch.zeros(d.shape[:2], dtype=torch.float64), q
     d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].double()  # [n, nb]
     if fmt == "q8_0":
         return d, torch.zeros_like(d), b[..., 2:].contiguous().view(torch.int8).double()
@@ -100,6 +127,13 @@ def test_pack_keeps_q4_k_sub_blocks_with_fp32_scales() -> None:
     assert torch.equal(w, d.float()[..., None] * q.float() + m.float()[..., None])  # as gguf
 
 
+def test_q6_k_blocks_read_as_gguf_expands_them() -> None:
+    blocks = random_blocks("q6_k", 5, 512, seed=6)
+    d, _, q = block_params(blocks, "q6_k")
+    w = d.float().repeat_interleave(16, -1) * q.float().view(5, -1, 32)  # fp32, as gguf
+    assert torch.equal(QuantizedWeight("q6_k", blocks).dequantize(), w.view(5, 512))
+
+
 def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """The kernel's product in float64: each row's blocks of 32 as two int8 terms
     x ~ d (q + r / 256) (d = max|x| / 127, q = round(x / d), r = round((x - d q) 256 / d)
@@ -112,8 +146,13 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Ten
     qx = torch.round(xb * inv)
     rx = torch.round((xb - dx[..., None] * qx) * inv * 256).clamp(-127, 127)
     whole = (256 * qx + rx).double()  # exact small integers
-    dots = torch.einsum("rbk,nbk->rnb", whole, q)
     scale = dx.double()[:, None] / 256
+    if d.dim() == 3:  # one scale per half block
+        dots = torch.einsum(
+            "rbhk,nbhk->rnbh", whole.view(*whole.shape[:2], 2, 16), q.view(*q.shape[:2], 2, 16)
+        )
+        return (dots * d[None] * scale[..., None]).sum((-1, -2))
+    dots = torch.einsum("rbk,nbk->rnb", whole, q)
     return (dots * d[None] * scale + m[None] * (scale * whole.sum(-1)[:, None])).sum(-1)
 
 

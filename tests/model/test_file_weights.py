@@ -20,7 +20,7 @@ from kvserve.shared.model.quantized import QuantizedWeight, expand
 from kvserve.shared.sampling_params import SamplingParams
 
 from tests.model.fidelity import teacher_forced
-from tests.model.q4_k import q4_k_blocks
+from tests.model.k_quants import q4_k_blocks, q6_k_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_qlinear.available(), reason="no C++ toolchain")
 ALL = frozenset(cpu_qlinear.FORMATS)
@@ -93,32 +93,35 @@ def test_the_engine_on_the_file_blocks_stays_with_the_fp32_expansion(
 
 
 @needs_kernels
-def test_q4_k_blocks_run_on_the_4bit_kernel(
+def test_k_quant_blocks_run_on_the_kernels(
     make_engine,
     file_weights: LoadedWeights,
     chat_prompt_ids,  # type: ignore[no-untyped-def]
 ) -> None:
-    """Q4_K, the k-quant of most 4-bit GGUFs: the MLP's down projections (1,536 inputs, whole
-    blocks of 256) as Q4_K blocks compute on the 4-bit kernel, and the engine stays with the
-    fp32 expansion of the same blocks, in prefill and in the one-call decode step."""
+    """Q4_K and Q6_K, the k-quants of most 4-bit GGUFs (Q4_K_M): the MLP's down projections
+    (1,536 inputs, whole blocks of 256) as Q4_K blocks in even layers and Q6_K in odd ones
+    compute on the 4-bit and 8-bit kernels, and the engine stays with the fp32 expansion of the
+    same blocks, in prefill and in the one-call decode step."""
     blocks = dict(file_weights.weights)
     for i in range(file_weights.config.num_layers):
         name = f"model.layers.{i}.mlp.down_proj.weight"
         w = expand(blocks[name]).numpy()
-        blocks[name] = QuantizedWeight("q4_k", torch.from_numpy(q4_k_blocks(w)))
+        fmt, encode = ("q4_k", q4_k_blocks) if i % 2 == 0 else ("q6_k", q6_k_blocks)
+        blocks[name] = QuantizedWeight(fmt, torch.from_numpy(encode(w)))
     expanded = {name: expand(w) for name, w in blocks.items()}
     base = make_engine()
     config = base.config
-    q4_k = LoadedWeights(file_weights.config, blocks, "q4_k")
+    k_quants = LoadedWeights(file_weights.config, blocks, "k-quants")
     file_config = dataclasses.replace(config, weights="file")
-    file = Engine(file_config, tokenizer=base.tokenizer, weights=q4_k)
+    file = Engine(file_config, tokenizer=base.tokenizer, weights=k_quants)
     fp32 = Engine(
         config,
         tokenizer=base.tokenizer,
-        weights=LoadedWeights(file_weights.config, expanded, "q4_k-fp32"),
+        weights=LoadedWeights(file_weights.config, expanded, "k-quants-fp32"),
     )
-    down = file.runner.model.layers[0].mlp.down
-    assert down.qpanels is not None and down.qpanels.shape[2] == 24 * cpu_linear.panel_width()
+    for i, size in ((0, 24), (1, 40)):  # bytes per column and block of 32 (kernels/cpu_qlinear)
+        down = file.runner.model.layers[i].mlp.down
+        assert down.qpanels is not None and down.qpanels.shape[2] == size * cpu_linear.panel_width()
     assert fp32.runner.model.layers[0].mlp.down.qpanels is None
     prompts = chat_prompt_ids[:4]
     params = SamplingParams(max_tokens=32, ignore_eos=True)

@@ -1,5 +1,5 @@
-"""A Q4_K encoder for tests (the default model's file has no Q4_K tensor): GGML's block layout,
-each sub-block of 32 quantized between its min and max (not llama.cpp's search for the best
+"""Q4_K and Q6_K encoders for tests (the default model's file has no k-quant tensor): GGML's
+block layouts, each sub-block quantized by its range (not llama.cpp's search for the best
 scales: the tests compare a kernel with the expansion of the same blocks)."""
 
 from __future__ import annotations
@@ -35,3 +35,30 @@ def q4_k_blocks(w: np.ndarray) -> np.ndarray:
     qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(n, k // 256, 128)
     halves = (d[..., None].view(np.uint8), dmin[..., None].view(np.uint8))
     return np.concatenate((*halves, scales, qs), axis=-1).reshape(n, -1)
+
+
+def q6_k_blocks(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] (k a multiple of 256) -> uint8 [n, k / 256 * 210]: per block of 256, 128
+    bytes of the quants' low 4 bits, 64 of their high 2 bits (GGML's order: weight 32 t + l of
+    each half of 128 in ql[32 (t & 1) + l]'s low (t < 2) or high nibble and qh[l]'s bits 2t),
+    16 int8 scales of sub-blocks of 16, fp16 d; w ~ d sc (q - 32)."""
+    n, k = w.shape
+    sub = w.astype(np.float32).reshape(n, k // 256, 16, 16)
+    step = np.abs(sub).max(-1) / 31  # [n, nb, 16]
+    d = (np.abs(step).max(-1) / 127).astype(np.float16)
+    sc = np.round(step / np.maximum(d.astype(np.float32), 1e-30)[..., None]).clip(-128, 127)
+    scale = d.astype(np.float32)[..., None] * sc
+    q = np.round(sub / np.maximum(scale, 1e-30)[..., None]).clip(-32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(n, k // 256, 2, 4, 32)  # [.., half, t, l]
+    lo, hi = q & 15, q >> 4
+    ql = np.concatenate(
+        (lo[..., 0, :] | (lo[..., 2, :] << 4), lo[..., 1, :] | (lo[..., 3, :] << 4)), -1
+    )
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    parts = (
+        ql.reshape(n, k // 256, 128),
+        qh.reshape(n, k // 256, 64),
+        sc.astype(np.int8).view(np.uint8),
+        d[..., None].view(np.uint8),
+    )
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
