@@ -18,7 +18,14 @@ from kvserve.kernels import cpu_decode_step, cpu_linear, cpu_ops, cpu_qlinear
 from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.config import ModelConfig
 from kvserve.shared.model.attention import AttentionMetadata, OutputRows, PagedKV
-from kvserve.shared.model.quantized import QuantizedWeight, Weight, expand, fuse
+from kvserve.shared.model.quantized import (
+    LinearWeight,
+    QuantizedWeight,
+    StackedBlocks,
+    Weight,
+    expand,
+    fuse,
+)
 from torch import nn
 
 
@@ -39,7 +46,8 @@ class Linear(nn.Module):
     torch.compile's CPU backend does with frozen weights; faster than F.linear's BLAS path);
     elsewhere plain F.linear. Only the copies a path needs are kept.
 
-    A weight in its GGUF file's blocks (QuantizedWeight) is packed for kernels.cpu_qlinear,
+    A weight in its GGUF file's blocks (QuantizedWeight, or StackedBlocks of several formats:
+    one panel matrix per part) is packed for kernels.cpu_qlinear,
     which computes on activations quantized to two int8 terms (`int8_activations`); without the
     compiled kernels it is expanded.
 
@@ -47,18 +55,25 @@ class Linear(nn.Module):
     stored in it, the input is cast to it and the output back to the input's dtype (bfloat16
     matmuls in a float32 model use the CPU's bf16 dot-product instructions)."""
 
-    def __init__(self, weight: Weight, compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, weight: LinearWeight, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.qpanels: torch.Tensor | None = None
+        # StackedBlocks: each part's panels and output features, computed side by side
+        self.qparts: list[tuple[torch.Tensor, int]] = []
         self.panels: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
         self.int8_activations = False
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, QuantizedWeight | StackedBlocks):
             self.out_features, self.in_features = weight.out_features, weight.in_features
             self.compute_dtype = torch.float32
             if cpu_qlinear.available() and compute_dtype in (None, torch.float32):
-                self.qpanels = cpu_qlinear.pack(weight.blocks, weight.fmt)
+                parts = weight.parts if isinstance(weight, StackedBlocks) else (weight,)
+                packed = [(cpu_qlinear.pack(p.blocks, p.fmt), p.out_features) for p in parts]
+                if len(packed) == 1:
+                    self.qpanels = packed[0][0]
+                else:
+                    self.qparts = packed
                 self.int8_activations = True
                 return
             weight = weight.dequantize()
@@ -80,12 +95,15 @@ class Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         """The bytes of the copy of the weight a matmul reads (the first `forward` tries)."""
+        if self.qparts:
+            return sum(p.numel() for p, _ in self.qparts)
         kept = [t for t in (self.qpanels, self.panels, self.packed, self.weight) if t is not None]
         return kept[0].numel() * kept[0].element_size()
 
     @property
     def cpp_weight(self) -> torch.Tensor | None:
-        """The weight as kernels.cpu_decode_step takes it (either kind of panels), or None."""
+        """The weight as kernels.cpu_decode_step takes it (either kind of panels), or None (also
+        for parts in different formats: such a model's decode steps run layer by layer)."""
         return self.qpanels if self.qpanels is not None else self.panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +114,13 @@ class Linear(nn.Module):
         if self.qpanels is not None:
             y = cpu_qlinear.linear(x, self.qpanels, self.out_features)
             assert y is not None, "the quantized kernel takes every fp32 input"
+        elif self.qparts:
+            outs = []
+            for panels, n in self.qparts:
+                part = cpu_qlinear.linear(x, panels, n)
+                assert part is not None, "the quantized kernel takes every fp32 input"
+                outs.append(part)
+            y = torch.cat(outs, dim=1)
         if y is None and self.panels is not None:
             y = cpu_linear.linear(x, self.panels, self.out_features)
         if y is None and self.packed is not None:

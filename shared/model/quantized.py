@@ -9,6 +9,7 @@ the file's numbers never change.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,17 +48,44 @@ class QuantizedWeight:
         return torch.from_numpy(dequantize(self.blocks.numpy(), qtype))
 
 
-Weight = torch.Tensor | QuantizedWeight
+@dataclass(frozen=True)
+class StackedBlocks:
+    """Weights stacked along the output rows whose blocks differ in format (Q4_K_M files store
+    some layers' V projections as Q6_K beside Q4_K Q and K): each part keeps its own blocks,
+    and the stack's output is the parts' outputs side by side."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
 
 
-def fuse(parts: Sequence[Weight]) -> Weight:
+Weight = torch.Tensor | QuantizedWeight  # a tensor as loaded
+LinearWeight = Weight | StackedBlocks  # what a linear layer takes
+
+
+def fuse(parts: Sequence[Weight]) -> LinearWeight:
     """Weights stacked along the output rows (a fused QKV or gate/up projection): in the file's
-    blocks when every part is in the same format, else as fp32 (or the tensors' dtype)."""
+    blocks when every part is in the file's blocks (one matrix of them where the formats agree,
+    else StackedBlocks of the runs of neighbours in one format), else as fp32 (or the tensors'
+    dtype)."""
     blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
-    if len(blocks) == len(parts) and len({p.fmt for p in blocks}) == 1:
-        return QuantizedWeight(blocks[0].fmt, torch.cat([p.blocks for p in blocks]))
-    return torch.cat([expand(p) for p in parts])
+    if len(blocks) < len(parts):
+        return torch.cat([expand(p) for p in parts])
+    runs = [
+        QuantizedWeight(fmt, torch.cat([p.blocks for p in run]))
+        for fmt, run in itertools.groupby(blocks, key=lambda p: p.fmt)
+    ]
+    return runs[0] if len(runs) == 1 else StackedBlocks(tuple(runs))
 
 
-def expand(weight: Weight) -> torch.Tensor:
-    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+def expand(weight: LinearWeight) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()

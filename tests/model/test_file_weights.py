@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from kvserve.kernels import cpu_linear, cpu_qlinear
@@ -129,6 +130,47 @@ def test_k_quant_blocks_run_on_the_kernels(
     together = file.generate(prompts, params)
     assert together == [file.generate([p], params)[0] for p in prompts]
     kl, agree = teacher_forced(fp32, file, prompts, [c[0] for c in want])
+    assert kl < 1e-4
+    assert agree >= 0.99
+
+
+@needs_kernels
+def test_a_fused_projection_of_two_formats_keeps_both(
+    make_engine,
+    file_weights: LoadedWeights,
+    chat_prompt_ids,  # type: ignore[no-untyped-def]
+) -> None:
+    """Q4_K_M files store some layers' V projection in another format than Q and K: the fused
+    QKV keeps each run of one format in its blocks (here Q4_1 Q and K, V re-encoded as Q8_0),
+    the decode steps run layer by layer, and the engine stays with the fp32 expansion."""
+    blocks = dict(file_weights.weights)
+    for i in range(file_weights.config.num_layers):
+        name = f"model.layers.{i}.self_attn.v_proj.weight"
+        q8 = gguf.quants.quantize(expand(blocks[name]).numpy(), gguf.GGMLQuantizationType.Q8_0)
+        blocks[name] = QuantizedWeight("q8_0", torch.from_numpy(q8))
+    expanded = {name: expand(w) for name, w in blocks.items()}
+    base = make_engine()
+    mixed = Engine(
+        dataclasses.replace(base.config, weights="file"),
+        tokenizer=base.tokenizer,
+        weights=LoadedWeights(file_weights.config, blocks, "mixed"),
+    )
+    fp32 = Engine(
+        base.config,
+        tokenizer=base.tokenizer,
+        weights=LoadedWeights(file_weights.config, expanded, "mixed-fp32"),
+    )
+    qkv = mixed.runner.model.layers[0].attn.qkv
+    c = file_weights.config
+    kv = c.num_kv_heads * c.head_dim
+    assert [n for _, n in qkv.qparts] == [c.num_heads * c.head_dim + kv, kv]
+    assert qkv.weight_bytes * 3 < fp32.runner.model.layers[0].attn.qkv.weight_bytes
+    assert mixed.runner.model.decoder_weights is None  # layer by layer
+    prompts = chat_prompt_ids[:4]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    want = fp32.generate(prompts, params)
+    assert mixed.generate(prompts, params) == [mixed.generate([p], params)[0] for p in prompts]
+    kl, agree = teacher_forced(fp32, mixed, prompts, [c[0] for c in want])
     assert kl < 1e-4
     assert agree >= 0.99
 
