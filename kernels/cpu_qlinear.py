@@ -5,9 +5,10 @@ fp16 offset m) and 32 quants (4-bit: w = d q + m, Q4_0 w = d (q - 8); 8-bit: w =
 block holds 256: eight such sub-blocks of 32 whose d and m are products of the block's fp16
 scales and each sub-block's 6-bit ones (w = d sc q - dmin mn, in fp32); a Q6_K block 256 6-bit
 quants in sixteen sub-blocks of 16, each scaled by d sc (fp16 d, int8 sc). `pack` lays the
-blocks out as cpu_linear's column panels, per panel of NR output columns and per block of 32
-rows of k: the NR scales (and offsets), fp16 or (the k-quants: the products, exact) fp32, then
-the quants.
+blocks out as cpu_linear's column panels, per panel of NR output columns and per block of k
+(32 rows, 256 for the k-quants): the NR numbers of each of the block's heads (scales, offsets,
+sub-block scales as bytes), then the quants; the kernels form the k-quants' sub-block scales
+as gguf does (exact fp32 products).
 
 - 4-bit (Q4_0 packed as Q4_1 with m = -8 d, exact in fp16; Q4_K's sub-blocks): the quants as
   4 groups of NR x 4 bytes, byte j of column c in group g holding rows 4g + j (low nibble) and
@@ -25,7 +26,7 @@ the quants.
   and multiplied with the same activations as one int16 term, 256 q + r, in pairs (`madd`, or
   VNNI's `dpwssd`): y = sum over blocks of d_w d / 256 (sum of q_w (256 q + r)), each block's
   sum exact in int32. Q6_K (w = d sc (q - 32) per sub-block of 16) the same way, its quants
-  less 32 as int8 and each half block's sum scaled by its own d sc (fp32, exact).
+  less 32 as int8 and each sub-block's sum scaled by its own d sc.
 
 A row's result does not depend on the other rows in the call.
 """
@@ -63,11 +64,6 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
 
 
-def _half(b: torch.Tensor) -> torch.Tensor:
-    """fp16 bytes [..., 2] -> float32 [..., 1]."""
-    return b.contiguous().view(torch.float16).float()
-
-
 def _q4_k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K's 12 scale bytes [..., 12] -> its 8 sub-blocks' 6-bit scales and mins [..., 8]."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -78,25 +74,23 @@ def _q4_k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _q6_k(b: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Q6_K blocks [n, ns, 210] (128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales of
-    sub-blocks of 16, fp16 d; w = d sc (q - 32)) -> the fp32 scales d sc of each block of 32's
-    two halves ([n, nb, 4] bytes each) and its quants q - 32 as int8 bytes [n, nb, 32]."""
+    sub-blocks of 16, fp16 d; w = d sc (q - 32)) -> the heads (d, then each sc) and the quants
+    q - 32 as int8 bytes [n, ns * 8, 32]."""
     n = b.shape[0]
     ql = b[..., :128].reshape(n, -1, 2, 1, 64)
     ql = torch.cat((ql & 0x0F, ql >> 4), dim=3).reshape(n, -1, 256)  # gguf's weight order
     qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
     qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).reshape(n, -1, 256)
     q = ((ql | (qh << 4)).to(torch.int16) - 32).to(torch.int8).view(torch.uint8)
-    d = _half(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()
-    d = d.reshape(n, -1, 2)  # [n, nb, 2]: the two sub-blocks of each block of 32
-    scales = [d[..., h : h + 1].contiguous().view(torch.uint8) for h in (0, 1)]
-    return scales, q.reshape(n, -1, 32)
+    sc = b[..., 192:208]
+    return [b[..., 208:210], *(sc[..., j : j + 1] for j in range(16))], q.reshape(n, -1, 32)
 
 
-def _blocks_of_32(blocks: torch.Tensor, fmt: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A GGUF tensor's blocks [n, bytes] as blocks of 32 weights: the bytes of their scales
-    ([n, nb, 2] fp16 each, or [n, nb, 4] fp32 for the k-quants: d, and m for the 4-bit formats,
-    with w = d q + m; Q6_K: the scales of its halves) and their quants [n, nb, 32] (4-bit
-    values, or int8 bytes)."""
+def _layout(blocks: torch.Tensor, fmt: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A GGUF tensor's blocks [n, nb, bytes] as the kernels keep them: per block (of 32, or of
+    256 for the k-quants) its heads, each [n, nb, width] (one number per column: fp16 scales
+    and offsets, the k-quants' sub-block scales as bytes), and the quants of its blocks of 32
+    [n, K / 32, 32] (4-bit values, or int8 bytes)."""
     n = blocks.shape[0]
     size = FORMATS[fmt][1]
     b = blocks.view(n, -1, size)
@@ -106,11 +100,10 @@ def _blocks_of_32(blocks: torch.Tensor, fmt: str) -> tuple[list[torch.Tensor], t
         return _q6_k(b)
     if fmt == "q4_k":  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of quants
         sc, mn = _q4_k_scale_min(b[..., 4:16])
-        d = _half(b[..., 0:2]) * sc.float()  # gguf's fp32 products: w = d sc q - dmin m
-        m = -(_half(b[..., 2:4]) * mn.float())
         qs = b[..., 16:].reshape(n, -1, 4, 1, 32)  # sub-blocks 2j (low), 2j + 1 (high nibbles)
         q = torch.cat((qs & 0x0F, qs >> 4), dim=3).reshape(n, -1, 32)
-        return [t.reshape(n, -1, 1).view(torch.uint8) for t in (d, m)], q
+        bytes_ = [t[..., j : j + 1] for t in (sc, mn) for j in range(8)]
+        return [b[..., 0:2], b[..., 2:4], *bytes_], q
     d = b[..., 0:2]
     if fmt == "q4_1":
         m = b[..., 2:4]
@@ -121,24 +114,27 @@ def _blocks_of_32(blocks: torch.Tensor, fmt: str) -> tuple[list[torch.Tensor], t
 
 def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """A GGUF tensor's blocks, uint8 [N, K / weights * size] (one row of blocks per output row)
-    -> panels [ceil(N / NR), K / 32, NR * packed size], zero-padded to whole panels (zero
-    scales). Packed sizes per column and block of 32: Q8_0 34; Q6_K 40 (two fp32 scales, int8
-    quants); Q4_0 and Q4_1 20 (fp16 d, m); Q4_K 24 (fp32 d, m)."""
-    scales, quants = _blocks_of_32(blocks, fmt)
-    n, nb = quants.shape[:2]
+    -> panels [ceil(N / NR), K / weights, NR * packed size], zero-padded to whole panels (zero
+    scales): per block, each head's NR numbers, then the quants of its blocks of 32. Packed
+    sizes per column and block: Q4_0 and Q4_1 20 (fp16 d, m, 16 bytes of quants); Q8_0 34;
+    Q4_K 148 (fp16 d, dmin, 8 + 8 bytes of sub-block sc, mn: the file's 144 unpacked); Q6_K 274
+    (fp16 d, 16 int8 sc, 256 int8 quants less 32: its 210 with the quants widened)."""
+    heads, quants = _layout(blocks, fmt)
+    n, nq = quants.shape[:2]
+    nb = heads[0].shape[1]
     nr = cpu_linear.panel_width()
     panels = -(-n // nr)
 
-    def panel_major(t: torch.Tensor) -> torch.Tensor:  # [n, nb, ...] -> [P, nb, NR, ...]
+    def panel_major(t: torch.Tensor) -> torch.Tensor:  # [n, m, ...] -> [P, m, NR, ...]
         t = F.pad(t, (0, 0, 0, 0, 0, panels * nr - n))
-        return t.view(panels, nr, nb, -1).transpose(1, 2)
+        return t.view(panels, nr, t.shape[1], -1).transpose(1, 2)
 
-    parts = [panel_major(s).reshape(panels, nb, -1) for s in scales]
-    if fmt in EIGHT_BIT:  # [P, nb, 16, NR, 2]: rows 2p and 2p + 1 of the block, per column
-        packed = panel_major(quants).reshape(panels, nb, nr, 16, 2).transpose(2, 3)
+    parts = [panel_major(h).reshape(panels, nb, -1) for h in heads]
+    if fmt in EIGHT_BIT:  # [P, nq, 16, NR, 2]: rows 2p and 2p + 1 of the block, per column
+        packed = panel_major(quants).reshape(panels, nq, nr, 16, 2).transpose(2, 3)
     else:
-        q = panel_major(quants).reshape(panels, nb, nr, 2, 4, 4)  # [.., half, g, j]
-        packed = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).transpose(2, 3)  # [P, nb, g, NR, j]
+        q = panel_major(quants).reshape(panels, nq, nr, 2, 4, 4)  # [.., half, g, j]
+        packed = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).transpose(2, 3)  # [P, nq, g, NR, j]
     parts.append(packed.reshape(panels, nb, -1))
     return torch.cat(parts, dim=2).contiguous()
 

@@ -23,19 +23,46 @@ using cpu_linear::NR;
 using cpu_linear::NV;
 
 constexpr int QK = 32;  // weights per block along K
-// Per column and block: d and m, then 16 bytes of quants. The scales are fp16 (SB = 2: Q4_0,
-// Q4_1) or fp32 (SB = 4: Q4_K, whose blocks' scales are products of two numbers).
-template <int SB>
-constexpr int BYTES = 2 * SB + 16;
-
-// VW columns' scales (fp16 or fp32) as floats (exact).
-template <int SB>
-static inline __attribute__((always_inline)) vf load_scale(const uint8_t* p) {
-  if constexpr (SB == 2) return load_half(p);
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
+// VW bytes (unsigned) as floats.
+static inline __attribute__((always_inline)) vf load_bytes(const uint8_t* p) {
+#if VW == 16
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#endif
 }
+
+// Where a packed 4-bit format keeps, per panel, block b's 16 NR bytes of quants and its NR
+// columns' d and m (w = d q + m), VW columns at a time as floats.
+// Q4_0 and Q4_1: per block d and m (fp16), then the quants: 20 bytes per column.
+struct PerBlock {
+  static constexpr int64_t BYTES = 20;  // per column and block of 32
+  static constexpr int64_t K = QK;      // weights per packed block
+  static const uint8_t* quants(const uint8_t* panel, int64_t b) {
+    return panel + b * BYTES * NR + 4 * NR;
+  }
+  static void scales(const uint8_t* panel, int64_t b, int v, vf& d, vf& m) {
+    const uint8_t* blk = panel + b * BYTES * NR;
+    d = load_half(blk + 2 * v * VW);
+    m = load_half(blk + 2 * (NR + v * VW));
+  }
+};
+// Q4_K: per block of 256 the file's fp16 d and dmin, its 8 blocks' 6-bit sc and mn as bytes,
+// then their quants: 148 bytes per column (the file's 144 with sc and mn unpacked). d = d sc
+// and m = -(dmin mn), exact fp32 products, as gguf and llama.cpp compute them.
+struct SuperBlock {
+  static constexpr int64_t BYTES = 4 + 16 + 8 * 16;
+  static constexpr int64_t K = 8 * QK;
+  static const uint8_t* quants(const uint8_t* panel, int64_t b) {
+    return panel + (b / 8) * BYTES * NR + 20 * NR + (b % 8) * 16 * NR;
+  }
+  static void scales(const uint8_t* panel, int64_t b, int v, vf& d, vf& m) {
+    const uint8_t* sb = panel + (b / 8) * BYTES * NR;
+    const int64_t j = b % 8;
+    d = load_half(sb + 2 * v * VW) * load_bytes(sb + (4 + j) * NR + v * VW);
+    m = -(load_half(sb + 2 * (NR + v * VW)) * load_bytes(sb + (12 + j) * NR + v * VW));
+  }
+};
 #if VW == 16
 #ifndef __AVX512BW__
 #error "the 4-bit kernel needs AVX512BW with AVX512F"
@@ -235,7 +262,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
 // integer sum 256 dot(q_w, q) + dot(q_w, r) is exact (|sum| < 2^24, so exact as a float too);
 // then acc += float(sum) * (d_w * d_x / 256) and acc += m_w * s_x, in that order, the same for
 // a row in any tile.
-template <int SB, int R>
+template <class L, int R>
 static __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row, int64_t K,
                                            const uint8_t* panel, float* y, int64_t ldy,
                                            int64_t cols) {
@@ -244,9 +271,8 @@ static __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row,
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vf{};
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = panel + b * BYTES<SB> * NR;
-    const uint8_t* quants = blk + 2 * SB * NR;
-    prefetch(blk + PREFETCH * BYTES<SB> * NR, BYTES<SB> * NR);
+    const uint8_t* quants = L::quants(panel, b);
+    prefetch(quants + PREFETCH * L::BYTES * NR * QK / L::K, L::BYTES * NR * QK / L::K);
     vq dots[R][NV], rdots[R][NV];  // with q, with r
     for (int i = 0; i < R; ++i)
       for (int v = 0; v < NV; ++v) dots[i][v] = rdots[i][v] = zero();
@@ -269,8 +295,8 @@ static __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row,
     for (int i = 0; i < R; ++i)
       for (int v = 0; v < NV; ++v) dots[i][v] = combine(dots[i][v], rdots[i][v]);
     for (int v = 0; v < NV; ++v) {
-      const vf d = load_scale<SB>(blk + SB * v * VW);
-      const vf m = load_scale<SB>(blk + SB * (NR + v * VW));
+      vf d, m;
+      L::scales(panel, b, v, d, m);
       for (int i = 0; i < R; ++i)
         acc[i][v] = flush(acc[i][v], to_float(dots[i][v]), d, m, xq.dx[(row + i) * nb + b],
                           xq.s[(row + i) * nb + b]);
@@ -302,10 +328,10 @@ static inline __attribute__((always_inline)) vf low_nibble(vq raw, int shift) {
 
 // A panel's quants as floats [K][NR]: per group g and column, byte j's nibbles are rows 4g + j
 // (low) and 16 + 4g + j (high) of the block.
-template <int SB>
+template <class L>
 static void panel_quants(const uint8_t* panel, int64_t K, float* out) {
   for (int64_t b = 0; b < K / QK; ++b) {
-    const uint8_t* quants = panel + b * BYTES<SB> * NR + 2 * SB * NR;
+    const uint8_t* quants = L::quants(panel, b);
     float* rows = out + b * QK * NR;
     for (int g = 0; g < 4; ++g)
       for (int v = 0; v < NV; ++v) {
@@ -319,7 +345,7 @@ static void panel_quants(const uint8_t* panel, int64_t K, float* out) {
 }
 
 // R rows of X [., K] (see above) times one panel, its quants as floats in wq.
-template <int SB, int R>
+template <class L, int R>
 static __attribute__((noinline)) void float_tile(const QuantizedRows& xq,
                                                  int64_t row, int64_t K, const uint8_t* panel,
                                                  const float* wq, float* y, int64_t ldy,
@@ -341,10 +367,9 @@ static __attribute__((noinline)) void float_tile(const QuantizedRows& xq,
         for (int v = 0; v < NV; ++v) sums[i][v] += xi * w[v];
       }
     }
-    const uint8_t* blk = panel + b * BYTES<SB> * NR;
     for (int v = 0; v < NV; ++v) {
-      const vf d = load_scale<SB>(blk + SB * v * VW);
-      const vf m = load_scale<SB>(blk + SB * (NR + v * VW));
+      vf d, m;
+      L::scales(panel, b, v, d, m);
       for (int i = 0; i < R; ++i)
         acc[i][v] = flush(acc[i][v], sums[i][v], d, m, xq.dx[(row + i) * nb + b],
                           xq.s[(row + i) * nb + b]);
@@ -369,9 +394,9 @@ static void each_panel(int64_t P, F&& fn) {
   });
 }
 
-// x [M, K] contiguous f32; packed [P, K / 32, NR * BYTES<SB>] uint8 -> y [M, N]: the integer
+// x [M, K] contiguous f32; packed [P, K / L::K, NR * L::BYTES] uint8 -> y [M, N]: the integer
 // kernel, or from `float_rows` rows on (-1: never) the float path.
-template <int SB>
+template <class L>
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t float_rows) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
@@ -381,23 +406,23 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t f
   quantize_rows(x.data_ptr<float>(), M, K, xq, floats);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = K / QK * BYTES<SB> * NR;
+  const int64_t panel_bytes = K / L::K * L::BYTES * NR;
   each_panel(P, [&](int64_t p) {
     const int64_t cols = std::min<int64_t>(NR, N - p * NR);
     const uint8_t* panel = wp + p * panel_bytes;
     if (!floats) {
       for (int64_t m = 0; m < M; m += TR)
         with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
-          tile<SB, R>(xq, m, K, panel, yp + m * N + p * NR, N, cols);
+          tile<L, R>(xq, m, K, panel, yp + m * N + p * NR, N, cols);
         });
       return;
     }
     thread_local std::vector<float> scratch;  // a panel's quants as floats (fully rewritten)
     if (scratch.size() < static_cast<size_t>(K * NR)) scratch.resize(K * NR);
-    panel_quants<SB>(panel, K, scratch.data());
+    panel_quants<L>(panel, K, scratch.data());
     for (int64_t m = 0; m < M; m += FR)
       with_rows<FR>(std::min<int64_t>(FR, M - m), [&]<int R>() {
-        float_tile<SB, R>(xq, m, K, panel, scratch.data(), yp + m * N + p * NR, N, cols);
+        float_tile<L, R>(xq, m, K, panel, scratch.data(), yp + m * N + p * NR, N, cols);
       });
   });
   return y;

@@ -19,17 +19,43 @@ using cpu_linear::NR;
 using cpu_linear::NV;
 
 constexpr int QK = 32;  // weights per block along K
-// A packed format is named by its bytes per column and block of 32 weights: the 8-bit ones
-// run here, Q8_0 (an fp16 scale and 32 int8 quants) and Q6_K (its quants less 32 as int8, with
-// the fp32 scales of its two sub-blocks of 16); the 4-bit ones (Q4_0, Q4_1 and Q4_K, packed as
-// d, m and 16 bytes) in cpu_q4i8.
-constexpr int Q8_0 = 34;
-constexpr int Q6_K = 40;
-// Sub-blocks of a Q8_0 (1) or Q6_K (2) block, each with its own scale, and the scales' bytes.
-template <int FMT>
-constexpr int SUBS = FMT == Q6_K ? 2 : 1;
-template <int FMT>
-constexpr int SCALE_BYTES = FMT == Q6_K ? 8 : 2;
+// A packed format is named by its bytes per column and packed block: the 8-bit ones run here
+// (layouts below), the 4-bit ones (Q4_0 and Q4_1 per block, Q4_K per block of 256) in
+// cpu_q4i8. Each 8-bit layout gives, per panel, block b's quants (32 NR int8 in pairs of
+// rows) and the scale of its sub-block s (of SUBS), VW columns at a time.
+// Q8_0: per block an fp16 d, then the quants: 34 bytes per column.
+struct Q8Block {
+  static constexpr int64_t BYTES = 34;
+  static constexpr int64_t K = QK;  // weights per packed block
+  static constexpr int SUBS = 1;
+  static const uint8_t* quants(const uint8_t* panel, int64_t b) {
+    return panel + b * BYTES * NR + 2 * NR;
+  }
+  static vf scale(const uint8_t* panel, int64_t b, int, int v) {
+    return load_half(panel + b * BYTES * NR + 2 * v * VW);
+  }
+};
+// Q6_K (w = d sc (q - 32) per sub-block of 16): per block of 256 the file's fp16 d and its 16
+// int8 sc, then the quants less 32 as int8: 274 bytes per column (the file's 210 with the
+// 6-bit quants widened to bytes). A sub-block's scale is d sc, an exact fp32 product.
+struct Q6Super {
+  static constexpr int64_t BYTES = 2 + 16 + 256;
+  static constexpr int64_t K = 8 * QK;
+  static constexpr int SUBS = 2;
+  static const uint8_t* quants(const uint8_t* panel, int64_t b) {
+    return panel + (b / 8) * BYTES * NR + 18 * NR + (b % 8) * 32 * NR;
+  }
+  static vf scale(const uint8_t* panel, int64_t b, int s, int v) {
+    const uint8_t* sb = panel + (b / 8) * BYTES * NR;
+    const uint8_t* sc = sb + (2 + 2 * (b % 8) + s) * NR + v * VW;
+#if VW == 16
+    const vf f = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sc)));
+#else
+    const vf f = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)sc)));
+#endif
+    return load_half(sb + 2 * v * VW) * f;
+  }
+};
 using cpu_q4i8::QuantizedRows;
 using cpu_q4i8::vq;
 constexpr int TR = cpu_q4i8::TR;
@@ -60,7 +86,7 @@ static inline __attribute__((always_inline)) vq dot_pairs(vq acc, vq w, int32_t 
 // rows: NR columns x 2 quants each. Per sub-block and lane the integer sum of q_w (256 q + r)
 // is exact in int32 (|sum| <= 32 * 128 * 32,639); then acc += float(sum) (d_w d_x / 256), sub-
 // block by sub-block, the same for a row in any tile.
-template <int FMT, int R>
+template <class L, int R>
 static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t row, int64_t K,
                                            const uint8_t* panel, float* y, int64_t ldy,
                                            int64_t cols) {
@@ -70,10 +96,10 @@ static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t r
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vf{};
   for (int64_t b = 0; b < nb; ++b) {
-    constexpr int S = SUBS<FMT>;
-    const uint8_t* blk = panel + b * FMT * NR;
-    const uint8_t* quants = blk + SCALE_BYTES<FMT> * NR;
-    cpu_q4i8::prefetch(blk + cpu_q4i8::PREFETCH * FMT * NR, FMT * NR);
+    constexpr int S = L::SUBS;
+    constexpr int64_t AVG = L::BYTES * NR * QK / L::K;  // bytes per block of 32, on average
+    const uint8_t* quants = L::quants(panel, b);
+    cpu_q4i8::prefetch(quants + cpu_q4i8::PREFETCH * AVG, AVG);
     vq sums[S][R][NV];
     for (int s = 0; s < S; ++s)
       for (int i = 0; i < R; ++i)
@@ -90,11 +116,7 @@ static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t r
         }
     for (int v = 0; v < NV; ++v)
       for (int s = 0; s < S; ++s) {
-        vf d;
-        if constexpr (FMT == Q6_K)
-          std::memcpy(&d, blk + 4 * (s * NR + v * VW), sizeof d);
-        else
-          d = load_half(blk + 2 * v * VW);
+        const vf d = L::scale(panel, b, s, v);
         for (int i = 0; i < R; ++i)
           acc[i][v] = cpu_q4i8::flush(acc[i][v], cpu_q4i8::to_float(sums[s][i][v]), d, vf{},
                                       xq.dx[(row + i) * nb + b], 0.f);
@@ -103,43 +125,51 @@ static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t r
   for (int i = 0; i < R; ++i) store_row(y + i * ldy, acc[i], cols);
 }
 
-template <int FMT>
+template <class L>
 static void run(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t N, int64_t K,
                 int64_t P) {
   QuantizedRows xq;
   cpu_q4i8::quantize_rows(xp, M, K, xq, false, true);
-  const int64_t panel_bytes = K / QK * FMT * NR;
+  const int64_t panel_bytes = K / L::K * L::BYTES * NR;
   cpu_q4i8::each_panel(P, [&](int64_t p) {
     const int64_t cols = std::min<int64_t>(NR, N - p * NR);
     for (int64_t m = 0; m < M; m += TR)
       with_rows<TR>(std::min<int64_t>(TR, M - m), [&]<int R>() {
-        q8_tile<FMT, R>(xq, m, K, wp + p * panel_bytes, yp + m * N + p * NR, N, cols);
+        q8_tile<L, R>(xq, m, K, wp + p * panel_bytes, yp + m * N + p * NR, N, cols);
       });
   });
 }
 
-// x [M, K] contiguous f32; packed [P, K / 32, NR * bytes] uint8 (kernels/cpu_qlinear.py) ->
-// y [M, N]: Q8_0 and Q6_K here, the 4-bit formats in cpu_q4i8.
+// Weights per packed block of a format (by its bytes per column and block), or 0: unknown.
+static int64_t block_weights(int64_t format) {
+  if (format == cpu_q4i8::PerBlock::BYTES || format == Q8Block::BYTES) return QK;
+  if (format == cpu_q4i8::SuperBlock::BYTES || format == Q6Super::BYTES) return 8 * QK;
+  return 0;
+}
+
+// x [M, K] contiguous f32; packed [P, K / block weights, NR * bytes] uint8
+// (kernels/cpu_qlinear.py) -> y [M, N]: Q8_0 and Q6_K here, the 4-bit formats in cpu_q4i8.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                      int64_t float_rows = cpu_q4i8::FLOAT_ROWS) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 &&
-                  packed.size(1) * QK == K && (N + NR - 1) / NR == P &&
-                  packed.size(2) % NR == 0,
-              "qlinear: packed weight does not match x or N");
+                  (N + NR - 1) / NR == P && packed.size(2) % NR == 0,
+              "qlinear: packed weight does not match N");
   const int64_t format = packed.size(2) / NR;
-  if (format == cpu_q4i8::BYTES<2>) return cpu_q4i8::linear<2>(x, packed, N, float_rows);
-  if (format == cpu_q4i8::BYTES<4>) return cpu_q4i8::linear<4>(x, packed, N, float_rows);
-  TORCH_CHECK(format == Q8_0 || format == Q6_K, "qlinear: no format of ", format,
-              " bytes per block");
+  TORCH_CHECK(block_weights(format) > 0, "qlinear: no format of ", format, " bytes per block");
+  TORCH_CHECK(packed.size(1) * block_weights(format) == K, "qlinear: packed weight does not match x");
+  if (format == cpu_q4i8::PerBlock::BYTES)
+    return cpu_q4i8::linear<cpu_q4i8::PerBlock>(x, packed, N, float_rows);
+  if (format == cpu_q4i8::SuperBlock::BYTES)
+    return cpu_q4i8::linear<cpu_q4i8::SuperBlock>(x, packed, N, float_rows);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  if (format == Q8_0)
-    run<Q8_0>(xp, wp, y.data_ptr<float>(), M, N, K, P);
+  if (format == Q8Block::BYTES)
+    run<Q8Block>(xp, wp, y.data_ptr<float>(), M, N, K, P);
   else
-    run<Q6_K>(xp, wp, y.data_ptr<float>(), M, N, K, P);
+    run<Q6Super>(xp, wp, y.data_ptr<float>(), M, N, K, P);
   return y;
 }
 

@@ -109,22 +109,38 @@ def test_pack_lays_out_4bit_quants_four_k_to_a_column() -> None:
         assert torch.equal(quants[g] >> 4, q[:, 16 + 4 * g : 20 + 4 * g])
 
 
-def test_pack_keeps_q4_k_sub_blocks_with_fp32_scales() -> None:
+def test_pack_keeps_q4_k_blocks_of_256_with_their_scales_as_bytes() -> None:
     nr = cpu_linear.panel_width()
     blocks = random_blocks("q4_k", nr, 256, seed=5)
     packed = cpu_qlinear.pack(blocks, "q4_k")
-    assert packed.shape == (1, 8, nr * 24)  # 8 sub-blocks of 32: fp32 d, m, 16 bytes of quants
+    assert packed.shape == (1, 1, nr * 148)  # d, dmin, 8 sc, 8 mn, 8 x 16 bytes of quants
+    block = packed[0, 0]
+    half = block[: 4 * nr].view(torch.float16).view(2, nr).double()  # d, dmin per column
+    assert torch.equal(block[: 2 * nr].view(nr, 2), blocks[:, 0:2])
     d, m, q = block_params(blocks, "q4_k")  # [nr, 8], [nr, 8], [nr, 8, 32]
     for j in range(8):
-        sub = packed[0, j]
-        assert torch.equal(sub[: 4 * nr].view(torch.float32).double(), d[:, j])
-        assert torch.equal(sub[4 * nr : 8 * nr].view(torch.float32).double(), m[:, j])
-        quants = sub[8 * nr :].view(4, nr, 4)  # [group, column, byte]
+        assert torch.equal(half[0] * block[(4 + j) * nr : (5 + j) * nr].double(), d[:, j])
+        assert torch.equal(-half[1] * block[(12 + j) * nr : (13 + j) * nr].double(), m[:, j])
+        quants = block[(20 + 16 * j) * nr : (36 + 16 * j) * nr].view(4, nr, 4)  # [g, column, j]
         for g in range(4):
             assert torch.equal((quants[g] & 15).double(), q[:, j, 4 * g : 4 * g + 4])
             assert torch.equal((quants[g] >> 4).double(), q[:, j, 16 + 4 * g : 20 + 4 * g])
     w = QuantizedWeight("q4_k", blocks).dequantize().view(nr, 8, 32)
     assert torch.equal(w, d.float()[..., None] * q.float() + m.float()[..., None])  # as gguf
+
+
+def test_pack_keeps_q6_k_blocks_of_256_with_their_quants_as_bytes() -> None:
+    nr = cpu_linear.panel_width()
+    blocks = random_blocks("q6_k", nr, 256, seed=7)
+    packed = cpu_qlinear.pack(blocks, "q6_k")
+    assert packed.shape == (1, 1, nr * 274)  # d, 16 sc, 256 quants
+    block = packed[0, 0]
+    d16 = block[: 2 * nr].view(torch.float16).double()
+    d, _, q = block_params(blocks, "q6_k")  # [nr, 8, 2], [nr, 8, 32]
+    sc = block[2 * nr : 18 * nr].view(torch.int8).view(8, 2, nr).double()
+    assert torch.equal(d16 * sc, d.permute(1, 2, 0))
+    pairs = block[18 * nr :].view(torch.int8).view(8, 16, nr, 2).double()  # [b, p, column, 2]
+    assert torch.equal(pairs.permute(2, 0, 1, 3).reshape(nr, 8, 32), q)
 
 
 def test_q6_k_blocks_read_as_gguf_expands_them() -> None:
