@@ -1,9 +1,11 @@
-"""y = x @ W.T on the CPU for W held in a GGUF file's own blocks (Q4_0/1, Q4_K, Q8_0, Q6_K).
+"""y = x @ W.T on the CPU for W held in a GGUF file's own blocks (Q4_0/1, Q5_0/1, Q8_0, and
+the k-quants Q4_K, Q5_K, Q6_K).
 
 A GGUF block holds 32 consecutive weights of one output row: an fp16 scale d (and, Q4_1, an
-fp16 offset m) and 32 quants (4-bit: w = d q + m, Q4_0 w = d (q - 8); 8-bit: w = d q). A Q4_K
-block holds 256: eight such sub-blocks of 32 whose d and m are products of the block's fp16
-scales and each sub-block's 6-bit ones (w = d sc q - dmin mn, in fp32); a Q6_K block 256 6-bit
+fp16 offset m) and 32 quants (4-bit: w = d q + m, Q4_0 w = d (q - 8); 5-bit: the same with a
+fifth bit per weight, Q5_0 w = d (q - 16); 8-bit: w = d q). A Q4_K (Q5_K) block holds 256:
+eight such sub-blocks of 32 whose d and m are products of the block's fp16 scales and each
+sub-block's 6-bit ones (w = d sc q - dmin mn, in fp32); a Q6_K block 256 6-bit
 quants in sixteen sub-blocks of 16, each scaled by d sc (fp16 d, int8 sc). `pack` lays the
 blocks out as cpu_linear's column panels, per panel of NR output columns and per block of k
 (32 rows, 256 for the k-quants): the NR numbers of each of the block's heads (scales, offsets,
@@ -25,8 +27,9 @@ as gguf does (exact fp32 products).
 - Q8_0: the quants as 16 pairs of rows of the block, NR columns x 2 bytes each, widened to int16
   and multiplied with the same activations as one int16 term, 256 q + r, in pairs (`madd`, or
   VNNI's `dpwssd`): y = sum over blocks of d_w d / 256 (sum of q_w (256 q + r)), each block's
-  sum exact in int32. Q6_K (w = d sc (q - 32) per sub-block of 16) the same way, its quants
-  less 32 as int8 and each sub-block's sum scaled by its own d sc.
+  sum exact in int32. The 5-bit formats and Q6_K the same way, their quants widened to int8
+  (Q5_0 less 16, Q6_K less 32), each (sub-)block's sum scaled by its own d (Q6_K: d sc per 16
+  weights), plus, with an offset (Q5_1, Q5_K), m d / 256 (256 sum(q) + sum(r)) as in 4-bit.
 
 A row's result does not depend on the other rows in the call.
 """
@@ -45,10 +48,13 @@ FORMATS = {
     "q4_0": (32, 18),
     "q4_1": (32, 20),
     "q8_0": (32, 34),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
     "q4_k": (256, 144),
+    "q5_k": (256, 176),
     "q6_k": (256, 210),
 }
-EIGHT_BIT = ("q8_0", "q6_k")  # packed as int8 quants in pairs of rows
+EIGHT_BIT = ("q8_0", "q5_0", "q5_1", "q5_k", "q6_k")  # int8 quants in pairs of rows
 
 
 def _extension() -> Any | None:
@@ -86,6 +92,11 @@ def _q6_k(b: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     return [b[..., 208:210], *(sc[..., j : j + 1] for j in range(16))], q.reshape(n, -1, 32)
 
 
+def _bits(b: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., n] -> their bits [..., 8, n]: bit i of every byte in row i."""
+    return (b.unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1
+
+
 def _layout(blocks: torch.Tensor, fmt: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A GGUF tensor's blocks [n, nb, bytes] as the kernels keep them: per block (of 32, or of
     256 for the k-quants) its heads, each [n, nb, width] (one number per column: fp16 scales
@@ -98,10 +109,19 @@ def _layout(blocks: torch.Tensor, fmt: str) -> tuple[list[torch.Tensor], torch.T
         return [b[..., 0:2]], b[..., 2:]
     if fmt == "q6_k":
         return _q6_k(b)
-    if fmt == "q4_k":  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of quants
+    if fmt in ("q5_0", "q5_1"):  # d (, m) (fp16), 32 fifth bits (little-endian), 16 bytes
+        lead = size - 20
+        high = _bits(b[..., lead : lead + 4]).transpose(-1, -2).reshape(n, -1, 32)  # weight i
+        q = _nibbles(b[..., lead + 4 :]) | (high << 4)
+        if fmt == "q5_0":  # d (q - 16), as Q8_0
+            return [b[..., 0:2]], (q.to(torch.int8) - 16).view(torch.uint8)
+        return [b[..., 0:2], b[..., 2:4]], q
+    if fmt in ("q4_k", "q5_k"):  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, quants
         sc, mn = _q4_k_scale_min(b[..., 4:16])
-        qs = b[..., 16:].reshape(n, -1, 4, 1, 32)  # sub-blocks 2j (low), 2j + 1 (high nibbles)
+        qs = b[..., size - 128 :].reshape(n, -1, 4, 1, 32)  # sub-blocks 2j (low), 2j + 1 (high)
         q = torch.cat((qs & 0x0F, qs >> 4), dim=3).reshape(n, -1, 32)
+        if fmt == "q5_k":  # 32 bytes: bit j of byte l is weight l's fifth bit in sub-block j
+            q = (q.view(n, -1, 8, 32) | (_bits(b[..., 16:48]) << 4)).reshape(n, -1, 32)
         bytes_ = [t[..., j : j + 1] for t in (sc, mn) for j in range(8)]
         return [b[..., 0:2], b[..., 2:4], *bytes_], q
     d = b[..., 0:2]
@@ -116,9 +136,11 @@ def pack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """A GGUF tensor's blocks, uint8 [N, K / weights * size] (one row of blocks per output row)
     -> panels [ceil(N / NR), K / weights, NR * packed size], zero-padded to whole panels (zero
     scales): per block, each head's NR numbers, then the quants of its blocks of 32. Packed
-    sizes per column and block: Q4_0 and Q4_1 20 (fp16 d, m, 16 bytes of quants); Q8_0 34;
-    Q4_K 148 (fp16 d, dmin, 8 + 8 bytes of sub-block sc, mn: the file's 144 unpacked); Q6_K 274
-    (fp16 d, 16 int8 sc, 256 int8 quants less 32: its 210 with the quants widened)."""
+    sizes per column and block: Q4_0 and Q4_1 20 (fp16 d, m, 16 bytes of quants); Q8_0 and
+    Q5_0 34 (fp16 d, 32 int8 quants, Q5_0's less 16); Q5_1 36 (fp16 d, m, 32 quants as bytes);
+    Q4_K 148 (fp16 d, dmin, 8 + 8 bytes of sub-block sc, mn: the file's 144 unpacked); Q5_K
+    276 (the same with 256 quants as bytes); Q6_K 274 (fp16 d, 16 int8 sc, 256 int8 quants
+    less 32: its 210 with the quants widened)."""
     heads, quants = _layout(blocks, fmt)
     n, nq = quants.shape[:2]
     nb = heads[0].shape[1]

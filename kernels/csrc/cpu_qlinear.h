@@ -22,12 +22,14 @@ constexpr int QK = 32;  // weights per block along K
 // A packed format is named by its bytes per column and packed block: the 8-bit ones run here
 // (layouts below), the 4-bit ones (Q4_0 and Q4_1 per block, Q4_K per block of 256) in
 // cpu_q4i8. Each 8-bit layout gives, per panel, block b's quants (32 NR int8 in pairs of
-// rows) and the scale of its sub-block s (of SUBS), VW columns at a time.
-// Q8_0: per block an fp16 d, then the quants: 34 bytes per column.
+// rows) and the scale of its sub-block s (of SUBS), and with OFFSET the block's offset m
+// (w = d q + m), VW columns at a time.
+// Q8_0 (and Q5_0, its quants less 16): per block an fp16 d, then the quants: 34 bytes.
 struct Q8Block {
   static constexpr int64_t BYTES = 34;
   static constexpr int64_t K = QK;  // weights per packed block
   static constexpr int SUBS = 1;
+  static constexpr bool OFFSET = false;
   static const uint8_t* quants(const uint8_t* panel, int64_t b) {
     return panel + b * BYTES * NR + 2 * NR;
   }
@@ -42,6 +44,7 @@ struct Q6Super {
   static constexpr int64_t BYTES = 2 + 16 + 256;
   static constexpr int64_t K = 8 * QK;
   static constexpr int SUBS = 2;
+  static constexpr bool OFFSET = false;
   static const uint8_t* quants(const uint8_t* panel, int64_t b) {
     return panel + (b / 8) * BYTES * NR + 18 * NR + (b % 8) * 32 * NR;
   }
@@ -54,6 +57,43 @@ struct Q6Super {
     const vf f = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)sc)));
 #endif
     return load_half(sb + 2 * v * VW) * f;
+  }
+};
+// Q5_1: per block fp16 d and m, then the quants 0..31: 36 bytes per column.
+struct Q8Offset {
+  static constexpr int64_t BYTES = 36;
+  static constexpr int64_t K = QK;
+  static constexpr int SUBS = 1;
+  static constexpr bool OFFSET = true;
+  static const uint8_t* quants(const uint8_t* panel, int64_t b) {
+    return panel + b * BYTES * NR + 4 * NR;
+  }
+  static vf scale(const uint8_t* panel, int64_t b, int, int v) {
+    return load_half(panel + b * BYTES * NR + 2 * v * VW);
+  }
+  static vf offset(const uint8_t* panel, int64_t b, int v) {
+    return load_half(panel + b * BYTES * NR + 2 * (NR + v * VW));
+  }
+};
+// Q5_K (w = d sc q - dmin mn per sub-block of 32, q 5-bit): per block of 256 the file's fp16
+// d and dmin, its 8 sub-blocks' 6-bit sc and mn as bytes, then the quants 0..31 as bytes: 276
+// bytes per column (the file's 176 with sc, mn unpacked and the quants widened).
+struct Q5Super {
+  static constexpr int64_t BYTES = 4 + 16 + 256;
+  static constexpr int64_t K = 8 * QK;
+  static constexpr int SUBS = 1;
+  static constexpr bool OFFSET = true;
+  static const uint8_t* quants(const uint8_t* panel, int64_t b) {
+    return panel + (b / 8) * BYTES * NR + 20 * NR + (b % 8) * 32 * NR;
+  }
+  static vf scale(const uint8_t* panel, int64_t b, int, int v) {
+    const uint8_t* sb = panel + (b / 8) * BYTES * NR;
+    return load_half(sb + 2 * v * VW) * cpu_q4i8::load_bytes(sb + (4 + b % 8) * NR + v * VW);
+  }
+  static vf offset(const uint8_t* panel, int64_t b, int v) {
+    const uint8_t* sb = panel + (b / 8) * BYTES * NR;
+    return -(load_half(sb + 2 * (NR + v * VW)) *
+             cpu_q4i8::load_bytes(sb + (12 + b % 8) * NR + v * VW));
   }
 };
 using cpu_q4i8::QuantizedRows;
@@ -117,9 +157,12 @@ static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t r
     for (int v = 0; v < NV; ++v)
       for (int s = 0; s < S; ++s) {
         const vf d = L::scale(panel, b, s, v);
+        vf m{};
+        if constexpr (L::OFFSET) m = L::offset(panel, b, v);
         for (int i = 0; i < R; ++i)
-          acc[i][v] = cpu_q4i8::flush(acc[i][v], cpu_q4i8::to_float(sums[s][i][v]), d, vf{},
-                                      xq.dx[(row + i) * nb + b], 0.f);
+          acc[i][v] = cpu_q4i8::flush(acc[i][v], cpu_q4i8::to_float(sums[s][i][v]), d, m,
+                                      xq.dx[(row + i) * nb + b],
+                                      L::OFFSET ? xq.s[(row + i) * nb + b] : 0.f);
       }
   }
   for (int i = 0; i < R; ++i) store_row(y + i * ldy, acc[i], cols);
@@ -142,13 +185,15 @@ static void run(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_
 
 // Weights per packed block of a format (by its bytes per column and block), or 0: unknown.
 static int64_t block_weights(int64_t format) {
-  if (format == cpu_q4i8::PerBlock::BYTES || format == Q8Block::BYTES) return QK;
-  if (format == cpu_q4i8::SuperBlock::BYTES || format == Q6Super::BYTES) return 8 * QK;
+  for (int64_t f : {cpu_q4i8::PerBlock::BYTES, Q8Block::BYTES, Q8Offset::BYTES})
+    if (format == f) return QK;
+  for (int64_t f : {cpu_q4i8::SuperBlock::BYTES, Q6Super::BYTES, Q5Super::BYTES})
+    if (format == f) return 8 * QK;
   return 0;
 }
 
 // x [M, K] contiguous f32; packed [P, K / block weights, NR * bytes] uint8
-// (kernels/cpu_qlinear.py) -> y [M, N]: Q8_0 and Q6_K here, the 4-bit formats in cpu_q4i8.
+// (kernels/cpu_qlinear.py) -> y [M, N]: the 8-bit layouts here, the 4-bit ones in cpu_q4i8.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                      int64_t float_rows = cpu_q4i8::FLOAT_ROWS) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
@@ -166,10 +211,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
   if (format == Q8Block::BYTES)
-    run<Q8Block>(xp, wp, y.data_ptr<float>(), M, N, K, P);
+    run<Q8Block>(xp, wp, yp, M, N, K, P);
+  else if (format == Q8Offset::BYTES)
+    run<Q8Offset>(xp, wp, yp, M, N, K, P);
+  else if (format == Q6Super::BYTES)
+    run<Q6Super>(xp, wp, yp, M, N, K, P);
   else
-    run<Q6Super>(xp, wp, y.data_ptr<float>(), M, N, K, P);
+    run<Q5Super>(xp, wp, yp, M, N, K, P);
   return y;
 }
 

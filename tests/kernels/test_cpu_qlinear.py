@@ -1,7 +1,7 @@
-"""The quantized-weight GEMM on GGUF blocks (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K): packing keeps the
-blocks' numbers; every format on two-term int8 activations equals that arithmetic computed in
-float64 from GGML's definitions of the blocks, and is close to the fp32 product; a row's result
-is independent of the batch."""
+"""The quantized-weight GEMM on GGUF blocks (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K): packing
+keeps the blocks' numbers; every format on two-term int8 activations equals that arithmetic
+computed in float64 from GGML's definitions of the blocks, and is close to the fp32 product; a
+row's result is independent of the batch."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not cpu_qlinear.available(), reason="no C++ tool
 
 def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     """uint8 [rows, cols / block weights * size]: random quants, small random fp16 scales (and
-    offsets; Q4_K: random 6-bit sub-block scales and mins)."""
+    offsets; Q4_K, Q5_K: random 6-bit sub-block scales and mins)."""
     g = torch.Generator().manual_seed(seed)
     weights, size = cpu_qlinear.FORMATS[fmt]
     nb = cols // weights
@@ -26,11 +26,13 @@ def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     if fmt == "q6_k":  # d (last) scales the int8 sub-block scales
         b[..., 208:210] = (d / 127).half().view(torch.uint8)
         return b.view(rows, nb * size)
-    if fmt == "q4_k":  # d and dmin scale 6-bit numbers
+    if fmt in ("q4_k", "q5_k"):  # d and dmin scale 6-bit numbers
         d /= 63
         b[..., 2:4] = (torch.rand(rows, nb, 1, generator=g) * 0.05 / 63).half().view(torch.uint8)
+    if fmt in ("q5_0", "q5_1", "q5_k"):  # 5-bit quants: half the 4-bit scale
+        d /= 2
     b[..., 0:2] = d.half().view(torch.uint8)
-    if fmt == "q4_1":
+    if fmt in ("q4_1", "q5_1"):
         b[..., 2:4] = (torch.randn(rows, nb, 1, generator=g) * 0.05).half().view(torch.uint8)
     return b.view(rows, nb * size)
 
@@ -56,8 +58,8 @@ def q6_k_params(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def block_params(blocks: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
     """Per block of 32 weights of each row, float64: d and m [n, nb] and the quants [n, nb, 32]
-    (w = d q + m), read by GGML's definitions (Q4_K's sub-block scales by gguf's own code);
-    Q6_K: d [n, nb, 2], one per half (w = d q)."""
+    (w = d q + m), read by GGML's definitions (the k-quants' sub-block scales by gguf's own
+    code); Q6_K: d [n, nb, 2], one per half (w = d q)."""
     n = blocks.shape[0]
     size = cpu_qlinear.FORMATS[fmt][1]
     b = blocks.view(n, -1, size)
@@ -67,15 +69,28 @@ def block_params(blocks: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
     d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].double()  # [n, nb]
     if fmt == "q8_0":
         return d, torch.zeros_like(d), b[..., 2:].contiguous().view(torch.int8).double()
-    if fmt == "q4_k":
+    if fmt in ("q4_k", "q5_k"):
         sc, mn = (
             torch.from_numpy(a.astype(np.int64)).view(n, -1, 8)
             for a in gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy())
         )
         dmin = b[..., 2:4].contiguous().view(torch.float16).double()  # [n, nb, 1]
-        qs = b[..., 16:].reshape(n, -1, 4, 32)
-        q = torch.stack((qs & 15, qs >> 4), dim=3).reshape(n, -1, 32).double()
+        qs = b[..., size - 128 :].reshape(n, -1, 4, 32).long()
+        q = torch.stack((qs & 15, qs >> 4), dim=3).reshape(n, -1, 8, 32)
+        if fmt == "q5_k":  # sub-block j's weight l: bit j of byte l of the 32 after the scales
+            qh = b[..., 16:48].long()
+            q = q + 16 * torch.stack([(qh >> j) & 1 for j in range(8)], dim=2)
+        q = q.reshape(n, -1, 32).double()
         return (d[..., None] * sc).reshape(n, -1), -(dmin * mn).reshape(n, -1), q
+    if fmt in ("q5_0", "q5_1"):  # weight i: nibble i (low bytes 0-15, then high), bit i of qh
+        lead = size - 20
+        qh = b[..., lead : lead + 4].long()
+        high = torch.stack([(qh[..., i // 8] >> (i % 8)) & 1 for i in range(32)], dim=-1)
+        qs = b[..., lead + 4 :].long()
+        q = (torch.cat((qs & 15, qs >> 4), dim=-1) + 16 * high).double()
+        if fmt == "q5_0":
+            return d, torch.zeros_like(d), q - 16
+        return d, b[..., 2:4].contiguous().view(torch.float16)[..., 0].double(), q
     m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].double() if fmt == "q4_1" else -8 * d
     quants = b[..., size - 16 :]
     return d, m, torch.cat((quants & 15, quants >> 4), dim=-1).double()

@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K encoders for tests (the default model's file has no k-quant tensor): GGML's
+"""Q4_K, Q5_K and Q6_K encoders for tests (the default model's file has no k-quant tensor): GGML's
 block layouts, each sub-block quantized by its range (not llama.cpp's search for the best
 scales: the tests compare a kernel with the expansion of the same blocks)."""
 
@@ -11,17 +11,28 @@ def q4_k_blocks(w: np.ndarray) -> np.ndarray:
     """float32 [n, k] (k a multiple of 256) -> uint8 [n, k / 256 * 144]: per block of 256, fp16
     d and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of quants (group j's byte
     l: weight l of sub-block 2j in the low nibble, of 2j + 1 in the high); w ~ d sc q - dmin mn."""
+    return _k_blocks(w, bits=4)
+
+
+def q5_k_blocks(w: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> uint8 [n, k / 256 * 176]: Q4_K's layout with 32 bytes of fifth bits
+    (bit j of byte l: weight l of sub-block j) between the scales and the low 4 bits."""
+    return _k_blocks(w, bits=5)
+
+
+def _k_blocks(w: np.ndarray, bits: int) -> np.ndarray:
     n, k = w.shape
+    top = (1 << bits) - 1
     sub = w.astype(np.float32).reshape(n, k // 256, 8, 32)
     lo = np.minimum(sub.min(-1), 0)  # [n, nb, 8]: the offset is -dmin mn <= 0
-    step = (sub.max(-1) - lo) / 15
+    step = (sub.max(-1) - lo) / top
     d = (step.max(-1) / 63).astype(np.float16)  # [n, nb]
     dmin = (-lo.min(-1) / 63).astype(np.float16)
     sc = np.round(step / np.maximum(d.astype(np.float32), 1e-30)[..., None]).clip(0, 63)
     mn = np.round(-lo / np.maximum(dmin.astype(np.float32), 1e-30)[..., None]).clip(0, 63)
     scale = d.astype(np.float32)[..., None] * sc
     offset = dmin.astype(np.float32)[..., None] * mn
-    q = np.round((sub + offset[..., None]) / np.maximum(scale, 1e-30)[..., None]).clip(0, 15)
+    q = np.round((sub + offset[..., None]) / np.maximum(scale, 1e-30)[..., None]).clip(0, top)
     sc, mn, q = sc.astype(np.uint8), mn.astype(np.uint8), q.astype(np.uint8)
     scales = np.concatenate(
         (
@@ -31,10 +42,13 @@ def q4_k_blocks(w: np.ndarray) -> np.ndarray:
         ),
         axis=-1,
     )
-    pairs = q.reshape(n, k // 256, 4, 2, 32)
+    pairs = (q & 15).reshape(n, k // 256, 4, 2, 32)
     qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(n, k // 256, 128)
     halves = (d[..., None].view(np.uint8), dmin[..., None].view(np.uint8))
-    return np.concatenate((*halves, scales, qs), axis=-1).reshape(n, -1)
+    if bits == 4:
+        return np.concatenate((*halves, scales, qs), axis=-1).reshape(n, -1)
+    fifth = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=-2, dtype=np.uint8)
+    return np.concatenate((*halves, scales, fifth, qs), axis=-1).reshape(n, -1)
 
 
 def q6_k_blocks(w: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from kvserve.shared.model.quantized import QuantizedWeight, expand
 from kvserve.shared.sampling_params import SamplingParams
 
 from tests.model.fidelity import teacher_forced
-from tests.model.k_quants import q4_k_blocks, q6_k_blocks
+from tests.model.k_quants import q4_k_blocks, q5_k_blocks, q6_k_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_qlinear.available(), reason="no C++ toolchain")
 ALL = frozenset(cpu_qlinear.FORMATS)
@@ -99,15 +99,15 @@ def test_k_quant_blocks_run_on_the_kernels(
     file_weights: LoadedWeights,
     chat_prompt_ids,  # type: ignore[no-untyped-def]
 ) -> None:
-    """Q4_K and Q6_K, the k-quants of most 4-bit GGUFs (Q4_K_M): the MLP's down projections
-    (1,536 inputs, whole blocks of 256) as Q4_K blocks in even layers and Q6_K in odd ones
-    compute on the 4-bit and 8-bit kernels, and the engine stays with the fp32 expansion of the
-    same blocks, in prefill and in the one-call decode step."""
+    """The k-quants of most GGUFs (Q4_K_M, Q5_K_M): the MLP's down projections (1,536 inputs,
+    whole blocks of 256) as Q4_K, Q5_K and Q6_K blocks in turn compute on the 4-bit and 8-bit
+    kernels, and the engine stays with the fp32 expansion of the same blocks, in prefill and in
+    the one-call decode step."""
     blocks = dict(file_weights.weights)
     for i in range(file_weights.config.num_layers):
         name = f"model.layers.{i}.mlp.down_proj.weight"
         w = expand(blocks[name]).numpy()
-        fmt, encode = ("q4_k", q4_k_blocks) if i % 2 == 0 else ("q6_k", q6_k_blocks)
+        fmt, encode = [("q4_k", q4_k_blocks), ("q5_k", q5_k_blocks), ("q6_k", q6_k_blocks)][i % 3]
         blocks[name] = QuantizedWeight(fmt, torch.from_numpy(encode(w)))
     expanded = {name: expand(w) for name, w in blocks.items()}
     base = make_engine()
@@ -120,7 +120,7 @@ def test_k_quant_blocks_run_on_the_kernels(
         tokenizer=base.tokenizer,
         weights=LoadedWeights(file_weights.config, expanded, "k-quants-fp32"),
     )
-    for i, size in ((0, 148), (1, 274)):  # bytes per column and block (kernels/cpu_qlinear)
+    for i, size in ((0, 148), (1, 276), (2, 274)):  # bytes per column and block (cpu_qlinear)
         down = file.runner.model.layers[i].mlp.down
         assert down.qpanels is not None and down.qpanels.shape[2] == size * cpu_linear.panel_width()
     assert fp32.runner.model.layers[0].mlp.down.qpanels is None
@@ -141,13 +141,16 @@ def test_a_fused_projection_of_two_formats_keeps_both(
     chat_prompt_ids,  # type: ignore[no-untyped-def]
 ) -> None:
     """Q4_K_M files store some layers' V projection in another format than Q and K: the fused
-    QKV keeps each run of one format in its blocks (here Q4_1 Q and K, V re-encoded as Q8_0),
-    the decode steps run layer by layer, and the engine stays with the fp32 expansion."""
+    QKV keeps each run of one format in its blocks (here Q and K re-encoded as Q5_0, V as Q5_1,
+    by gguf), the decode steps run layer by layer, and the engine stays with the fp32
+    expansion."""
     blocks = dict(file_weights.weights)
+    kind = gguf.GGMLQuantizationType
     for i in range(file_weights.config.num_layers):
-        name = f"model.layers.{i}.self_attn.v_proj.weight"
-        q8 = gguf.quants.quantize(expand(blocks[name]).numpy(), gguf.GGMLQuantizationType.Q8_0)
-        blocks[name] = QuantizedWeight("q8_0", torch.from_numpy(q8))
+        for proj, fmt in (("q", kind.Q5_0), ("k", kind.Q5_0), ("v", kind.Q5_1)):
+            name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
+            raw = gguf.quants.quantize(expand(blocks[name]).numpy(), fmt)
+            blocks[name] = QuantizedWeight(fmt.name.lower(), torch.from_numpy(raw))
     expanded = {name: expand(w) for name, w in blocks.items()}
     base = make_engine()
     mixed = Engine(
