@@ -19,14 +19,30 @@
 
 namespace cpu_decode_step {
 
+// x times panel matrices side by side (part j gives sizes[j] output features), the parts'
+// outputs concatenated.
+static torch::Tensor side_by_side(torch::Tensor x, const std::vector<torch::Tensor>& parts,
+                                  const std::vector<int64_t>& sizes) {
+  if (parts.size() == 1) return cpu_qlinear::any_linear(x, parts[0], sizes[0]);
+  std::vector<torch::Tensor> ys;
+  for (size_t j = 0; j < parts.size(); ++j)
+    ys.push_back(cpu_qlinear::any_linear(x, parts[j], sizes[j]));
+  return torch::cat(ys, 1);
+}
+
 // Every layer of the model for B decode tokens. x [B, H] is the residual stream, updated in
-// place; h [B, H] the first layer's input norm of it. Per layer i: the fused QKV, O,
-// gate/up and down weights as cpu_linear panels or cpu_qlinear's quantized ones, the
-// post-attention norm's weight and the weight of the norm after the MLP (the next layer's
-// input norm, the final norm after the last), the layer's K and V caches [NB, BS, KVH, D].
-// Returns the final norm of x.
-torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> qkv,
-                            std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
+// place; h [B, H] the first layer's input norm of it. Per layer i: the fused QKV (and gate/up)
+// weights as one or more panel matrices side by side (blocks of different formats) with their
+// output sizes, the O and down weights, each as cpu_linear panels or cpu_qlinear's quantized
+// ones, the post-attention norm's weight and the weight of the norm after the MLP (the next
+// layer's input norm, the final norm after the last), the layer's K and V caches
+// [NB, BS, KVH, D]. Returns the final norm of x.
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h,
+                            std::vector<std::vector<torch::Tensor>> qkv,
+                            std::vector<std::vector<int64_t>> qkv_sizes,
+                            std::vector<torch::Tensor> o,
+                            std::vector<std::vector<torch::Tensor>> gate_up,
+                            std::vector<std::vector<int64_t>> gate_up_sizes,
                             std::vector<torch::Tensor> down, std::vector<torch::Tensor> post_norm,
                             std::vector<torch::Tensor> next_norm,
                             std::vector<torch::Tensor> k_cache,
@@ -41,12 +57,21 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch:
   const int64_t B = x.size(0), H = x.size(1), L = static_cast<int64_t>(qkv.size());
   const int64_t rows = heads + 2 * kv_heads;
   TORCH_CHECK(o.size() == qkv.size() && gate_up.size() == qkv.size() &&
+                  qkv_sizes.size() == qkv.size() && gate_up_sizes.size() == qkv.size() &&
                   down.size() == qkv.size() && post_norm.size() == qkv.size() &&
                   next_norm.size() == qkv.size() && k_cache.size() == qkv.size() &&
                   v_cache.size() == qkv.size(),
               "decode_layers: one of each per layer");
+  for (int64_t i = 0; i < L; ++i)
+    TORCH_CHECK(std::accumulate(qkv_sizes[i].begin(), qkv_sizes[i].end(), int64_t{0}) ==
+                        rows * head_dim &&
+                    std::accumulate(gate_up_sizes[i].begin(), gate_up_sizes[i].end(),
+                                    int64_t{0}) == 2 * intermediate &&
+                    qkv_sizes[i].size() == qkv[i].size() &&
+                    gate_up_sizes[i].size() == gate_up[i].size(),
+                "decode_layers: the parts' sizes do not add up to the projections'");
   for (int64_t i = 0; i < L; ++i) {
-    auto t = cpu_qlinear::any_linear(h, qkv[i], rows * head_dim).view({B, rows, head_dim});
+    auto t = side_by_side(h, qkv[i], qkv_sizes[i]).view({B, rows, head_dim});
     cpu_ops::rope_(t, heads + kv_heads, pos, cos_t, sin_t);
     cpu_ops::store_kv(t.narrow(1, heads, kv_heads), t.narrow(1, heads + kv_heads, kv_heads),
                       k_cache[i], v_cache[i], slots);
@@ -54,7 +79,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, std::vector<torch:
                                                    k_cache[i], v_cache[i], tables, lens, scale);
     auto a = cpu_qlinear::any_linear(attn.reshape({B, heads * head_dim}), o[i], H);
     h = cpu_ops::add_rms_norm(a, x, post_norm[i], eps);
-    auto act = cpu_ops::silu_mul(cpu_qlinear::any_linear(h, gate_up[i], 2 * intermediate));
+    auto act = cpu_ops::silu_mul(side_by_side(h, gate_up[i], gate_up_sizes[i]));
     h = cpu_ops::add_rms_norm(cpu_qlinear::any_linear(act, down[i], H), x, next_norm[i], eps);
   }
   return h;

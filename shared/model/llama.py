@@ -11,6 +11,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -102,9 +103,17 @@ class Linear(nn.Module):
 
     @property
     def cpp_weight(self) -> torch.Tensor | None:
-        """The weight as kernels.cpu_decode_step takes it (either kind of panels), or None (also
-        for parts in different formats: such a model's decode steps run layer by layer)."""
+        """The weight as kernels.cpu_decode_step takes it (either kind of panels), or None."""
         return self.qpanels if self.qpanels is not None else self.panels
+
+    @property
+    def cpp_parts(self) -> list[tuple[torch.Tensor, int]] | None:
+        """The weight as panel matrices side by side with their output features (one, or the
+        parts of StackedBlocks), or None."""
+        if self.qparts:
+            return self.qparts
+        weight = self.cpp_weight
+        return None if weight is None else [(weight, self.out_features)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -407,20 +416,26 @@ class LlamaModel(nn.Module):
         the fp32 expansion's)."""
         return any(m.int8_activations for m in self.modules() if isinstance(m, Linear))
 
-    def _decoder_weights(self) -> tuple[list[torch.Tensor], ...] | None:
-        """Each layer's weights as kernels.cpu_decode_step takes them, or None where some layer
-        has no panels of either kind (or its norms are not fp32)."""
+    def _decoder_weights(self) -> tuple[list[Any], ...] | None:
+        """Each layer's weights as kernels.cpu_decode_step takes them (the fused QKV and gate/up
+        as lists of parts with their sizes), or None where some layer has no panels of either
+        kind (or its norms are not fp32)."""
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
-        linears = [(x.attn.qkv, x.attn.o, x.mlp.gate_up, x.mlp.down) for x in layers]
-        kernel_weights = [[group[j].cpp_weight for group in linears] for j in range(4)]
-        panels = [[p for p in ws if p is not None] for ws in kernel_weights]
-        if any(len(p) != len(layers) for p in panels):
+        fused = [[x.attn.qkv.cpp_parts for x in layers], [x.mlp.gate_up.cpp_parts for x in layers]]
+        single = [[x.attn.o.cpp_weight for x in layers], [x.mlp.down.cpp_weight for x in layers]]
+        qkv, gate_up = [[p for p in ps if p is not None] for ps in fused]
+        o, down = [[w for w in ws if w is not None] for ws in single]
+        if any(len(ws) != len(layers) for ws in (qkv, gate_up, o, down)):
             return None
         posts = [x.post_attn_norm.weight.data for x in layers]
         nexts = [x.input_norm.weight.data for x in layers[1:]] + [self.norm.weight.data]
         if any(w.dtype != torch.float32 for w in posts + nexts):
             return None
-        return (*panels, posts, nexts)
+
+        def split(parts: list[list[tuple[torch.Tensor, int]]]) -> list[list[Any]]:
+            return [[[t for t, _ in p] for p in parts], [[n for _, n in p] for p in parts]]
+
+        return (*split(qkv), o, *split(gate_up), down, posts, nexts)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] in the model's dtype."""

@@ -142,8 +142,8 @@ def test_a_fused_projection_of_two_formats_keeps_both(
 ) -> None:
     """Q4_K_M files store some layers' V projection in another format than Q and K: the fused
     QKV keeps each run of one format in its blocks (here Q and K re-encoded as Q5_0, V as Q5_1,
-    by gguf), the decode steps run layer by layer, and the engine stays with the fp32
-    expansion."""
+    by gguf), the one-call decode step takes the parts side by side, and the engine stays with
+    the fp32 expansion."""
     blocks = dict(file_weights.weights)
     kind = gguf.GGMLQuantizationType
     for i in range(file_weights.config.num_layers):
@@ -168,11 +168,14 @@ def test_a_fused_projection_of_two_formats_keeps_both(
     kv = c.num_kv_heads * c.head_dim
     assert [n for _, n in qkv.qparts] == [c.num_heads * c.head_dim + kv, kv]
     assert qkv.weight_bytes * 3 < fp32.runner.model.layers[0].attn.qkv.weight_bytes
-    assert mixed.runner.model.decoder_weights is None  # layer by layer
+    assert mixed.runner.model.decoder_weights is not None  # the one-call step takes the parts
     prompts = chat_prompt_ids[:4]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     want = fp32.generate(prompts, params)
-    assert mixed.generate(prompts, params) == [mixed.generate([p], params)[0] for p in prompts]
+    got = mixed.generate(prompts, params)
+    assert got == [mixed.generate([p], params)[0] for p in prompts]
+    mixed.runner.model.decode_in_cpp = False  # the same kernels called layer by layer
+    assert mixed.generate(prompts, params) == got
     kl, agree = teacher_forced(fp32, mixed, prompts, [c[0] for c in want])
     assert kl < 1e-4
     assert agree >= 0.99
