@@ -472,6 +472,8 @@ class StoreConnector:
         asyncio.run_coroutine_threadsafe(self.store.close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # its selector and self-pipe, not left to the GC
+            self._loop.close()
         self._decoders.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, object]:

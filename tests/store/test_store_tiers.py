@@ -185,6 +185,21 @@ def test_open_breaker_is_a_lookup_outcome() -> None:
         connector.close()
 
 
+def test_close_closes_the_store_threads_event_loop(tmp_path: Path) -> None:
+    """Its selector and self-pipe are released at close, not left to the garbage collector
+    (whose finalization order can find the pipe already closed: an exception in __del__)."""
+    import torch
+    from kvserve.shared.store.disk import DiskStore
+    from kvserve.shared.store.tiers import StoreConnector
+
+    meta = BlockMeta("m", "float32", block_size=16, num_layers=1, num_kv_heads=1, head_dim=4)
+    connector = StoreConnector(DiskStore(tmp_path, 1 << 20), meta, "native", torch.float32)
+    loop = connector._loop
+    assert not loop.is_closed()
+    connector.close()
+    assert loop.is_closed()
+
+
 def _lookups(engine) -> dict[str, int]:  # type: ignore[no-untyped-def]
     """The store lookups that happened, by outcome (every outcome is reported, zeros too)."""
     lookups = engine.store_stats()["lookups"]
