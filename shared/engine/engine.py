@@ -391,9 +391,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        t0 = time.perf_counter()
-        out = self.step_threads.run(batch.num_tokens, lambda: self.runner.run(batch))
-        self._observe_prefill(batch, time.perf_counter() - t0)
+        out, seconds = self.step_threads.run(batch.num_tokens, lambda: self.runner.run(batch))
+        self._observe_prefill(batch, seconds)
         for s in batch.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.kv.publish(s.seq)

@@ -63,14 +63,16 @@ class StepThreads:
         count, mean = stats.get(threads, (0, seconds))
         stats[threads] = (count + 1, mean + ALPHA * (seconds - mean))
 
-    def run(self, num_tokens: int, step: Callable[[], T]) -> T:
-        """step() on the thread count chosen for its size, timed for the next choice."""
+    def run(self, num_tokens: int, step: Callable[[], T]) -> tuple[T, float]:
+        """step() on the thread count chosen for its size, timed for the next choice: its
+        result and seconds."""
         n = self.choose(num_tokens)
         t0 = time.perf_counter()
         with threads(n):
             result = step()
-        self.record(num_tokens, n, time.perf_counter() - t0)
-        return result
+        seconds = time.perf_counter() - t0
+        self.record(num_tokens, n, seconds)
+        return result, seconds
 
     def preferred(self) -> dict[int, int]:
         """Per size class measured so far, the thread count it prefers now."""
