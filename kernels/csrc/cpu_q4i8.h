@@ -23,46 +23,66 @@ using cpu_linear::NR;
 using cpu_linear::NV;
 
 constexpr int QK = 32;  // weights per block along K
-// VW bytes (unsigned) as floats.
+// VW bytes, unsigned or (SIGNED) int8, as floats.
+template <bool SIGNED = false>
 static inline __attribute__((always_inline)) vf load_bytes(const uint8_t* p) {
 #if VW == 16
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  return (vf)_mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #else
-  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  const __m128i b = _mm_loadl_epi64((const __m128i*)p);
+  return (vf)_mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 #endif
 }
 
-// Where a packed 4-bit format keeps, per panel, block b's 16 NR bytes of quants and its NR
-// columns' d and m (w = d q + m), VW columns at a time as floats.
-// Q4_0 and Q4_1: per block d and m (fp16), then the quants: 20 bytes per column.
+// The packed layouts, shared by this kernel (QB = 16 bytes of 4-bit quants per block of 32)
+// and the 8-bit one (QB = 32, cpu_qlinear.h). Each gives, per panel, block b's QB NR bytes of
+// quants, the scale d of its sub-block s (of SUBS) and, with OFFSET, its offset m (w = d q +
+// m), VW columns at a time as floats.
+// Per block of 32: fp16 d (and m), then the quants. Q4_0 and Q4_1 (20 bytes per column), Q8_0
+// and Q5_0 (34), Q5_1 (36).
+template <int QB, bool HAS_OFFSET>
 struct PerBlock {
-  static constexpr int64_t BYTES = 20;  // per column and block of 32
-  static constexpr int64_t K = QK;      // weights per packed block
+  static constexpr bool OFFSET = HAS_OFFSET;
+  static constexpr int64_t HEAD = OFFSET ? 4 : 2;
+  static constexpr int64_t BYTES = HEAD + QB;  // per column and block
+  static constexpr int64_t K = QK;              // weights per packed block
+  static constexpr int SUBS = 1;
   static const uint8_t* quants(const uint8_t* panel, int64_t b) {
-    return panel + b * BYTES * NR + 4 * NR;
+    return panel + b * BYTES * NR + HEAD * NR;
   }
-  static void scales(const uint8_t* panel, int64_t b, int v, vf& d, vf& m) {
-    const uint8_t* blk = panel + b * BYTES * NR;
-    d = load_half(blk + 2 * v * VW);
-    m = load_half(blk + 2 * (NR + v * VW));
+  static vf scale(const uint8_t* panel, int64_t b, int, int v) {
+    return load_half(panel + b * BYTES * NR + 2 * v * VW);
+  }
+  static vf offset(const uint8_t* panel, int64_t b, int v) {
+    if constexpr (!OFFSET) return vf{};
+    return load_half(panel + b * BYTES * NR + 2 * (NR + v * VW));
   }
 };
-// Q4_K: per block of 256 the file's fp16 d and dmin, its 8 blocks' 6-bit sc and mn as bytes,
-// then their quants: 148 bytes per column (the file's 144 with sc and mn unpacked). d = d sc
-// and m = -(dmin mn), exact fp32 products, as gguf and llama.cpp compute them.
+// Per block of 256 (Q4_K: 148 bytes per column, the file's 144 with sc and mn unpacked; Q5_K:
+// 276): the file's fp16 d and dmin, its 8 sub-blocks' 6-bit sc and mn as bytes, then their
+// quants. d sc and -(dmin mn) are exact fp32 products, as gguf and llama.cpp compute them.
+template <int QB>
 struct SuperBlock {
-  static constexpr int64_t BYTES = 4 + 16 + 8 * 16;
+  static constexpr bool OFFSET = true;
+  static constexpr int64_t BYTES = 4 + 16 + 8 * QB;
   static constexpr int64_t K = 8 * QK;
+  static constexpr int SUBS = 1;
   static const uint8_t* quants(const uint8_t* panel, int64_t b) {
-    return panel + (b / 8) * BYTES * NR + 20 * NR + (b % 8) * 16 * NR;
+    return panel + (b / 8) * BYTES * NR + 20 * NR + (b % 8) * QB * NR;
   }
-  static void scales(const uint8_t* panel, int64_t b, int v, vf& d, vf& m) {
+  static vf scale(const uint8_t* panel, int64_t b, int, int v) {
     const uint8_t* sb = panel + (b / 8) * BYTES * NR;
-    const int64_t j = b % 8;
-    d = load_half(sb + 2 * v * VW) * load_bytes(sb + (4 + j) * NR + v * VW);
-    m = -(load_half(sb + 2 * (NR + v * VW)) * load_bytes(sb + (12 + j) * NR + v * VW));
+    return load_half(sb + 2 * v * VW) * load_bytes(sb + (4 + b % 8) * NR + v * VW);
+  }
+  static vf offset(const uint8_t* panel, int64_t b, int v) {
+    const uint8_t* sb = panel + (b / 8) * BYTES * NR;
+    return -(load_half(sb + 2 * (NR + v * VW)) * load_bytes(sb + (12 + b % 8) * NR + v * VW));
   }
 };
+using Q4Block = PerBlock<16, true>;
+using Q4Super = SuperBlock<16>;
+
 #if VW == 16
 #ifndef __AVX512BW__
 #error "the 4-bit kernel needs AVX512BW with AVX512F"
@@ -295,8 +315,7 @@ static __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row,
     for (int i = 0; i < R; ++i)
       for (int v = 0; v < NV; ++v) dots[i][v] = combine(dots[i][v], rdots[i][v]);
     for (int v = 0; v < NV; ++v) {
-      vf d, m;
-      L::scales(panel, b, v, d, m);
+      const vf d = L::scale(panel, b, 0, v), m = L::offset(panel, b, v);
       for (int i = 0; i < R; ++i)
         acc[i][v] = flush(acc[i][v], to_float(dots[i][v]), d, m, xq.dx[(row + i) * nb + b],
                           xq.s[(row + i) * nb + b]);
@@ -368,8 +387,7 @@ static __attribute__((noinline)) void float_tile(const QuantizedRows& xq,
       }
     }
     for (int v = 0; v < NV; ++v) {
-      vf d, m;
-      L::scales(panel, b, v, d, m);
+      const vf d = L::scale(panel, b, 0, v), m = L::offset(panel, b, v);
       for (int i = 0; i < R; ++i)
         acc[i][v] = flush(acc[i][v], sums[i][v], d, m, xq.dx[(row + i) * nb + b],
                           xq.s[(row + i) * nb + b]);

@@ -19,82 +19,28 @@ using cpu_linear::NR;
 using cpu_linear::NV;
 
 constexpr int QK = 32;  // weights per block along K
-// A packed format is named by its bytes per column and packed block: the 8-bit ones run here
-// (layouts below), the 4-bit ones (Q4_0 and Q4_1 per block, Q4_K per block of 256) in
-// cpu_q4i8. Each 8-bit layout gives, per panel, block b's quants (32 NR int8 in pairs of
-// rows) and the scale of its sub-block s (of SUBS), and with OFFSET the block's offset m
-// (w = d q + m), VW columns at a time.
-// Q8_0 (and Q5_0, its quants less 16): per block an fp16 d, then the quants: 34 bytes.
-struct Q8Block {
-  static constexpr int64_t BYTES = 34;
-  static constexpr int64_t K = QK;  // weights per packed block
-  static constexpr int SUBS = 1;
-  static constexpr bool OFFSET = false;
-  static const uint8_t* quants(const uint8_t* panel, int64_t b) {
-    return panel + b * BYTES * NR + 2 * NR;
-  }
-  static vf scale(const uint8_t* panel, int64_t b, int, int v) {
-    return load_half(panel + b * BYTES * NR + 2 * v * VW);
-  }
-};
+// A packed format is named by its bytes per column and packed block: the 8-bit ones run here,
+// the 4-bit ones in cpu_q4i8, on the layouts cpu_q4i8 defines.
+using Q8Block = cpu_q4i8::PerBlock<32, false>;  // Q8_0, and Q5_0 with its quants less 16
+using Q8Offset = cpu_q4i8::PerBlock<32, true>;  // Q5_1
+using Q5Super = cpu_q4i8::SuperBlock<32>;       // Q5_K
 // Q6_K (w = d sc (q - 32) per sub-block of 16): per block of 256 the file's fp16 d and its 16
 // int8 sc, then the quants less 32 as int8: 274 bytes per column (the file's 210 with the
 // 6-bit quants widened to bytes). A sub-block's scale is d sc, an exact fp32 product.
 struct Q6Super {
+  static constexpr bool OFFSET = false;
   static constexpr int64_t BYTES = 2 + 16 + 256;
   static constexpr int64_t K = 8 * QK;
   static constexpr int SUBS = 2;
-  static constexpr bool OFFSET = false;
   static const uint8_t* quants(const uint8_t* panel, int64_t b) {
     return panel + (b / 8) * BYTES * NR + 18 * NR + (b % 8) * 32 * NR;
   }
   static vf scale(const uint8_t* panel, int64_t b, int s, int v) {
     const uint8_t* sb = panel + (b / 8) * BYTES * NR;
-    const uint8_t* sc = sb + (2 + 2 * (b % 8) + s) * NR + v * VW;
-#if VW == 16
-    const vf f = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sc)));
-#else
-    const vf f = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)sc)));
-#endif
-    return load_half(sb + 2 * v * VW) * f;
+    return load_half(sb + 2 * v * VW) *
+           cpu_q4i8::load_bytes<true>(sb + (2 + 2 * (b % 8) + s) * NR + v * VW);
   }
-};
-// Q5_1: per block fp16 d and m, then the quants 0..31: 36 bytes per column.
-struct Q8Offset {
-  static constexpr int64_t BYTES = 36;
-  static constexpr int64_t K = QK;
-  static constexpr int SUBS = 1;
-  static constexpr bool OFFSET = true;
-  static const uint8_t* quants(const uint8_t* panel, int64_t b) {
-    return panel + b * BYTES * NR + 4 * NR;
-  }
-  static vf scale(const uint8_t* panel, int64_t b, int, int v) {
-    return load_half(panel + b * BYTES * NR + 2 * v * VW);
-  }
-  static vf offset(const uint8_t* panel, int64_t b, int v) {
-    return load_half(panel + b * BYTES * NR + 2 * (NR + v * VW));
-  }
-};
-// Q5_K (w = d sc q - dmin mn per sub-block of 32, q 5-bit): per block of 256 the file's fp16
-// d and dmin, its 8 sub-blocks' 6-bit sc and mn as bytes, then the quants 0..31 as bytes: 276
-// bytes per column (the file's 176 with sc, mn unpacked and the quants widened).
-struct Q5Super {
-  static constexpr int64_t BYTES = 4 + 16 + 256;
-  static constexpr int64_t K = 8 * QK;
-  static constexpr int SUBS = 1;
-  static constexpr bool OFFSET = true;
-  static const uint8_t* quants(const uint8_t* panel, int64_t b) {
-    return panel + (b / 8) * BYTES * NR + 20 * NR + (b % 8) * 32 * NR;
-  }
-  static vf scale(const uint8_t* panel, int64_t b, int, int v) {
-    const uint8_t* sb = panel + (b / 8) * BYTES * NR;
-    return load_half(sb + 2 * v * VW) * cpu_q4i8::load_bytes(sb + (4 + b % 8) * NR + v * VW);
-  }
-  static vf offset(const uint8_t* panel, int64_t b, int v) {
-    const uint8_t* sb = panel + (b / 8) * BYTES * NR;
-    return -(load_half(sb + 2 * (NR + v * VW)) *
-             cpu_q4i8::load_bytes(sb + (12 + b % 8) * NR + v * VW));
-  }
+  static vf offset(const uint8_t*, int64_t, int) { return vf{}; }
 };
 using cpu_q4i8::QuantizedRows;
 using cpu_q4i8::vq;
@@ -157,8 +103,7 @@ static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t r
     for (int v = 0; v < NV; ++v)
       for (int s = 0; s < S; ++s) {
         const vf d = L::scale(panel, b, s, v);
-        vf m{};
-        if constexpr (L::OFFSET) m = L::offset(panel, b, v);
+        const vf m = L::offset(panel, b, v);
         for (int i = 0; i < R; ++i)
           acc[i][v] = cpu_q4i8::flush(acc[i][v], cpu_q4i8::to_float(sums[s][i][v]), d, m,
                                       xq.dx[(row + i) * nb + b],
@@ -185,9 +130,9 @@ static void run(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_
 
 // Weights per packed block of a format (by its bytes per column and block), or 0: unknown.
 static int64_t block_weights(int64_t format) {
-  for (int64_t f : {cpu_q4i8::PerBlock::BYTES, Q8Block::BYTES, Q8Offset::BYTES})
+  for (int64_t f : {cpu_q4i8::Q4Block::BYTES, Q8Block::BYTES, Q8Offset::BYTES})
     if (format == f) return QK;
-  for (int64_t f : {cpu_q4i8::SuperBlock::BYTES, Q6Super::BYTES, Q5Super::BYTES})
+  for (int64_t f : {cpu_q4i8::Q4Super::BYTES, Q6Super::BYTES, Q5Super::BYTES})
     if (format == f) return 8 * QK;
   return 0;
 }
@@ -203,10 +148,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t format = packed.size(2) / NR;
   TORCH_CHECK(block_weights(format) > 0, "qlinear: no format of ", format, " bytes per block");
   TORCH_CHECK(packed.size(1) * block_weights(format) == K, "qlinear: packed weight does not match x");
-  if (format == cpu_q4i8::PerBlock::BYTES)
-    return cpu_q4i8::linear<cpu_q4i8::PerBlock>(x, packed, N, float_rows);
-  if (format == cpu_q4i8::SuperBlock::BYTES)
-    return cpu_q4i8::linear<cpu_q4i8::SuperBlock>(x, packed, N, float_rows);
+  if (format == cpu_q4i8::Q4Block::BYTES)
+    return cpu_q4i8::linear<cpu_q4i8::Q4Block>(x, packed, N, float_rows);
+  if (format == cpu_q4i8::Q4Super::BYTES)
+    return cpu_q4i8::linear<cpu_q4i8::Q4Super>(x, packed, N, float_rows);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();

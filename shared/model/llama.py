@@ -58,8 +58,8 @@ class Linear(nn.Module):
 
     def __init__(self, weight: LinearWeight, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.qpanels: torch.Tensor | None = None
-        # StackedBlocks: each part's panels and output features, computed side by side
+        # The file's blocks as panels with their output features: one part, or StackedBlocks'
+        # parts side by side
         self.qparts: list[tuple[torch.Tensor, int]] = []
         self.panels: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
@@ -70,11 +70,7 @@ class Linear(nn.Module):
             self.compute_dtype = torch.float32
             if cpu_qlinear.available() and compute_dtype in (None, torch.float32):
                 parts = weight.parts if isinstance(weight, StackedBlocks) else (weight,)
-                packed = [(cpu_qlinear.pack(p.blocks, p.fmt), p.out_features) for p in parts]
-                if len(packed) == 1:
-                    self.qpanels = packed[0][0]
-                else:
-                    self.qparts = packed
+                self.qparts = [(cpu_qlinear.pack(p.blocks, p.fmt), p.out_features) for p in parts]
                 self.int8_activations = True
                 return
             weight = weight.dequantize()
@@ -98,8 +94,13 @@ class Linear(nn.Module):
         """The bytes of the copy of the weight a matmul reads (the first `forward` tries)."""
         if self.qparts:
             return sum(p.numel() for p, _ in self.qparts)
-        kept = [t for t in (self.qpanels, self.panels, self.packed, self.weight) if t is not None]
+        kept = [t for t in (self.panels, self.packed, self.weight) if t is not None]
         return kept[0].numel() * kept[0].element_size()
+
+    @property
+    def qpanels(self) -> torch.Tensor | None:
+        """The file's blocks as one panel matrix, or None (none, or parts side by side)."""
+        return self.qparts[0][0] if len(self.qparts) == 1 else None
 
     @property
     def cpp_weight(self) -> torch.Tensor | None:
@@ -112,24 +113,20 @@ class Linear(nn.Module):
         parts of StackedBlocks), or None."""
         if self.qparts:
             return self.qparts
-        weight = self.cpp_weight
-        return None if weight is None else [(weight, self.out_features)]
+        return None if self.panels is None else [(self.panels, self.out_features)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         y: torch.Tensor | None = None
-        if self.qpanels is not None:
-            y = cpu_qlinear.linear(x, self.qpanels, self.out_features)
-            assert y is not None, "the quantized kernel takes every fp32 input"
-        elif self.qparts:
+        if self.qparts:
             outs = []
             for panels, n in self.qparts:
                 part = cpu_qlinear.linear(x, panels, n)
                 assert part is not None, "the quantized kernel takes every fp32 input"
                 outs.append(part)
-            y = torch.cat(outs, dim=1)
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if y is None and self.panels is not None:
             y = cpu_linear.linear(x, self.panels, self.out_features)
         if y is None and self.packed is not None:

@@ -17,7 +17,7 @@ from kvserve.kernels import cpu_linear, cpu_qlinear
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.model.loader import LoadedWeights, load_weights
-from kvserve.shared.model.quantized import QuantizedWeight, expand
+from kvserve.shared.model.quantized import QuantizedWeight, Weight, expand
 from kvserve.shared.sampling_params import SamplingParams
 
 from tests.model.fidelity import teacher_forced
@@ -93,6 +93,27 @@ def test_the_engine_on_the_file_blocks_stays_with_the_fp32_expansion(
     assert agree >= 0.99
 
 
+def engines_on(
+    make_engine,
+    loaded: LoadedWeights,
+    blocks: dict[str, Weight],  # type: ignore[no-untyped-def]
+) -> tuple[Engine, Engine]:
+    """An engine on `blocks` (`weights="file"`) and one on their fp32 expansion."""
+    base = make_engine()
+    expanded: dict[str, Weight] = {name: expand(w) for name, w in blocks.items()}
+    file = Engine(
+        dataclasses.replace(base.config, weights="file"),
+        tokenizer=base.tokenizer,
+        weights=LoadedWeights(loaded.config, blocks, "blocks"),
+    )
+    fp32 = Engine(
+        base.config,
+        tokenizer=base.tokenizer,
+        weights=LoadedWeights(loaded.config, expanded, "blocks-fp32"),
+    )
+    return file, fp32
+
+
 @needs_kernels
 def test_k_quant_blocks_run_on_the_kernels(
     make_engine,
@@ -109,17 +130,7 @@ def test_k_quant_blocks_run_on_the_kernels(
         w = expand(blocks[name]).numpy()
         fmt, encode = [("q4_k", q4_k_blocks), ("q5_k", q5_k_blocks), ("q6_k", q6_k_blocks)][i % 3]
         blocks[name] = QuantizedWeight(fmt, torch.from_numpy(encode(w)))
-    expanded = {name: expand(w) for name, w in blocks.items()}
-    base = make_engine()
-    config = base.config
-    k_quants = LoadedWeights(file_weights.config, blocks, "k-quants")
-    file_config = dataclasses.replace(config, weights="file")
-    file = Engine(file_config, tokenizer=base.tokenizer, weights=k_quants)
-    fp32 = Engine(
-        config,
-        tokenizer=base.tokenizer,
-        weights=LoadedWeights(file_weights.config, expanded, "k-quants-fp32"),
-    )
+    file, fp32 = engines_on(make_engine, file_weights, blocks)
     for i, size in ((0, 148), (1, 276), (2, 274)):  # bytes per column and block (cpu_qlinear)
         down = file.runner.model.layers[i].mlp.down
         assert down.qpanels is not None and down.qpanels.shape[2] == size * cpu_linear.panel_width()
@@ -151,18 +162,7 @@ def test_a_fused_projection_of_two_formats_keeps_both(
             name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
             raw = gguf.quants.quantize(expand(blocks[name]).numpy(), fmt)
             blocks[name] = QuantizedWeight(fmt.name.lower(), torch.from_numpy(raw))
-    expanded = {name: expand(w) for name, w in blocks.items()}
-    base = make_engine()
-    mixed = Engine(
-        dataclasses.replace(base.config, weights="file"),
-        tokenizer=base.tokenizer,
-        weights=LoadedWeights(file_weights.config, blocks, "mixed"),
-    )
-    fp32 = Engine(
-        base.config,
-        tokenizer=base.tokenizer,
-        weights=LoadedWeights(file_weights.config, expanded, "mixed-fp32"),
-    )
+    mixed, fp32 = engines_on(make_engine, file_weights, blocks)
     qkv = mixed.runner.model.layers[0].attn.qkv
     c = file_weights.config
     kv = c.num_kv_heads * c.head_dim
