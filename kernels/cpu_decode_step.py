@@ -11,7 +11,7 @@ what CUDA graphs do for a GPU server; torch.compile would break its graph at eve
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from kvserve.kernels import cpp_build, cpu_decode_attention, cpu_linear
@@ -38,3 +38,22 @@ def decode_layers(x: torch.Tensor, h: torch.Tensor, *args: Any) -> torch.Tensor:
     assert ext is not None
     out: torch.Tensor = ext.decode_layers(x, h, *args)
     return out
+
+
+class LayerSeconds(NamedTuple):
+    """Seconds decode_layers spent in the layers' linear projections, attention and the rest
+    (RoPE, KV writes, norms, activations)."""
+
+    linear: float
+    attention: float
+    other: float
+
+
+def timing(on: bool) -> LayerSeconds | None:
+    """The decode_layers seconds summed since the last call (then zeroed), and timing turned on
+    or off from now (off by default: no clock is read). None where the kernels are not built.
+    For measurements (`kvserve bench engine`): one engine's steps at a time."""
+    ext = _extension()
+    if ext is None:
+        return None
+    return LayerSeconds(*ext.decode_timing(on))

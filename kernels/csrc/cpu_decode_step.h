@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 #include <vector>
@@ -18,6 +19,24 @@
 #include "cpu_decode_attention.h"
 
 namespace cpu_decode_step {
+
+// Seconds decode_layers spent in the layers' linear projections, in attention and in the rest
+// (RoPE, KV writes, norms, activations), summed over calls while `on` (`timing` below; off, no
+// clock is read). One engine's steps at a time: the totals are not split by caller.
+struct StepClock {
+  std::atomic<bool> on{false};
+  double linear = 0, attention = 0, other = 0;
+};
+inline StepClock step_clock;
+
+// The totals since the last call (then zeroed), and timing turned on or off from now.
+inline std::vector<double> timing(bool on) {
+  StepClock& c = step_clock;
+  std::vector<double> totals{c.linear, c.attention, c.other};
+  c.linear = c.attention = c.other = 0;
+  c.on.store(on);
+  return totals;
+}
 
 // x times panel matrices side by side (part j gives sizes[j] output features), the parts'
 // outputs concatenated.
@@ -70,17 +89,39 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h,
                     qkv_sizes[i].size() == qkv[i].size() &&
                     gate_up_sizes[i].size() == gate_up[i].size(),
                 "decode_layers: the parts' sizes do not add up to the projections'");
+  StepClock& clock = step_clock;
+  const bool timed = clock.on.load();
+  auto now = [] { return std::chrono::duration<double>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count(); };
+  double last = timed ? now() : 0.0;
+  auto lap = [&](double& total) {  // the time since the last lap, added to `total`
+    if (!timed) return;
+    const double t = now();
+    total += t - last;
+    last = t;
+  };
   for (int64_t i = 0; i < L; ++i) {
     auto t = side_by_side(h, qkv[i], qkv_sizes[i]).view({B, rows, head_dim});
+    lap(clock.linear);
     cpu_ops::rope_(t, heads + kv_heads, pos, cos_t, sin_t);
     cpu_ops::store_kv(t.narrow(1, heads, kv_heads), t.narrow(1, heads + kv_heads, kv_heads),
                       k_cache[i], v_cache[i], slots);
+    lap(clock.other);
     auto attn = cpu_decode_attention::paged_decode(t.narrow(1, 0, heads).contiguous(),
                                                    k_cache[i], v_cache[i], tables, lens, scale);
+    lap(clock.attention);
     auto a = cpu_qlinear::any_linear(attn.reshape({B, heads * head_dim}), o[i], H);
+    lap(clock.linear);
     h = cpu_ops::add_rms_norm(a, x, post_norm[i], eps);
-    auto act = cpu_ops::silu_mul(side_by_side(h, gate_up[i], gate_up_sizes[i]));
-    h = cpu_ops::add_rms_norm(cpu_qlinear::any_linear(act, down[i], H), x, next_norm[i], eps);
+    lap(clock.other);
+    auto gate_up_out = side_by_side(h, gate_up[i], gate_up_sizes[i]);
+    lap(clock.linear);
+    auto act = cpu_ops::silu_mul(gate_up_out);
+    lap(clock.other);
+    auto down_out = cpu_qlinear::any_linear(act, down[i], H);
+    lap(clock.linear);
+    h = cpu_ops::add_rms_norm(down_out, x, next_norm[i], eps);
+    lap(clock.other);
   }
   return h;
 }

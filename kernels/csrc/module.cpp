@@ -23,4 +23,5 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
   m.def("paged_decode", &cpu_decode_attention::paged_decode);
   m.def("prefill_attention", &cpu_prefill_attention::prefill_attention);
   m.def("decode_layers", &cpu_decode_step::decode_layers);
+  m.def("decode_timing", &cpu_decode_step::timing);
 }

@@ -16,7 +16,10 @@ Then the machine, in the same run: read bandwidth, fp32 matmul FLOP/s, and the m
 layers alone as chained F.linear calls at batch 1 and 32; and the engine's steady-state decode
 step at batch 1 and 32 (~256-token contexts), each timed step followed by the machine figures it
 is divided by (at batch 1 a bandwidth sample and the engine's own linear kernels alone, at batch
-32 the bare chain: both then see the machine in the same state). Printed ratios (targets, not
+32 the bare chain: both then see the machine in the same state); where the steps' layers ran as
+the one C++ call (kernels/cpu_decode_step.py), its time by part: the linear projections,
+attention, and the rest (RoPE, KV writes, norms, activations), means over the probe's steps;
+the step's time outside it is the LM head, sampling and the engine. Printed ratios (targets, not
 asserted):
   ratio              = kvserve tok/s / hf tok/s                                  (>= 5)
   roofline_b1        = (weight + KV bytes) / bandwidth / engine step at batch 1  (>= 0.8)
@@ -47,6 +50,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from kvserve.kernels import cpu_decode_step
 from kvserve.services.bench.machine import (
     FP32_BYTES,
     KernelChain,
@@ -331,6 +335,9 @@ class DecodeProbe:
     mean_context: float  # KV tokens each sequence reads per step, averaged over the timed steps
     # The paired measurements by name, each timed once after every timed step.
     paired_s: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # Means over the timed steps of the layers' one C++ call by part (None: the steps did not
+    # take it), in ms.
+    layers_ms: cpu_decode_step.LayerSeconds | None = None
 
 
 def _count_tokens(outputs: list[RequestOutput], emitted: dict[str, int]) -> None:
@@ -374,6 +381,7 @@ def decode_step(
     emitted = _start_decoding(engine, batch, context, steps, seed)
     contexts: list[float] = []
     paired_s: dict[str, list[float]] = {name: [] for name in paired or {}}
+    cpu_decode_step.timing(True)
     with timed_steps(engine) as records:
         for _ in range(steps):
             contexts.append(context + statistics.fmean(emitted.values()))
@@ -382,13 +390,17 @@ def decode_step(
                 t0 = time.perf_counter()
                 measure()
                 paired_s[name].append(time.perf_counter() - t0)
+    layers = cpu_decode_step.timing(False)
     for rid in emitted:
         engine.abort_request(rid)
     if any(r.num_seqs != batch or not r.decode_only for r in records):
         raise RuntimeError(f"decode probe at batch {batch} ran steps that were not pure decode")
     ms = statistics.median(r.seconds for r in records) * 1e3
     times = {name: tuple(ts) for name, ts in paired_s.items()}
-    return DecodeProbe(batch, ms, statistics.fmean(contexts), times)
+    layers_ms = None
+    if layers is not None and sum(layers) > 0:
+        layers_ms = cpu_decode_step.LayerSeconds(*(t * 1e3 / len(records) for t in layers))
+    return DecodeProbe(batch, ms, statistics.fmean(contexts), times, layers_ms)
 
 
 # ---- arm 2: Hugging Face transformers -------------------------------------------------------
@@ -574,6 +586,14 @@ def _print_measurements(s: dict[str, Any]) -> None:
         f"b8 {s['kernel_linear_b8_paired_ms']:.2f} ms, "
         f"bare linear b32 {s['bare_linear_b32_paired_ms']:.2f} ms"
     )
+    for b in PROBE_BATCHES:
+        parts = [s[f"engine_{part}_b{b}_ms"] for part in cpu_decode_step.LayerSeconds._fields]
+        if None not in parts:
+            linear, attention, other = parts
+            print(
+                f"  b{b} step's layers (means): linear projections {linear:.2f} ms, attention "
+                f"{attention:.2f} ms, RoPE / KV writes / norms / activations {other:.2f} ms"
+            )
     print(
         f"kvserve: {s['kvserve_tokens']} tokens in {s['kvserve_wall_s']:.2f} s = "
         f"{s['kvserve_tok_s']:.1f} tok/s ({s['kvserve_steps']} steps)"
@@ -721,6 +741,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def layer_parts(side: EngineSide) -> dict[str, float | None]:
+    """Per probe, the layers' C++ call by part (means over its steps; None without it)."""
+    parts: dict[str, float | None] = {}
+    for probe in (side.b1, side.b8, side.b32):
+        for part in cpu_decode_step.LayerSeconds._fields:
+            ms = getattr(probe.layers_ms, part) if probe.layers_ms else None
+            parts[f"engine_{part}_b{probe.batch}_ms"] = ms
+    return parts
+
+
 def build_summary(
     spec: WorkloadSpec,
     args: argparse.Namespace,
@@ -757,6 +787,7 @@ def build_summary(
         "engine_context_b1": b1.mean_context,
         "engine_context_b8": b8.mean_context,
         "engine_context_b32": b32.mean_context,
+        **layer_parts(side),
         **paired,
         **roofline_ratios(roof, model, side, paired),
     }

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from kvserve.kernels import cpu_decode_step
+from kvserve.kernels.cpu_decode_step import LayerSeconds
 from kvserve.services.bench.engine import (
     FIRST_ORDINARY_TOKEN,
     ArmResult,
@@ -105,6 +107,12 @@ def test_bench_engine_without_hf(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert saved["summary"] == summary
     assert len(saved["steps"]) == summary["kvserve_steps"]
     assert plot.stat().st_size > 0
+    # The probes' steps ran their layers as the one C++ call where the kernels are built.
+    parts = [summary[f"engine_{p}_b{b}_ms"] for p in LayerSeconds._fields for b in (1, 8, 32)]
+    if cpu_decode_step.applies(32, 64):
+        assert all(isinstance(v, float) and v > 0 for v in parts), parts
+    else:
+        assert parts == [None] * len(parts)
 
 
 @pytest.mark.slow

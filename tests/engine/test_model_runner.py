@@ -114,3 +114,34 @@ def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results
     # A step with a prompt chunk in it stays in Python.
     runner.forward(Batch(scheduled=[ScheduledSeq(seqs[0], 1), ScheduledSeq(seqs[3], 60)]))
     assert calls == [3]
+
+
+def test_the_cpp_decode_step_times_its_parts_only_when_asked(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """cpu_decode_step.timing: off (the default), a step adds nothing; on, the layers' linear
+    projections, attention and the rest each take some of the call's time and no more than
+    all of it; reading the totals zeroes them."""
+    import time
+
+    from kvserve.kernels import cpu_decode_step
+
+    engine = make_engine(num_blocks=64, enable_prefix_caching=False)
+    runner, model = engine.runner, engine.runner.model
+    if model.decoder_weights is None or not cpu_decode_step.applies(2, model.config.head_dim):
+        pytest.skip("no C++ kernels on this machine")
+    g = torch.Generator().manual_seed(2)
+    seqs = [_seq(engine, i, torch.randint(20, 40000, (n,), generator=g).tolist(), 0)
+            for i, n in enumerate((21, 30))]  # fmt: skip
+    for s in seqs:
+        runner.forward(Batch(scheduled=[ScheduledSeq(s, len(s.token_ids) - 1)]))
+        s.num_computed_tokens = len(s.token_ids) - 1
+    decode = Batch(scheduled=[ScheduledSeq(s, 1) for s in seqs])
+    assert cpu_decode_step.timing(False) is not None  # zeroes whatever came before
+    runner.forward(decode)
+    assert cpu_decode_step.timing(True) == (0.0, 0.0, 0.0)
+    t0 = time.perf_counter()
+    runner.forward(decode)
+    wall = time.perf_counter() - t0
+    parts = cpu_decode_step.timing(False)
+    assert parts is not None and min(parts) > 0
+    assert sum(parts) <= wall
+    assert cpu_decode_step.timing(False) == (0.0, 0.0, 0.0)
