@@ -1,7 +1,10 @@
 """Paged decode attention for the CPU: a C++ kernel (kernels/csrc, built once per machine by
 cpp_build) that reads K/V in place from the paged cache. Same signature and semantics as
-`reference.paged_decode_attention`, for float32 caches and head dims of 32, 64, 80, 96 or 128;
-anything else (and a machine where the build fails) uses the reference.
+`reference.paged_decode_attention`, for float32 caches and int8 ones (with their per-token,
+per-head scales) and head dims of 32, 64, 80, 96 or 128; anything else (an fp8 cache, a machine
+where the build fails) uses the reference. An int8 row's dot products are scaled by its K scale
+and its softmax weights by the V scales: the reference's products with the dequantized values,
+factored, so the values are widened to fp32 in registers and never written out.
 
 Each query row takes a block VW tokens at a time (the machine's vector width, csrc/simd.h:
 16 with AVX-512, 8 with AVX2) with everything in registers: VW dot products reduced together
@@ -49,14 +52,13 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     ext = _extension()
-    fp32 = query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-    supported = fp32 and query.shape[-1] in HEAD_DIMS and query.is_cpu
-    if ext is None or not supported or k_scale is not None:
+    if ext is None or not supported(query, k_cache, v_cache, k_scale):
         return reference.paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
         )
     assert query.shape[1] % k_cache.shape[2] == 0
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+    scales = (None, None) if k_scale is None or v_scale is None else (k_scale, v_scale)
     out: torch.Tensor = ext.paged_decode(
         query.contiguous(),
         k_cache.contiguous(),
@@ -64,5 +66,21 @@ def paged_decode_attention(
         block_tables.contiguous(),
         context_lens.contiguous(),
         float(scale),
+        *(s if s is None else s.contiguous() for s in scales),
     )
     return out
+
+
+def supported(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None
+) -> bool:
+    """Whether the kernel takes these operands: fp32 queries on the CPU with a head dim of
+    HEAD_DIMS, over an fp32 cache or an int8 one with its scales (fp8 caches use the
+    reference)."""
+    cache = torch.float32 if k_scale is None else torch.int8
+    return (
+        query.dtype == torch.float32
+        and k_cache.dtype == v_cache.dtype == cache
+        and query.shape[-1] in HEAD_DIMS
+        and query.is_cpu
+    )

@@ -32,6 +32,12 @@ def applies(rows: int, head_dim: int) -> bool:
     )
 
 
+def takes_cache(dtype: torch.dtype, scaled: bool) -> bool:
+    """Whether the step takes a KV cache of `dtype`: fp32, or int8 with its scales (an fp8
+    cache's steps stay in Python, whose attention is the reference's)."""
+    return dtype == torch.int8 if scaled else dtype == torch.float32
+
+
 def decode_layers(x: torch.Tensor, h: torch.Tensor, *args: Any) -> torch.Tensor:
     """See the C++ source for the arguments; `applies` must hold."""
     ext = _extension()

@@ -1,6 +1,7 @@
 """Fused elementwise kernels for the CPU forward pass, fp32: RMSNorm (with the residual add
 folded in), RoPE applied in place, and SiLU(gate) * up, as vLLM's CPU backend fuses them; the
-K/V write into the paged cache in one call; and the sampler's argmax + logsumexp.
+K/V write into the paged cache in one call (quantizing for an int8 cache); and the sampler's
+argmax + logsumexp.
 
 Each replaces several torch ops (and their temporaries) with one pass over the rows, which
 matters both at batch 1, where a decode step is ~25 small ops per layer, and in prefill, where
@@ -100,7 +101,8 @@ def store_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """`reference.store_kv` in one call for fp32 caches (each token's K and V rows copied to
-    their slots); quantized and other caches go to the reference."""
+    their slots) and int8 ones (each row quantized as `reference.quantize_kv` does, bit for
+    bit, its scale written beside); fp8 and other caches go to the reference."""
     ext = _extension()
     rows_contiguous = (
         key.stride(2) == 1
@@ -108,15 +110,18 @@ def store_kv(
         and value.stride(2) == 1
         and value.stride(1) == value.shape[2]
     )
+    int8 = k_cache.dtype == v_cache.dtype == torch.int8 and k_scale is not None
+    scales = (k_scale, v_scale) if int8 else (None, None)
     if (
         ext is None
-        or not _applies(key, value, k_cache, v_cache)
+        or not (_applies(key, value) and (int8 or _applies(k_cache, v_cache)))
         or not (rows_contiguous and k_cache.is_contiguous() and v_cache.is_contiguous())
+        or not all(s is None or s.is_contiguous() for s in scales)
         or slot_mapping.dtype != torch.int64
     ):
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    ext.store_kv(key, value, k_cache, v_cache, slot_mapping.contiguous())
+    ext.store_kv(key, value, k_cache, v_cache, slot_mapping.contiguous(), *scales)
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

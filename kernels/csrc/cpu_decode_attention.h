@@ -9,6 +9,8 @@
 #include <cfloat>
 #include <cmath>
 #include <numeric>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -25,36 +27,51 @@ struct Rows {
 };
 
 // Share `it` of `iters` of the next block's `nlines` 64-byte lines of K and V, towards L2.
-static inline __attribute__((always_inline)) void prefetch_share(const float* nk,
-                                                                 const float* nv, int64_t it,
-                                                                 int64_t iters, int64_t nlines) {
+static inline __attribute__((always_inline)) void prefetch_share(const void* nk, const void* nv,
+                                                                 int64_t it, int64_t iters,
+                                                                 int64_t nlines) {
   for (int64_t i = it * nlines / iters; i < (it + 1) * nlines / iters; ++i) {
-    __builtin_prefetch(nk + 16 * i, 0, 2);
-    __builtin_prefetch(nv + 16 * i, 0, 2);
+    __builtin_prefetch(static_cast<const char*>(nk) + 64 * i, 0, 2);
+    __builtin_prefetch(static_cast<const char*>(nv) + 64 * i, 0, 2);
   }
 }
 
+// VW cached values as floats: fp32 as they are, int8 widened (their row's scale applies after).
+static inline __attribute__((always_inline)) vf load_kv(const float* p) { return loadv(p); }
+static inline __attribute__((always_inline)) vf load_kv(const int8_t* p) {
+#if VW == 16
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#endif
+}
+
 // The rows of sequences [j0, j1) attend to the n tokens of one block (K and V of token t at
-// kb + t * stride, all KV heads), VW tokens at a time: each row's VW scores as one vector, the
+// kb + t * stride, all KV heads; an int8 cache's scales of token t at ksb + t * KVH, one per KV
+// head, fp32 caches none), VW tokens at a time: each row's VW scores as one vector, the
 // online-softmax update, then the VW V rows added into the row's accumulator, all in
-// registers. D floats per head. Not inlined: every row is computed by the same
-// instructions wherever it is called from and whatever rows share the call (batch
-// independence); rows never interact. One loop nest rather than steps, so that a row's
-// scores, softmax state and output vectors stay in registers through it.
-template <int D>
+// registers. D floats per head. An int8 row's dot products are scaled by its K scale, and its
+// softmax weights by the V scales before V is added: the reference's dequantized products,
+// factored. Not inlined: every row is computed by the same instructions wherever it is called
+// from and whatever rows share the call (batch independence); rows never interact. One loop
+// nest rather than steps, so that a row's scores, softmax state and output vectors stay in
+// registers through it.
+template <int D, class T>
 static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t j1,
-                                                   const float* kb, const float* vb, int64_t n,
-                                                   int64_t stride, float sc, const float* nk,
-                                                   const float* nv, int64_t nlines) {
+                                                   const T* kb, const T* vb, const float* ksb,
+                                                   const float* vsb, int64_t n, int64_t stride,
+                                                   int64_t KVH, float sc, const T* nk,
+                                                   const T* nv, int64_t nlines) {
   constexpr int NC = D / VW;
+  constexpr bool SCALED = !std::is_same_v<T, float>;
   const int64_t H = st.H, G = st.G;
   const int64_t iters = (n + VW - 1) / VW * (j1 - j0) * H;
   int64_t it = 0;
   const vf lane = lanes();
   for (int64_t t0 = 0; t0 < n; t0 += VW) {
     const int64_t nt = std::min<int64_t>(VW, n - t0);
-    const float* kc = kb + t0 * stride;
-    const float* vc = vb + t0 * stride;
+    const T* kc = kb + t0 * stride;
+    const T* vc = vb + t0 * stride;
     for (int64_t j = j0; j < j1; ++j) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t r = j * H + h, off = h / G * D;
@@ -64,23 +81,33 @@ static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t
         for (int t = 0; t < VW; ++t) {
           a[t] = vf{};
           if (t < nt) {
-            const float* kt = kc + t * stride + off;
-            for (int c = 0; c < NC; ++c) a[t] += loadv(qr + VW * c) * loadv(kt + VW * c);
+            const T* kt = kc + t * stride + off;
+            for (int c = 0; c < NC; ++c) a[t] += loadv(qr + VW * c) * load_kv(kt + VW * c);
           }
         }
         vf s = reducev(a) * sc;
+        vf vscale{};
+        if constexpr (SCALED) {
+          vf kscale{};
+          for (int t = 0; t < nt; ++t) {
+            kscale[t] = ksb[(t0 + t) * KVH + h / G];
+            vscale[t] = vsb[(t0 + t) * KVH + h / G];
+          }
+          s *= kscale;
+        }
         s = lane < static_cast<float>(nt) ? s : vf{} - FLT_MAX;  // -ffast-math: no infinities
         const float mx = std::max(st.m[r], hmax(s));
         const float alpha = std::exp(st.m[r] - mx);
         const vf p = vexp_neg(s - mx);
         st.l[r] = st.l[r] * alpha + hsum(p);
         st.m[r] = mx;
+        const vf pv = SCALED ? p * vscale : p;
         float* ar = st.acc.data() + r * D;
         vf o[NC];
         for (int c = 0; c < NC; ++c) o[c] = loadv(ar + VW * c) * alpha;
         for (int t = 0; t < nt; ++t) {
-          const float* vt = vc + t * stride + off;
-          for (int c = 0; c < NC; ++c) o[c] += p[t] * loadv(vt + VW * c);
+          const T* vt = vc + t * stride + off;
+          for (int c = 0; c < NC; ++c) o[c] += pv[t] * load_kv(vt + VW * c);
         }
         for (int c = 0; c < NC; ++c) storev(ar + VW * c, o[c]);
       }
@@ -88,17 +115,24 @@ static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t
   }
 }
 
-// One call's operands: query [B, H, D] f32; k/v cache [NB, BS, KVH, D] f32; tables [B, MAXB]
-// i32; lens [B] i32; out [B, H, D] f32.
+// One call's operands: query [B, H, D] f32; k/v cache [NB, BS, KVH, D] of T (fp32, or int8
+// with scales [NB, BS, KVH] f32); tables [B, MAXB] i32; lens [B] i32; out [B, H, D] f32.
+template <class T>
 struct Paged {
-  const float *q, *kc, *vc;
+  const float* q;
+  const T *kc, *vc;
+  const float *ks, *vs;  // nullptr for fp32
   const int32_t *tb, *ln;
   float* o;
-  int64_t H, G, BS, MAXB, tok_stride, blk_stride, nlines;  // nlines: 64-byte lines in a block
+  int64_t H, G, KVH, BS, MAXB, tok_stride, blk_stride, nlines;  // nlines: 64-byte lines a block
   float sc;
   // Block `id` of K (or V) to prefetch, or nullptr for none (id -1).
-  const float* block(const float* cache, int64_t id) const {
+  const T* block(const T* cache, int64_t id) const {
     return id < 0 ? nullptr : cache + id * blk_stride;
+  }
+  // Block `id`'s scales (nullptr for fp32).
+  const float* scales(const float* s, int64_t id) const {
+    return s == nullptr ? nullptr : s + id * BS * KVH;
   }
 };
 
@@ -112,7 +146,8 @@ struct Groups {
   int64_t size() const { return static_cast<int64_t>(starts.size()) - 1; }
 };
 
-static Groups group_by_prefix(const Paged& pc, int64_t B) {
+template <class T>
+static Groups group_by_prefix(const Paged<T>& pc, int64_t B) {
   const int32_t *tb = pc.tb, *ln = pc.ln;
   const int64_t MAXB = pc.MAXB, BS = pc.BS;
   Groups gs;
@@ -142,28 +177,26 @@ static Groups group_by_prefix(const Paged& pc, int64_t B) {
 
 // Group g's query rows: its shared blocks once for all members, then each member's own blocks
 // in table order, prefetching the next block; then each row's output, normalized.
-template <int D>
-static void attend_group(const Paged& pc, const Groups& gs, int64_t g) {
+template <int D, class T>
+static void attend_group(const Paged<T>& pc, const Groups& gs, int64_t g) {
   const int64_t H = pc.H, BS = pc.BS, MAXB = pc.MAXB, stride = pc.blk_stride;
   const int64_t first = gs.starts[g], M = gs.starts[g + 1] - first, shared = gs.shared[g];
   Rows st(M * H, H, pc.G, D);
   for (int64_t j = 0; j < M; ++j)
     for (int64_t h = 0; h < H; ++h) st.q[j * H + h] = pc.q + (gs.order[first + j] * H + h) * D;
+  auto block = [&](int64_t j0, int64_t j1, int64_t id, int64_t n, int64_t nx) {
+    attend_block<D, T>(st, j0, j1, pc.kc + id * stride, pc.vc + id * stride,
+                       pc.scales(pc.ks, id), pc.scales(pc.vs, id), n, pc.tok_stride, pc.KVH,
+                       pc.sc, pc.block(pc.kc, nx), pc.block(pc.vc, nx), pc.nlines);
+  };
   const int32_t* lead = pc.tb + gs.order[first] * MAXB;  // the shared blocks' table
-  for (int64_t blk = 0; blk < shared; ++blk) {
-    const int64_t id = lead[blk], nx = blk + 1 < shared ? lead[blk + 1] : -1;
-    attend_block<D>(st, 0, M, pc.kc + id * stride, pc.vc + id * stride, BS, pc.tok_stride, pc.sc,
-                    pc.block(pc.kc, nx), pc.block(pc.vc, nx), pc.nlines);
-  }
+  for (int64_t blk = 0; blk < shared; ++blk)
+    block(0, M, lead[blk], BS, blk + 1 < shared ? lead[blk + 1] : -1);
   for (int64_t j = 0; j < M; ++j) {
     const int64_t b = gs.order[first + j], L = pc.ln[b];
     const int32_t* table = pc.tb + b * MAXB;
-    for (int64_t t0 = shared * BS; t0 < L; t0 += BS) {
-      const int64_t id = table[t0 / BS], nx = t0 + BS < L ? table[t0 / BS + 1] : -1;
-      attend_block<D>(st, j, j + 1, pc.kc + id * stride, pc.vc + id * stride, std::min(BS, L - t0),
-                      pc.tok_stride, pc.sc, pc.block(pc.kc, nx), pc.block(pc.vc, nx),
-                      pc.nlines);
-    }
+    for (int64_t t0 = shared * BS; t0 < L; t0 += BS)
+      block(j, j + 1, table[t0 / BS], std::min(BS, L - t0), t0 + BS < L ? table[t0 / BS + 1] : -1);
     for (int64_t h = 0; h < H; ++h) {
       const int64_t r = j * H + h;
       float* orow = pc.o + (b * H + h) * D;
@@ -172,33 +205,57 @@ static void attend_group(const Paged& pc, const Groups& gs, int64_t g) {
   }
 }
 
-// query [B, H, D] f32; k/v cache [NB, BS, KVH, D] f32; tables [B, MAXB] i32; lens [B] i32.
-// One work item per group of sequences (group_by_prefix), parallel over the groups.
-template <int D>
+// query [B, H, D] f32; k/v cache [NB, BS, KVH, D] of T (with scales [NB, BS, KVH] f32 for
+// int8); tables [B, MAXB] i32; lens [B] i32. One work item per group of sequences
+// (group_by_prefix), parallel over the groups.
+template <int D, class T>
 static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor tables, torch::Tensor lens, double scale) {
+                            torch::Tensor tables, torch::Tensor lens, double scale,
+                            const float* ks, const float* vs) {
   const int64_t B = query.size(0), H = query.size(1);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   auto out = torch::empty_like(query);
-  const Paged pc{query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                 tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<float>(),
-                 H, H / KVH, BS, tables.size(1), KVH * D, BS * KVH * D, BS * KVH * D / 16,
-                 static_cast<float>(scale)};
+  const int64_t block_bytes = BS * KVH * D * static_cast<int64_t>(sizeof(T));
+  const Paged<T> pc{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                    ks, vs, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                    out.data_ptr<float>(), H, H / KVH, KVH, BS, tables.size(1), KVH * D,
+                    BS * KVH * D, block_bytes / 64, static_cast<float>(scale)};
   const Groups gs = group_by_prefix(pc, B);
   at::parallel_for(0, gs.size(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) attend_group<D>(pc, gs, g);
+    for (int64_t g = begin; g < end; ++g) attend_group<D, T>(pc, gs, g);
   });
   return out;
 }
 
+template <int D>
+static torch::Tensor decode_any(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor tables, torch::Tensor lens, double scale,
+                                const std::optional<torch::Tensor>& k_scale,
+                                const std::optional<torch::Tensor>& v_scale) {
+  if (k_cache.scalar_type() == torch::kFloat)
+    return decode<D, float>(query, k_cache, v_cache, tables, lens, scale, nullptr, nullptr);
+  TORCH_CHECK(k_cache.scalar_type() == torch::kChar && v_cache.scalar_type() == torch::kChar &&
+                  k_scale && v_scale && k_scale->scalar_type() == torch::kFloat &&
+                  v_scale->scalar_type() == torch::kFloat &&
+                  k_scale->numel() == k_cache.numel() / k_cache.size(3) &&
+                  v_scale->numel() == k_scale->numel() && k_scale->is_contiguous() &&
+                  v_scale->is_contiguous(),
+              "paged_decode: an fp32 cache, or an int8 one with fp32 scales [NB, BS, KVH]");
+  return decode<D, int8_t>(query, k_cache, v_cache, tables, lens, scale,
+                           k_scale->data_ptr<float>(), v_scale->data_ptr<float>());
+}
+
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor tables, torch::Tensor lens, double scale) {
+                           torch::Tensor tables, torch::Tensor lens, double scale,
+                           std::optional<torch::Tensor> k_scale = std::nullopt,
+                           std::optional<torch::Tensor> v_scale = std::nullopt) {
   switch (query.size(2)) {
-    case 32: return decode<32>(query, k_cache, v_cache, tables, lens, scale);
-    case 64: return decode<64>(query, k_cache, v_cache, tables, lens, scale);
-    case 80: return decode<80>(query, k_cache, v_cache, tables, lens, scale);
-    case 96: return decode<96>(query, k_cache, v_cache, tables, lens, scale);
-    case 128: return decode<128>(query, k_cache, v_cache, tables, lens, scale);
+    case 32: return decode_any<32>(query, k_cache, v_cache, tables, lens, scale, k_scale, v_scale);
+    case 64: return decode_any<64>(query, k_cache, v_cache, tables, lens, scale, k_scale, v_scale);
+    case 80: return decode_any<80>(query, k_cache, v_cache, tables, lens, scale, k_scale, v_scale);
+    case 96: return decode_any<96>(query, k_cache, v_cache, tables, lens, scale, k_scale, v_scale);
+    case 128:
+      return decode_any<128>(query, k_cache, v_cache, tables, lens, scale, k_scale, v_scale);
   }
   TORCH_CHECK(false, "paged_decode: unsupported head dim ", query.size(2));
 }

@@ -55,7 +55,8 @@ static torch::Tensor side_by_side(torch::Tensor x, const std::vector<torch::Tens
 // output sizes, the O and down weights, each as cpu_linear panels or cpu_qlinear's quantized
 // ones, the post-attention norm's weight and the weight of the norm after the MLP (the next
 // layer's input norm, the final norm after the last), the layer's K and V caches
-// [NB, BS, KVH, D]. Returns the final norm of x.
+// [NB, BS, KVH, D], fp32 or int8 with their scales [NB, BS, KVH] (no scales for fp32). Returns
+// the final norm of x.
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h,
                             std::vector<std::vector<torch::Tensor>> qkv,
                             std::vector<std::vector<int64_t>> qkv_sizes,
@@ -65,7 +66,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h,
                             std::vector<torch::Tensor> down, std::vector<torch::Tensor> post_norm,
                             std::vector<torch::Tensor> next_norm,
                             std::vector<torch::Tensor> k_cache,
-                            std::vector<torch::Tensor> v_cache, torch::Tensor pos,
+                            std::vector<torch::Tensor> v_cache,
+                            std::vector<torch::Tensor> k_scale,
+                            std::vector<torch::Tensor> v_scale, torch::Tensor pos,
                             torch::Tensor cos_t, torch::Tensor sin_t, torch::Tensor slots,
                             torch::Tensor tables, torch::Tensor lens, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t intermediate,
@@ -79,8 +82,12 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h,
                   qkv_sizes.size() == qkv.size() && gate_up_sizes.size() == qkv.size() &&
                   down.size() == qkv.size() && post_norm.size() == qkv.size() &&
                   next_norm.size() == qkv.size() && k_cache.size() == qkv.size() &&
-                  v_cache.size() == qkv.size(),
-              "decode_layers: one of each per layer");
+                  v_cache.size() == qkv.size() && k_scale.size() == v_scale.size() &&
+                  (k_scale.empty() || k_scale.size() == qkv.size()),
+              "decode_layers: one of each per layer (scales: none for an fp32 cache)");
+  auto scale_of = [](const std::vector<torch::Tensor>& s, int64_t i) {
+    return s.empty() ? std::optional<torch::Tensor>() : std::optional<torch::Tensor>(s[i]);
+  };
   for (int64_t i = 0; i < L; ++i)
     TORCH_CHECK(std::accumulate(qkv_sizes[i].begin(), qkv_sizes[i].end(), int64_t{0}) ==
                         rows * head_dim &&
@@ -105,10 +112,11 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h,
     lap(clock.linear);
     cpu_ops::rope_(t, heads + kv_heads, pos, cos_t, sin_t);
     cpu_ops::store_kv(t.narrow(1, heads, kv_heads), t.narrow(1, heads + kv_heads, kv_heads),
-                      k_cache[i], v_cache[i], slots);
+                      k_cache[i], v_cache[i], slots, scale_of(k_scale, i), scale_of(v_scale, i));
     lap(clock.other);
     auto attn = cpu_decode_attention::paged_decode(t.narrow(1, 0, heads).contiguous(),
-                                                   k_cache[i], v_cache[i], tables, lens, scale);
+                                                   k_cache[i], v_cache[i], tables, lens, scale,
+                                                   scale_of(k_scale, i), scale_of(v_scale, i));
     lap(clock.attention);
     auto a = cpu_qlinear::any_linear(attn.reshape({B, heads * head_dim}), o[i], H);
     lap(clock.linear);

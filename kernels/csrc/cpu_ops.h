@@ -9,6 +9,7 @@
 #include <cfloat>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "simd.h"
@@ -103,17 +104,57 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return out;
 }
 
+// One row of d values as int8 with its scale, bit for bit as reference.quantize_kv: scale =
+// max(amax / 127, 1e-8), q = round-half-even(x / scale) clamped to +-127. IEEE divisions:
+// -ffast-math would multiply by a reciprocal instead (another last bit now and then).
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+static __attribute__((noinline)) void quantize_int8_row(const float* x, int64_t d, int8_t* q,
+                                                         float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = std::max(amax / 127.f, 1e-8f);
+  for (int64_t i = 0; i < d; ++i)
+    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / s), -127.f, 127.f));
+  *scale = s;
+}
+#pragma GCC pop_options
+
 // K and V of T tokens ([T, KVH, D] each, a token's heads contiguous) into the paged caches
-// [NB, BS, KVH, D] at flat slots[t] = block * BS + offset.
+// [NB, BS, KVH, D] at flat slots[t] = block * BS + offset: fp32 caches copied, int8 ones
+// quantized per (token, head) with their scales [NB, BS, KVH] written beside.
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
-              torch::Tensor v_cache, torch::Tensor slots) {
-  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+              torch::Tensor v_cache, torch::Tensor slots,
+              std::optional<torch::Tensor> k_scale = std::nullopt,
+              std::optional<torch::Tensor> v_scale = std::nullopt) {
+  const int64_t T = key.size(0), heads = key.size(1), d = key.size(2), row = heads * d;
   const int64_t ks = key.stride(0), vs = value.stride(0);
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  if (k_cache.scalar_type() == torch::kChar) {
+    TORCH_CHECK(v_cache.scalar_type() == torch::kChar && k_scale && v_scale &&
+                    k_scale->scalar_type() == torch::kFloat &&
+                    v_scale->scalar_type() == torch::kFloat && k_scale->is_contiguous() &&
+                    v_scale->is_contiguous() && k_scale->numel() * d == k_cache.numel() &&
+                    v_scale->numel() == k_scale->numel(),
+                "store_kv: an int8 cache needs its fp32 scales [NB, BS, KVH]");
+    int8_t* kc = k_cache.data_ptr<int8_t>();
+    int8_t* vc = v_cache.data_ptr<int8_t>();
+    float* ksp = k_scale->data_ptr<float>();
+    float* vsp = v_scale->data_ptr<float>();
+    at::parallel_for(0, T, grain(2 * row), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t slot = sp[t] * heads + h;
+          quantize_int8_row(kp + t * ks + h * d, d, kc + slot * d, ksp + slot);
+          quantize_int8_row(vp + t * vs + h * d, d, vc + slot * d, vsp + slot);
+        }
+    });
+    return;
+  }
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
   at::parallel_for(0, T, grain(2 * row), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       std::memcpy(kc + sp[t] * row, kp + t * ks, row * sizeof(float));

@@ -488,7 +488,7 @@ class LlamaModel(nn.Module):
             and meta.num_prefill_tokens == 0
             and backend.name == "cpu"
             and x.dtype == torch.float32
-            and cache.k_scale[0] is None
+            and cpu_decode_step.takes_cache(cache.k[0].dtype, cache.k_scale[0] is not None)
             and cpu_decode_step.applies(x.shape[0], self.config.head_dim)
         )
 
@@ -506,6 +506,7 @@ class LlamaModel(nn.Module):
             *weights,
             cache.k,
             cache.v,
+            *((cache.k_scale, cache.v_scale) if cache.k_scale[0] is not None else ([], [])),
             rope.positions,
             rope.cos_table,
             rope.sin_table,

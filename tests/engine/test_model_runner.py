@@ -66,15 +66,17 @@ def test_sampling_rows_alone_match_the_full_forward(make_engine, backend: str) -
         assert torch.equal(got, full)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results(  # type: ignore[no-untyped-def]
-    make_engine, monkeypatch: pytest.MonkeyPatch
+    make_engine, monkeypatch: pytest.MonkeyPatch, kv_dtype: str
 ) -> None:
     """kernels.cpu_decode_step takes pure decode steps (and nothing else) and gives bit-identical
-    hidden states and K/V to the Python path, so a sequence's tokens do not depend on
-    whether its step had prompt chunks in it."""
+    hidden states and K/V (an int8 cache's bytes and scales too) to the Python path, so a
+    sequence's tokens do not depend on whether its step had prompt chunks in it. An fp8
+    cache's steps stay in Python (its attention is the reference's)."""
     from kvserve.kernels import cpu_decode_step
 
-    engine = make_engine(num_blocks=64, enable_prefix_caching=False)
+    engine = make_engine(num_blocks=64, enable_prefix_caching=False, kv_dtype=kv_dtype)
     runner, model = engine.runner, engine.runner.model
     if model.decoder_weights is None or not cpu_decode_step.applies(3, model.config.head_dim):
         pytest.skip("no C++ kernels on this machine")
@@ -99,12 +101,15 @@ def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results
     )
 
     def step_kv() -> list[torch.Tensor]:
-        return [k.view(-1, *k.shape[2:])[slots].clone() for k in runner.cache.k + runner.cache.v]
+        c = runner.cache
+        scales = [s for s in c.k_scale + c.v_scale if s is not None]
+        return [k.view(-1, *k.shape[2:])[slots].clone() for k in c.k + c.v + scales]
 
     decode = Batch(scheduled=[ScheduledSeq(s, 1) for s in seqs[:3]])
+    in_cpp_calls = [] if kv_dtype == "fp8" else [3]
     _, in_cpp = runner.forward(decode)
     cpp_kv = step_kv()
-    assert calls == [3]
+    assert calls == in_cpp_calls
     model.decode_in_cpp = False
     _, in_python = runner.forward(decode)
     model.decode_in_cpp = True
@@ -113,7 +118,7 @@ def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results
         assert torch.equal(a, b)
     # A step with a prompt chunk in it stays in Python.
     runner.forward(Batch(scheduled=[ScheduledSeq(seqs[0], 1), ScheduledSeq(seqs[3], 60)]))
-    assert calls == [3]
+    assert calls == in_cpp_calls
 
 
 def test_the_cpp_decode_step_times_its_parts_only_when_asked(make_engine) -> None:  # type: ignore[no-untyped-def]

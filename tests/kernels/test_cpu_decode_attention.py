@@ -1,4 +1,5 @@
-"""The C++ CPU decode kernel against the torch reference (exact semantics, fp32)."""
+"""The C++ CPU decode kernel against the torch reference (exact semantics; fp32 and int8
+caches)."""
 
 from __future__ import annotations
 
@@ -29,15 +30,46 @@ def test_matches_reference(heads: tuple[int, int], head_dim: int, block_size: in
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_quantized_cache_falls_back_to_reference() -> None:
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_int8_cache_matches_reference(heads: tuple[int, int], head_dim: int) -> None:
+    """An int8 cache is read in place (widened in registers, its scales applied to the dot
+    products and the softmax weights): the reference's result on the dequantized values, and
+    a sequence's result is the same alone as in the batch. Slots past a sequence's length
+    hold NaN scales, which must not be read."""
     torch.manual_seed(1)
-    kc = torch.randn(4, 16, 2, 64)
-    vc = torch.randn(4, 16, 2, 64)
-    kq, ks = reference.quantize_kv(kc, torch.int8)
-    vq, vs = reference.quantize_kv(vc, torch.int8)
+    h, kvh = heads
+    bs, lens = 16, [1, 16, 17, 40, 77]
+    n = max((x + bs - 1) // bs for x in lens)
+    nb = len(lens) * n + 2
+    kq, ks = reference.quantize_kv(torch.randn(nb, bs, kvh, head_dim), torch.int8)
+    vq, vs = reference.quantize_kv(torch.randn(nb, bs, kvh, head_dim), torch.int8)
+    tables = torch.randperm(nb)[: len(lens) * n].view(len(lens), n).int()
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), h, head_dim)
+    want = reference.paged_decode_attention(q, kq, vq, tables, ctx, head_dim**-0.5, ks, vs)
+    for b, length in enumerate(lens):  # poison every slot past each sequence's length
+        for pos in range(length, n * bs):  # (the reference needs them finite)
+            ks[tables[b, pos // bs], pos % bs] = float("nan")
+            vs[tables[b, pos // bs], pos % bs] = float("nan")
+    scale = head_dim**-0.5
+    got = cpu_decode_attention.paged_decode_attention(q, kq, vq, tables, ctx, scale, ks, vs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for b in (0, 3):
+        alone = cpu_decode_attention.paged_decode_attention(
+            q[b : b + 1], kq, vq, tables[b : b + 1], ctx[b : b + 1], head_dim**-0.5, ks, vs
+        )
+        assert torch.equal(alone[0], got[b])
+
+
+def test_fp8_cache_falls_back_to_reference() -> None:
+    torch.manual_seed(1)
+    kq, ks = reference.quantize_kv(torch.randn(4, 16, 2, 64), torch.float8_e4m3fn)
+    vq, vs = reference.quantize_kv(torch.randn(4, 16, 2, 64), torch.float8_e4m3fn)
     q = torch.randn(2, 4, 64)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     ctx = torch.tensor([20, 32], dtype=torch.int32)
+    assert not cpu_decode_attention.supported(q, kq, vq, ks)
     want = reference.paged_decode_attention(q, kq, vq, tables, ctx, 0.125, ks, vs)
     got = cpu_decode_attention.paged_decode_attention(q, kq, vq, tables, ctx, 0.125, ks, vs)
     assert torch.equal(got, want)

@@ -135,11 +135,37 @@ def test_store_kv_writes_what_the_reference_writes() -> None:
     got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
     cpu_ops.store_kv(key, value, got_k, got_v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    # A quantized cache goes to the reference.
-    kq, vq = (
-        torch.zeros(4, 16, kvh, d, dtype=torch.int8),
-        torch.zeros(4, 16, kvh, d, dtype=torch.int8),
-    )
-    ks, vs = torch.zeros(4, 16, kvh), torch.zeros(4, 16, kvh)
-    cpu_ops.store_kv(key, value, kq, vq, slots, ks, vs)
-    assert kq.flatten(0, 1)[slots].abs().sum() > 0 and ks.flatten(0, 1)[slots].min() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_store_kv_quantizes_as_the_reference_does(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An int8 cache is quantized by the kernel, an fp8 one by the reference: both bit for bit
+    the reference's bytes and scales, ties (x / scale exactly k + 0.5) rounded to even and an
+    all-zero row included."""
+    torch.manual_seed(6)
+    h, kvh, d = 6, 2, 64
+    qkv = torch.randn(7, h + 2 * kvh, d) * 3
+    qkv[0, h, 0], qkv[0, h, 1:4] = 127.0, torch.tensor([2.5, -3.5, 0.5])  # scale 1: ties
+    qkv[1, h + kvh] = 0.0
+    key, value = qkv[:, h : h + kvh], qkv[:, h + kvh :]
+    slots = torch.tensor([3, 17, 18, 40, 0, 63, 21])
+
+    def cache() -> list[torch.Tensor]:
+        return [
+            torch.zeros(4, 16, kvh, d).to(dtype),
+            torch.zeros(4, 16, kvh, d).to(dtype),
+            torch.zeros(4, 16, kvh),
+            torch.zeros(4, 16, kvh),
+        ]
+
+    want, got = cache(), cache()
+    reference.store_kv(key, value, want[0], want[1], slots, want[2], want[3])
+    if dtype == torch.int8:  # the kernel's own, not the reference's
+        monkeypatch.setattr(reference, "store_kv", None)
+    cpu_ops.store_kv(key, value, got[0], got[1], slots, got[2], got[3])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == dtype else a,
+                           b.view(torch.uint8) if b.dtype == dtype else b)  # fmt: skip
+    assert want[0].flatten(0, 1)[slots].view(torch.uint8).any()
