@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -104,18 +105,45 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return out;
 }
 
-// One row of d values as int8 with its scale, bit for bit as reference.quantize_kv: scale =
-// max(amax / 127, 1e-8), q = round-half-even(x / scale) clamped to +-127. IEEE divisions:
-// -ffast-math would multiply by a reciprocal instead (another last bit now and then).
+// One row of d values (a multiple of VW) as int8 with its scale, bit for bit as
+// reference.quantize_kv: scale = max(amax / 127, 1e-8), q = round-half-even(x / scale)
+// clamped to +-127. The divisions are the division instruction's (IEEE): -ffast-math would
+// multiply by a reciprocal instead, another last bit now and then, so not here.
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 static __attribute__((noinline)) void quantize_int8_row(const float* x, int64_t d, int8_t* q,
                                                          float* scale) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float s = std::max(amax / 127.f, 1e-8f);
-  for (int64_t i = 0; i < d; ++i)
-    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / s), -127.f, 127.f));
+#if VW == 16
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16)
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  const float s = std::max(_mm512_reduce_max_ps(amax) / 127.f, 1e-8f);
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t i = 0; i < d; i += 16) {
+    __m512 y = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), sv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    y = _mm512_min_ps(_mm512_max_ps(y, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y)));
+  }
+#else
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8)
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  float m[8];
+  _mm256_storeu_ps(m, amax);
+  const float s = std::max(*std::max_element(m, m + 8) / 127.f, 1e-8f);
+  const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);
+    const __m256i w = _mm256_cvtps_epi32(y);
+    const __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(p, p));
+  }
+#endif
   *scale = s;
 }
 #pragma GCC pop_options
@@ -137,7 +165,7 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                     k_scale->scalar_type() == torch::kFloat &&
                     v_scale->scalar_type() == torch::kFloat && k_scale->is_contiguous() &&
                     v_scale->is_contiguous() && k_scale->numel() * d == k_cache.numel() &&
-                    v_scale->numel() == k_scale->numel(),
+                    v_scale->numel() == k_scale->numel() && d % VW == 0,
                 "store_kv: an int8 cache needs its fp32 scales [NB, BS, KVH]");
     int8_t* kc = k_cache.data_ptr<int8_t>();
     int8_t* vc = v_cache.data_ptr<int8_t>();

@@ -6,8 +6,9 @@ uniform in 16..256 (EOS ignored), all submitted at once. Prompt token ids are dr
 from the vocabulary without the special ids (< 17) with a fixed seed; both arms get the same ids.
 
 - kvserve: one Engine (fp32, default cache config, max_num_seqs and a KV budget large enough for
-  every request at once) run to completion; output tok/s = generated tokens / wall time. Each
-  step is timed from outside (engine.step wrapped with perf_counter) with its batch size.
+  every request at once; `--kv-dtype int8|fp8` for a quantized KV cache) run to completion;
+  output tok/s = generated tokens / wall time. Each step is timed from outside (engine.step
+  wrapped with perf_counter) with its batch size.
 - hf: `AutoModelForCausalLM.from_pretrained(...).generate()` in static batches (default 16),
   left-padded, greedy, every row generating the batch's longest target; only each request's own
   target counts as output (the rest is padding waste). Output tok/s = useful tokens / wall time.
@@ -61,6 +62,7 @@ from kvserve.services.bench.machine import (
 )
 from kvserve.services.cli_support import CliError
 from kvserve.shared.config import (
+    KV_DTYPES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -68,7 +70,7 @@ from kvserve.shared.config import (
     default_model_path,
 )
 from kvserve.shared.engine.engine import Engine, kept_formats
-from kvserve.shared.engine.kv_cache import kv_bytes_per_token
+from kvserve.shared.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype
 from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.engine.scheduler import Batch
 from kvserve.shared.model.loader import LoadedWeights, load_weights
@@ -112,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "fp32", "file"),
         default="auto",
         help="the kvserve arm's linear weights (as `serve --weights`; the HF arm runs fp32)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="auto",
+        help="the kvserve arm's KV cache (as `serve --kv-dtype`; auto: fp32)",
     )
 
 
@@ -260,9 +268,12 @@ def engine_config(
         sum(-(-r.num_tokens // bs) for r in requests),
         max(PROBE_BATCHES) * -(-probe_len // bs),
     )
-    budget = (blocks + 1) * bs * kv_bytes_per_token(model, torch.float32)
+    kv_dtype = resolve_kv_dtype(args.kv_dtype, torch.float32)
+    budget = (blocks + 1) * bs * kv_bytes_per_token(model, kv_dtype)
     cache = CacheConfig(
-        memory_budget_bytes=max(CacheConfig().memory_budget_bytes, budget), populate="eager"
+        memory_budget_bytes=max(CacheConfig().memory_budget_bytes, budget),
+        populate="eager",
+        kv_dtype=args.kv_dtype,
     )
     return EngineConfig(
         model_path=str(model_path),
@@ -521,7 +532,8 @@ def roofline_ratios(
     ratios = {}
     for probe in (side.b1, side.b8):
         b = probe.batch
-        kv_bytes = probe.batch * probe.mean_context * model.kv_bytes_per_token(FP32_BYTES)
+        kv_dtype = resolve_kv_dtype(side.kv_dtype, torch.float32)
+        kv_bytes = probe.batch * probe.mean_context * kv_bytes_per_token(model, kv_dtype)
         bandwidth = paired[f"bandwidth_paired_b{b}_gb_s"] * 1e9
         ideal_s = (side.weight_bytes + kv_bytes) / bandwidth
         linear_ms = paired[f"kernel_linear_b{b}_paired_ms"]
@@ -662,6 +674,7 @@ class EngineSide:
     b32: DecodeProbe
     weights: str  # --weights
     weight_bytes: int  # read per decode step by the engine's linear layers
+    kv_dtype: str = "auto"  # --kv-dtype
 
 
 def measure_engine(
@@ -707,7 +720,7 @@ def measure_engine(
         )
         for b in PROBE_BATCHES
     )
-    return EngineSide(kv, steps, b1, b8, b32, args.weights, kernels.weight_bytes)
+    return EngineSide(kv, steps, b1, b8, b32, args.weights, kernels.weight_bytes, args.kv_dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -780,6 +793,7 @@ def build_summary(
         "ratio_met": ratio >= TARGET_RATIO if ratio is not None else None,
         **asdict(roof),
         "weights": side.weights,
+        "kv_dtype": side.kv_dtype,
         "weight_bytes": side.weight_bytes,
         "engine_step_b1_ms": b1.step_ms,
         "engine_step_b8_ms": b8.step_ms,
