@@ -1,10 +1,11 @@
 """Paged decode attention for the CPU: a C++ kernel (kernels/csrc, built once per machine by
 cpp_build) that reads K/V in place from the paged cache. Same signature and semantics as
-`reference.paged_decode_attention`, for float32 caches and int8 ones (with their per-token,
-per-head scales) and head dims of 32, 64, 80, 96 or 128; anything else (an fp8 cache, a machine
-where the build fails) uses the reference. An int8 row's dot products are scaled by its K scale
-and its softmax weights by the V scales: the reference's products with the dequantized values,
-factored, so the values are widened to fp32 in registers and never written out.
+`reference.paged_decode_attention`, for float32 caches and int8 / fp8 (e4m3) ones (with their
+per-token, per-head scales) and head dims of 32, 64, 80, 96 or 128; anything else (a machine
+where the build fails) uses the reference. A quantized row's dot products are scaled by its K
+scale and its softmax weights by the V scales: the reference's products with the dequantized
+values, factored, so the values are widened to fp32 in registers (exactly, e4m3 too) and
+never written out.
 
 Each query row takes a block VW tokens at a time (the machine's vector width, csrc/simd.h:
 16 with AVX-512, 8 with AVX2) with everything in registers: VW dot products reduced together
@@ -75,12 +76,12 @@ def supported(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None
 ) -> bool:
     """Whether the kernel takes these operands: fp32 queries on the CPU with a head dim of
-    HEAD_DIMS, over an fp32 cache or an int8 one with its scales (fp8 caches use the
-    reference)."""
-    cache = torch.float32 if k_scale is None else torch.int8
+    HEAD_DIMS, over an fp32 cache or an int8 / fp8 (e4m3) one with its scales."""
+    caches = (torch.float32,) if k_scale is None else (torch.int8, torch.float8_e4m3fn)
     return (
         query.dtype == torch.float32
-        and k_cache.dtype == v_cache.dtype == cache
+        and k_cache.dtype in caches
+        and v_cache.dtype == k_cache.dtype
         and query.shape[-1] in HEAD_DIMS
         and query.is_cpu
     )

@@ -33,9 +33,9 @@ def applies(rows: int, head_dim: int) -> bool:
 
 
 def takes_cache(dtype: torch.dtype, scaled: bool) -> bool:
-    """Whether the step takes a KV cache of `dtype`: fp32, or int8 with its scales (an fp8
-    cache's steps stay in Python, whose attention is the reference's)."""
-    return dtype == torch.int8 if scaled else dtype == torch.float32
+    """Whether the step takes a KV cache of `dtype`: fp32, or int8 / fp8 (e4m3) with its
+    scales."""
+    return dtype in (torch.int8, torch.float8_e4m3fn) if scaled else dtype == torch.float32
 
 
 def decode_layers(x: torch.Tensor, h: torch.Tensor, *args: Any) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Fused elementwise kernels for the CPU forward pass, fp32: RMSNorm (with the residual add
 folded in), RoPE applied in place, and SiLU(gate) * up, as vLLM's CPU backend fuses them; the
-K/V write into the paged cache in one call (quantizing for an int8 cache); and the sampler's
+K/V write into the paged cache in one call (quantizing for an int8 or fp8 cache); and the sampler's
 argmax + logsumexp.
 
 Each replaces several torch ops (and their temporaries) with one pass over the rows, which
@@ -101,8 +101,8 @@ def store_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """`reference.store_kv` in one call for fp32 caches (each token's K and V rows copied to
-    their slots) and int8 ones (each row quantized as `reference.quantize_kv` does, bit for
-    bit, its scale written beside); fp8 and other caches go to the reference."""
+    their slots) and int8 / fp8 ones (each row quantized as `reference.quantize_kv` does, bit
+    for bit, its scale written beside); other caches go to the reference."""
     ext = _extension()
     rows_contiguous = (
         key.stride(2) == 1
@@ -110,11 +110,12 @@ def store_kv(
         and value.stride(2) == 1
         and value.stride(1) == value.shape[2]
     )
-    int8 = k_cache.dtype == v_cache.dtype == torch.int8 and k_scale is not None
-    scales = (k_scale, v_scale) if int8 else (None, None)
+    quantized = k_scale is not None and k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    quantized = quantized and v_cache.dtype == k_cache.dtype
+    scales = (k_scale, v_scale) if quantized else (None, None)
     if (
         ext is None
-        or not (_applies(key, value) and (int8 or _applies(k_cache, v_cache)))
+        or not (_applies(key, value) and (quantized or _applies(k_cache, v_cache)))
         or not (rows_contiguous and k_cache.is_contiguous() and v_cache.is_contiguous())
         or not all(s is None or s.is_contiguous() for s in scales)
         or slot_mapping.dtype != torch.int64

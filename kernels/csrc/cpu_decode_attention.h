@@ -46,6 +46,35 @@ static inline __attribute__((always_inline)) vf load_kv(const int8_t* p) {
 #endif
 }
 
+// An fp8 (e4m3fn) cache element: 1 sign, 4 exponent (bias 7) and 3 mantissa bits.
+struct E4M3 {
+  uint8_t bits;
+};
+// VW e4m3 values as floats, exactly: a normal one's exponent and mantissa bits moved into
+// fp32's and the exponent rebiased (+120), a subnormal one (exponent 0) as mantissa * 2^-9;
+// then the sign. No fp32 denormal is formed on the way. NaN (0x7F) is never stored.
+static inline __attribute__((always_inline)) vf load_kv(const E4M3* p) {
+#if VW == 16
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512));
+  const __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
+  const __m512i v = _mm512_mask_blend_epi32(is_sub, normal, _mm512_castps_si512(sub));
+  return (vf)_mm512_castsi512_ps(_mm512_or_si512(v, sign));
+#else
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.f / 512));
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);
+  const __m256i v = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), is_sub);
+  return (vf)_mm256_castsi256_ps(_mm256_or_si256(v, sign));
+#endif
+}
+
 // The rows of sequences [j0, j1) attend to the n tokens of one block (K and V of token t at
 // kb + t * stride, all KV heads; an int8 cache's scales of token t at ksb + t * KVH, one per KV
 // head, fp32 caches none), VW tokens at a time: each row's VW scores as one vector, the
@@ -216,7 +245,8 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   auto out = torch::empty_like(query);
   const int64_t block_bytes = BS * KVH * D * static_cast<int64_t>(sizeof(T));
-  const Paged<T> pc{query.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+  const Paged<T> pc{query.data_ptr<float>(), static_cast<const T*>(k_cache.data_ptr()),
+                    static_cast<const T*>(v_cache.data_ptr()),
                     ks, vs, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                     out.data_ptr<float>(), H, H / KVH, KVH, BS, tables.size(1), KVH * D,
                     BS * KVH * D, block_bytes / 64, static_cast<float>(scale)};
@@ -234,15 +264,20 @@ static torch::Tensor decode_any(torch::Tensor query, torch::Tensor k_cache, torc
                                 const std::optional<torch::Tensor>& v_scale) {
   if (k_cache.scalar_type() == torch::kFloat)
     return decode<D, float>(query, k_cache, v_cache, tables, lens, scale, nullptr, nullptr);
-  TORCH_CHECK(k_cache.scalar_type() == torch::kChar && v_cache.scalar_type() == torch::kChar &&
-                  k_scale && v_scale && k_scale->scalar_type() == torch::kFloat &&
+  const auto type = k_cache.scalar_type();
+  TORCH_CHECK((type == torch::kChar || type == torch::kFloat8_e4m3fn) &&
+                  v_cache.scalar_type() == type && k_scale && v_scale &&
+                  k_scale->scalar_type() == torch::kFloat &&
                   v_scale->scalar_type() == torch::kFloat &&
                   k_scale->numel() == k_cache.numel() / k_cache.size(3) &&
                   v_scale->numel() == k_scale->numel() && k_scale->is_contiguous() &&
                   v_scale->is_contiguous(),
-              "paged_decode: an fp32 cache, or an int8 one with fp32 scales [NB, BS, KVH]");
-  return decode<D, int8_t>(query, k_cache, v_cache, tables, lens, scale,
-                           k_scale->data_ptr<float>(), v_scale->data_ptr<float>());
+              "paged_decode: an fp32 cache, or an int8 / fp8 one with fp32 scales [NB, BS, KVH]");
+  if (type == torch::kChar)
+    return decode<D, int8_t>(query, k_cache, v_cache, tables, lens, scale,
+                             k_scale->data_ptr<float>(), v_scale->data_ptr<float>());
+  return decode<D, E4M3>(query, k_cache, v_cache, tables, lens, scale, k_scale->data_ptr<float>(),
+                         v_scale->data_ptr<float>());
 }
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -55,8 +55,8 @@ static torch::Tensor side_by_side(torch::Tensor x, const std::vector<torch::Tens
 // output sizes, the O and down weights, each as cpu_linear panels or cpu_qlinear's quantized
 // ones, the post-attention norm's weight and the weight of the norm after the MLP (the next
 // layer's input norm, the final norm after the last), the layer's K and V caches
-// [NB, BS, KVH, D], fp32 or int8 with their scales [NB, BS, KVH] (no scales for fp32). Returns
-// the final norm of x.
+// [NB, BS, KVH, D], fp32, or int8 / fp8 with their scales [NB, BS, KVH] (none for fp32).
+// Returns the final norm of x.
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h,
                             std::vector<std::vector<torch::Tensor>> qkv,
                             std::vector<std::vector<int64_t>> qkv_sizes,

@@ -146,11 +146,53 @@ static __attribute__((noinline)) void quantize_int8_row(const float* x, int64_t 
 #endif
   *scale = s;
 }
+
+// One row of d values (a multiple of VW) as fp8 e4m3fn bytes with its scale, bit for bit as
+// reference.quantize_kv (torch's cast): scale = max(amax / 448, 1e-8), y = x / scale clamped
+// to +-448, rounded to the nearest e4m3 value (ties to even: y scaled by the power of two that
+// puts its last kept mantissa bit at 1, rounded, scaled back; the subnormal step below 2^-6),
+// then encoded: a normal value's exponent (rebiased) and 3 mantissa bits, a subnormal one's
+// mantissa, and the sign (a negative zero keeps it, as torch's does).
+static __attribute__((noinline)) void quantize_fp8_row(const float* x, int64_t d, uint8_t* q,
+                                                        float* scale) {
+  vf amax{};
+  for (int64_t i = 0; i < d; i += VW) {
+    const vf a = (vf)((vi)loadv(x + i) & 0x7fffffff);
+    amax = amax > a ? amax : a;
+  }
+  float am = 0.f;
+  for (int l = 0; l < VW; ++l) am = std::max(am, amax[l]);
+  const float s = std::max(am / 448.f, 1e-8f);
+  for (int64_t i = 0; i < d; i += VW) {
+    vf y = loadv(x + i) / s;
+    y = y < -448.f ? vf{} - 448.f : y;
+    y = y > 448.f ? vf{} + 448.f : y;
+    const vi bits = (vi)y;
+    vi e = ((bits >> 23) & 0xFF) - 127;
+    e = e < -6 ? vi{} - 6 : e;
+    const vf inv_step = (vf)((127 + 3 - e) << 23), step = (vf)((127 - 3 + e) << 23);
+#if VW == 16
+    const vf r = (vf)_mm512_roundscale_ps((__m512)(y * inv_step),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    const vf r = (vf)_mm256_round_ps((__m256)(y * inv_step),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    const vi qb = (vi)(r * step);  // an e4m3 value, as fp32
+    const vi qe = ((qb >> 23) & 0xFF) - 127;
+    const vf mag = (vf)(qb & 0x7fffffff);
+    const vi sub = __builtin_convertvector(mag * 512.f, vi);  // exact below 2^-6
+    const vi code = qe >= -6 ? ((qe + 7) << 3) | ((qb >> 20) & 7) : sub;
+    const vi byte = code | (((qb >> 31) & 1) << 7);
+    for (int l = 0; l < VW; ++l) q[i + l] = static_cast<uint8_t>(byte[l]);
+  }
+  *scale = s;
+}
 #pragma GCC pop_options
 
 // K and V of T tokens ([T, KVH, D] each, a token's heads contiguous) into the paged caches
-// [NB, BS, KVH, D] at flat slots[t] = block * BS + offset: fp32 caches copied, int8 ones
-// quantized per (token, head) with their scales [NB, BS, KVH] written beside.
+// [NB, BS, KVH, D] at flat slots[t] = block * BS + offset: fp32 caches copied, int8 and fp8
+// ones quantized per (token, head) with their scales [NB, BS, KVH] written beside.
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
               torch::Tensor v_cache, torch::Tensor slots,
               std::optional<torch::Tensor> k_scale = std::nullopt,
@@ -160,23 +202,31 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  if (k_cache.scalar_type() == torch::kChar) {
-    TORCH_CHECK(v_cache.scalar_type() == torch::kChar && k_scale && v_scale &&
+  const auto type = k_cache.scalar_type();
+  if (type == torch::kChar || type == torch::kFloat8_e4m3fn) {
+    TORCH_CHECK(v_cache.scalar_type() == type && k_scale && v_scale &&
                     k_scale->scalar_type() == torch::kFloat &&
                     v_scale->scalar_type() == torch::kFloat && k_scale->is_contiguous() &&
                     v_scale->is_contiguous() && k_scale->numel() * d == k_cache.numel() &&
                     v_scale->numel() == k_scale->numel() && d % VW == 0,
-                "store_kv: an int8 cache needs its fp32 scales [NB, BS, KVH]");
-    int8_t* kc = k_cache.data_ptr<int8_t>();
-    int8_t* vc = v_cache.data_ptr<int8_t>();
+                "store_kv: an int8 or fp8 cache needs its fp32 scales [NB, BS, KVH]");
+    uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+    uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
     float* ksp = k_scale->data_ptr<float>();
     float* vsp = v_scale->data_ptr<float>();
+    const bool fp8 = type == torch::kFloat8_e4m3fn;
+    auto quantize = [&](const float* x, uint8_t* q, float* sc) {
+      if (fp8)
+        quantize_fp8_row(x, d, q, sc);
+      else
+        quantize_int8_row(x, d, reinterpret_cast<int8_t*>(q), sc);
+    };
     at::parallel_for(0, T, grain(2 * row), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t slot = sp[t] * heads + h;
-          quantize_int8_row(kp + t * ks + h * d, d, kc + slot * d, ksp + slot);
-          quantize_int8_row(vp + t * vs + h * d, d, vc + slot * d, vsp + slot);
+          quantize(kp + t * ks + h * d, kc + slot * d, ksp + slot);
+          quantize(vp + t * vs + h * d, vc + slot * d, vsp + slot);
         }
     });
     return;

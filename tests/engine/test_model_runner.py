@@ -71,9 +71,8 @@ def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results
     make_engine, monkeypatch: pytest.MonkeyPatch, kv_dtype: str
 ) -> None:
     """kernels.cpu_decode_step takes pure decode steps (and nothing else) and gives bit-identical
-    hidden states and K/V (an int8 cache's bytes and scales too) to the Python path, so a
-    sequence's tokens do not depend on whether its step had prompt chunks in it. An fp8
-    cache's steps stay in Python (its attention is the reference's)."""
+    hidden states and K/V (an int8 or fp8 cache's bytes and scales too) to the Python path, so
+    a sequence's tokens do not depend on whether its step had prompt chunks in it."""
     from kvserve.kernels import cpu_decode_step
 
     engine = make_engine(num_blocks=64, enable_prefix_caching=False, kv_dtype=kv_dtype)
@@ -106,10 +105,9 @@ def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results
         return [k.view(-1, *k.shape[2:])[slots].clone() for k in c.k + c.v + scales]
 
     decode = Batch(scheduled=[ScheduledSeq(s, 1) for s in seqs[:3]])
-    in_cpp_calls = [] if kv_dtype == "fp8" else [3]
     _, in_cpp = runner.forward(decode)
     cpp_kv = step_kv()
-    assert calls == in_cpp_calls
+    assert calls == [3]
     model.decode_in_cpp = False
     _, in_python = runner.forward(decode)
     model.decode_in_cpp = True
@@ -118,7 +116,7 @@ def test_a_pure_decode_step_runs_its_layers_in_cpp_with_the_python_paths_results
         assert torch.equal(a, b)
     # A step with a prompt chunk in it stays in Python.
     runner.forward(Batch(scheduled=[ScheduledSeq(seqs[0], 1), ScheduledSeq(seqs[3], 60)]))
-    assert calls == in_cpp_calls
+    assert calls == [3]
 
 
 def test_the_cpp_decode_step_times_its_parts_only_when_asked(make_engine) -> None:  # type: ignore[no-untyped-def]

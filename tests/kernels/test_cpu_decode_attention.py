@@ -30,20 +30,23 @@ def test_matches_reference(heads: tuple[int, int], head_dim: int, block_size: in
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_int8_cache_matches_reference(heads: tuple[int, int], head_dim: int) -> None:
-    """An int8 cache is read in place (widened in registers, its scales applied to the dot
-    products and the softmax weights): the reference's result on the dequantized values, and
-    a sequence's result is the same alone as in the batch. Slots past a sequence's length
+def test_quantized_cache_matches_reference(
+    heads: tuple[int, int], head_dim: int, dtype: torch.dtype
+) -> None:
+    """An int8 or fp8 cache is read in place (widened in registers, its scales applied to the
+    dot products and the softmax weights): the reference's result on the dequantized values,
+    and a sequence's result is the same alone as in the batch. Slots past a sequence's length
     hold NaN scales, which must not be read."""
     torch.manual_seed(1)
     h, kvh = heads
     bs, lens = 16, [1, 16, 17, 40, 77]
     n = max((x + bs - 1) // bs for x in lens)
     nb = len(lens) * n + 2
-    kq, ks = reference.quantize_kv(torch.randn(nb, bs, kvh, head_dim), torch.int8)
-    vq, vs = reference.quantize_kv(torch.randn(nb, bs, kvh, head_dim), torch.int8)
+    kq, ks = reference.quantize_kv(torch.randn(nb, bs, kvh, head_dim), dtype)
+    vq, vs = reference.quantize_kv(torch.randn(nb, bs, kvh, head_dim), dtype)
     tables = torch.randperm(nb)[: len(lens) * n].view(len(lens), n).int()
     ctx = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), h, head_dim)
@@ -62,17 +65,24 @@ def test_int8_cache_matches_reference(heads: tuple[int, int], head_dim: int) -> 
         assert torch.equal(alone[0], got[b])
 
 
-def test_fp8_cache_falls_back_to_reference() -> None:
-    torch.manual_seed(1)
-    kq, ks = reference.quantize_kv(torch.randn(4, 16, 2, 64), torch.float8_e4m3fn)
-    vq, vs = reference.quantize_kv(torch.randn(4, 16, 2, 64), torch.float8_e4m3fn)
-    q = torch.randn(2, 4, 64)
-    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    ctx = torch.tensor([20, 32], dtype=torch.int32)
-    assert not cpu_decode_attention.supported(q, kq, vq, ks)
-    want = reference.paged_decode_attention(q, kq, vq, tables, ctx, 0.125, ks, vs)
-    got = cpu_decode_attention.paged_decode_attention(q, kq, vq, tables, ctx, 0.125, ks, vs)
+def test_every_e4m3_value_is_widened_exactly() -> None:
+    """All 254 finite e4m3 values (normals, subnormals, both zeros) as V, one token attended
+    at a time with scales 1: bit for bit the kernel's result on an fp32 cache holding the same
+    values (torch's exact conversion), and within a rounding of the values themselves."""
+    values = torch.arange(256, dtype=torch.uint8)
+    values = values[(values & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # no NaN
+    n, d = values.numel(), 32
+    vc = values[:, None, None, None].expand(n, 1, 1, d).contiguous()
+    ones = torch.ones(n, 1, 1)
+    args = (torch.arange(n, dtype=torch.int32)[:, None], torch.ones(n, dtype=torch.int32), 1.0)
+    q = torch.zeros(n, 1, d)
+    got = cpu_decode_attention.paged_decode_attention(
+        q, torch.zeros_like(vc), vc, *args, ones, ones
+    )
+    fp32 = vc.float()
+    want = cpu_decode_attention.paged_decode_attention(q, torch.zeros_like(fp32), fp32, *args)
     assert torch.equal(got, want)
+    torch.testing.assert_close(got[:, 0, 0], values.float(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=["gqa", "mqa"])

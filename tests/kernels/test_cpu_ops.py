@@ -141,13 +141,19 @@ def test_store_kv_writes_what_the_reference_writes() -> None:
 def test_store_kv_quantizes_as_the_reference_does(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An int8 cache is quantized by the kernel, an fp8 one by the reference: both bit for bit
-    the reference's bytes and scales, ties (x / scale exactly k + 0.5) rounded to even and an
-    all-zero row included."""
+    """int8 and fp8 caches are quantized by the kernel, bit for bit the reference's bytes and
+    scales: random rows, ties rounded to even (int8: x / scale = k + 0.5; e4m3: halfway
+    between neighbours, in the normal and the subnormal range), values that round up into the
+    next binade, tiny values that round to (negative) zero, and an all-zero row."""
     torch.manual_seed(6)
     h, kvh, d = 6, 2, 64
     qkv = torch.randn(7, h + 2 * kvh, d) * 3
-    qkv[0, h, 0], qkv[0, h, 1:4] = 127.0, torch.tensor([2.5, -3.5, 0.5])  # scale 1: ties
+    qkv[0, h, 0], qkv[0, h, 1:4] = 127.0, torch.tensor([2.5, -3.5, 0.5])  # int8 scale 1: ties
+    qkv[2, h, 0] = 448.0  # fp8 scale 1
+    qkv[2, h, 1:12] = torch.tensor(
+        [1.0625, 1.1875, -3.75, 1.96875, 0.0009765625, 0.0029296875, -0.0001, -0.0, 447.9,
+         0.015380859375, 2.0**-7 + 2.0**-10]
+    )  # fmt: skip
     qkv[1, h + kvh] = 0.0
     key, value = qkv[:, h : h + kvh], qkv[:, h + kvh :]
     slots = torch.tensor([3, 17, 18, 40, 0, 63, 21])
@@ -162,8 +168,7 @@ def test_store_kv_quantizes_as_the_reference_does(
 
     want, got = cache(), cache()
     reference.store_kv(key, value, want[0], want[1], slots, want[2], want[3])
-    if dtype == torch.int8:  # the kernel's own, not the reference's
-        monkeypatch.setattr(reference, "store_kv", None)
+    monkeypatch.setattr(reference, "store_kv", None)  # the kernel's own, not the reference's
     cpu_ops.store_kv(key, value, got[0], got[1], slots, got[2], got[3])
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.view(torch.uint8) if a.dtype == dtype else a,
