@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from kvserve.kernels import cpp_build, reference
+from kvserve.kernels import cpp_build, cpu_ops, reference
 
 HEAD_DIMS = (32, 64, 80, 96, 128)  # the kernel's instantiations; others use the reference
 
@@ -76,12 +76,10 @@ def supported(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None
 ) -> bool:
     """Whether the kernel takes these operands: fp32 queries on the CPU with a head dim of
-    HEAD_DIMS, over an fp32 cache or an int8 / fp8 (e4m3) one with its scales."""
-    caches = (torch.float32,) if k_scale is None else (torch.int8, torch.float8_e4m3fn)
+    HEAD_DIMS, over a cache the C++ kernels take (`cpu_ops.takes_cache`)."""
     return (
         query.dtype == torch.float32
-        and k_cache.dtype in caches
-        and v_cache.dtype == k_cache.dtype
         and query.shape[-1] in HEAD_DIMS
         and query.is_cpu
+        and cpu_ops.takes_cache(k_cache, v_cache, k_scale)
     )

@@ -32,12 +32,6 @@ def applies(rows: int, head_dim: int) -> bool:
     )
 
 
-def takes_cache(dtype: torch.dtype, scaled: bool) -> bool:
-    """Whether the step takes a KV cache of `dtype`: fp32, or int8 / fp8 (e4m3) with its
-    scales."""
-    return dtype in (torch.int8, torch.float8_e4m3fn) if scaled else dtype == torch.float32
-
-
 def decode_layers(x: torch.Tensor, h: torch.Tensor, *args: Any) -> torch.Tensor:
     """See the C++ source for the arguments; `applies` must hold."""
     ext = _extension()

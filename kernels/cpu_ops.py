@@ -91,6 +91,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def takes_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+    """Whether the C++ kernels (K/V write, decode attention, the one-call decode step) take
+    this KV cache: fp32 without scales, or int8 / fp8 (e4m3) with them, on the CPU."""
+    if k_scale is None:
+        return _applies(k_cache, v_cache)
+    quantized = reference.is_quantized(k_cache.dtype) and v_cache.dtype == k_cache.dtype
+    return quantized and k_cache.is_cpu
+
+
 def store_kv(
     key: torch.Tensor,  # [T, kvh, d]
     value: torch.Tensor,  # [T, kvh, d]
@@ -110,12 +119,10 @@ def store_kv(
         and value.stride(2) == 1
         and value.stride(1) == value.shape[2]
     )
-    quantized = k_scale is not None and k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
-    quantized = quantized and v_cache.dtype == k_cache.dtype
-    scales = (k_scale, v_scale) if quantized else (None, None)
+    scales = (None, None) if k_scale is None else (k_scale, v_scale)
     if (
         ext is None
-        or not (_applies(key, value) and (quantized or _applies(k_cache, v_cache)))
+        or not (_applies(key, value) and takes_cache(k_cache, v_cache, k_scale))
         or not (rows_contiguous and k_cache.is_contiguous() and v_cache.is_contiguous())
         or not all(s is None or s.is_contiguous() for s in scales)
         or slot_mapping.dtype != torch.int64

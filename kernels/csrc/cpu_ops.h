@@ -3,7 +3,6 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -105,86 +104,52 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return out;
 }
 
-// One row of d values (a multiple of VW) as int8 with its scale, bit for bit as
-// reference.quantize_kv: scale = max(amax / 127, 1e-8), q = round-half-even(x / scale)
-// clamped to +-127. The divisions are the division instruction's (IEEE): -ffast-math would
-// multiply by a reciprocal instead, another last bit now and then, so not here.
+// A quantized cache's rows, bit for bit as reference.quantize_kv: per row of d values (a
+// multiple of VW), scale = max(amax / QMAX, 1e-8) and the values x / scale rounded. The
+// divisions are the division instruction's (IEEE): -ffast-math would multiply by a reciprocal
+// instead, another last bit now and then, so not in these functions.
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
+static inline float quant_scale(const float* x, int64_t d, float qmax) {
+  vf amax{};
+  for (int64_t i = 0; i < d; i += VW) amax = vmax(amax, (vf)((vi)loadv(x + i) & 0x7fffffff));
+  return std::max(hmax(amax) / qmax, 1e-8f);
+}
+
+// int8: round-half-even(x / scale) clamped to +-127.
 static __attribute__((noinline)) void quantize_int8_row(const float* x, int64_t d, int8_t* q,
                                                          float* scale) {
-#if VW == 16
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16)
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-  const float s = std::max(_mm512_reduce_max_ps(amax) / 127.f, 1e-8f);
-  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  for (int64_t i = 0; i < d; i += 16) {
-    __m512 y = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), sv),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    y = _mm512_min_ps(_mm512_max_ps(y, lo), hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
-                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y)));
+  const float s = quant_scale(x, d, 127.f);
+  for (int64_t i = 0; i < d; i += VW) {
+    vf y = round_even(loadv(x + i) / s);
+    y = y < -127.f ? vf{} - 127.f : y;
+    y = y > 127.f ? vf{} + 127.f : y;
+    store_bytes(q + i, __builtin_convertvector(y, vi));
   }
-#else
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 amax = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8)
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-  float m[8];
-  _mm256_storeu_ps(m, amax);
-  const float s = std::max(*std::max_element(m, m + 8) / 127.f, 1e-8f);
-  const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-  for (int64_t i = 0; i < d; i += 8) {
-    __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);
-    const __m256i w = _mm256_cvtps_epi32(y);
-    const __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(p, p));
-  }
-#endif
   *scale = s;
 }
 
-// One row of d values (a multiple of VW) as fp8 e4m3fn bytes with its scale, bit for bit as
-// reference.quantize_kv (torch's cast): scale = max(amax / 448, 1e-8), y = x / scale clamped
-// to +-448, rounded to the nearest e4m3 value (ties to even: y scaled by the power of two that
-// puts its last kept mantissa bit at 1, rounded, scaled back; the subnormal step below 2^-6),
-// then encoded: a normal value's exponent (rebiased) and 3 mantissa bits, a subnormal one's
-// mantissa, and the sign (a negative zero keeps it, as torch's does).
-static __attribute__((noinline)) void quantize_fp8_row(const float* x, int64_t d, uint8_t* q,
+// fp8 e4m3fn (torch's cast): y = x / scale clamped to +-448, rounded to the nearest e4m3 value
+// (ties to even: y scaled by the power of two that puts its last kept mantissa bit at 1,
+// rounded, scaled back; the subnormal step below 2^-6), then encoded: a normal value's
+// exponent (rebiased) and 3 mantissa bits, a subnormal one's mantissa, and the sign (a
+// negative zero keeps it, as torch's does); stored as the signed byte of those bits.
+static __attribute__((noinline)) void quantize_fp8_row(const float* x, int64_t d, int8_t* q,
                                                         float* scale) {
-  vf amax{};
-  for (int64_t i = 0; i < d; i += VW) {
-    const vf a = (vf)((vi)loadv(x + i) & 0x7fffffff);
-    amax = amax > a ? amax : a;
-  }
-  float am = 0.f;
-  for (int l = 0; l < VW; ++l) am = std::max(am, amax[l]);
-  const float s = std::max(am / 448.f, 1e-8f);
+  const float s = quant_scale(x, d, 448.f);
   for (int64_t i = 0; i < d; i += VW) {
     vf y = loadv(x + i) / s;
     y = y < -448.f ? vf{} - 448.f : y;
     y = y > 448.f ? vf{} + 448.f : y;
-    const vi bits = (vi)y;
-    vi e = ((bits >> 23) & 0xFF) - 127;
+    vi e = (((vi)y >> 23) & 0xFF) - 127;
     e = e < -6 ? vi{} - 6 : e;
     const vf inv_step = (vf)((127 + 3 - e) << 23), step = (vf)((127 - 3 + e) << 23);
-#if VW == 16
-    const vf r = (vf)_mm512_roundscale_ps((__m512)(y * inv_step),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-    const vf r = (vf)_mm256_round_ps((__m256)(y * inv_step),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#endif
-    const vi qb = (vi)(r * step);  // an e4m3 value, as fp32
+    const vi qb = (vi)(round_even(y * inv_step) * step);  // an e4m3 value, as fp32
     const vi qe = ((qb >> 23) & 0xFF) - 127;
     const vf mag = (vf)(qb & 0x7fffffff);
     const vi sub = __builtin_convertvector(mag * 512.f, vi);  // exact below 2^-6
     const vi code = qe >= -6 ? ((qe + 7) << 3) | ((qb >> 20) & 7) : sub;
-    const vi byte = code | (((qb >> 31) & 1) << 7);
-    for (int l = 0; l < VW; ++l) q[i + l] = static_cast<uint8_t>(byte[l]);
+    store_bytes(q + i, qb < 0 ? code - 128 : code);
   }
   *scale = s;
 }
@@ -210,23 +175,17 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                     v_scale->is_contiguous() && k_scale->numel() * d == k_cache.numel() &&
                     v_scale->numel() == k_scale->numel() && d % VW == 0,
                 "store_kv: an int8 or fp8 cache needs its fp32 scales [NB, BS, KVH]");
-    uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
-    uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+    int8_t* kc = static_cast<int8_t*>(k_cache.data_ptr());
+    int8_t* vc = static_cast<int8_t*>(v_cache.data_ptr());
     float* ksp = k_scale->data_ptr<float>();
     float* vsp = v_scale->data_ptr<float>();
-    const bool fp8 = type == torch::kFloat8_e4m3fn;
-    auto quantize = [&](const float* x, uint8_t* q, float* sc) {
-      if (fp8)
-        quantize_fp8_row(x, d, q, sc);
-      else
-        quantize_int8_row(x, d, reinterpret_cast<int8_t*>(q), sc);
-    };
+    const auto quantize = type == torch::kChar ? quantize_int8_row : quantize_fp8_row;
     at::parallel_for(0, T, grain(2 * row), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t slot = sp[t] * heads + h;
-          quantize(kp + t * ks + h * d, kc + slot * d, ksp + slot);
-          quantize(vp + t * vs + h * d, vc + slot * d, vsp + slot);
+          quantize(kp + t * ks + h * d, d, kc + slot * d, ksp + slot);
+          quantize(vp + t * vs + h * d, d, vc + slot * d, vsp + slot);
         }
     });
     return;

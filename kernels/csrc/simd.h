@@ -111,6 +111,26 @@ static inline __attribute__((always_inline)) vf reducev(vf* a) {
 
 static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return a > b ? a : b; }
 
+// Each lane rounded to the nearest integer, ties to even (exact, whatever -ffast-math does).
+static inline __attribute__((always_inline)) vf round_even(vf x) {
+#if VW == 16
+  return (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  return (vf)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+}
+
+// VW int32 lanes, each within int8's range, as VW bytes.
+static inline __attribute__((always_inline)) void store_bytes(int8_t* p, vi v) {
+#if VW == 16
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)v));
+#else
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128((__m256i)v),
+                                    _mm256_extracti128_si256((__m256i)v, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+#endif
+}
+
 static inline __attribute__((always_inline)) float hmax(vf v) {
 #if VW == 16
   v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));

@@ -530,10 +530,10 @@ def roofline_ratios(
     the engine's layers store (fp32 panels, or the file's quantized blocks); batch 8 likewise."""
     b32 = side.b32
     ratios = {}
+    token_kv_bytes = kv_bytes_per_token(model, resolve_kv_dtype(side.kv_dtype, torch.float32))
     for probe in (side.b1, side.b8):
         b = probe.batch
-        kv_dtype = resolve_kv_dtype(side.kv_dtype, torch.float32)
-        kv_bytes = probe.batch * probe.mean_context * kv_bytes_per_token(model, kv_dtype)
+        kv_bytes = probe.batch * probe.mean_context * token_kv_bytes
         bandwidth = paired[f"bandwidth_paired_b{b}_gb_s"] * 1e9
         ideal_s = (side.weight_bytes + kv_bytes) / bandwidth
         linear_ms = paired[f"kernel_linear_b{b}_paired_ms"]

@@ -488,7 +488,7 @@ class LlamaModel(nn.Module):
             and meta.num_prefill_tokens == 0
             and backend.name == "cpu"
             and x.dtype == torch.float32
-            and cpu_decode_step.takes_cache(cache.k[0].dtype, cache.k_scale[0] is not None)
+            and cpu_ops.takes_cache(cache.k[0], cache.v[0], cache.k_scale[0])
             and cpu_decode_step.applies(x.shape[0], self.config.head_dim)
         )
 
