@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> None:
     from kvserve.services.gateway.schema import load_model_info
-    from kvserve.shared.bus import InProcessBus
+    from kvserve.shared.bus.memory import InProcessBus
     from kvserve.shared.telemetry import get_logger
 
     log = get_logger("kvserve.serve")

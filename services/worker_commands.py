@@ -116,7 +116,8 @@ def _start_metrics(args: argparse.Namespace, name: str, worker: Any) -> str:
 def _make_worker(args: argparse.Namespace, role: str, name: str, engine: Any) -> tuple[Any, Any]:
     """The role's worker on its Redis consumer group, and the bus it reads (to close).
     Aggregated and prefill workers share the `prefill` stream (a gateway's unrouted work)."""
-    from kvserve.shared.bus import RedisBus, RedisBusConfig
+    from kvserve.shared.bus.redis import RedisBus
+    from kvserve.shared.bus.redis_layout import RedisBusConfig
 
     stream = "decode" if role == "decode" else "prefill"
     cfg = RedisBusConfig(request_stream=stream, group=stream, claim_idle_s=args.claim_idle)

@@ -123,6 +123,11 @@ class TokenEvent:
     store_lookup: str | None = None
 
 
+def error_event(request_id: str, seq: int, error: ErrorInfo) -> TokenEvent:
+    """The terminal event of a request that failed."""
+    return TokenEvent(request_id=request_id, seq=seq, error=error)
+
+
 @dataclass(frozen=True)
 class Cancel:
     """Stop a request wherever it is (client gone, deadline passed, shutdown)."""

@@ -46,7 +46,7 @@ from kvserve.services.gateway.schema import (
     parse_tokenize,
 )
 from kvserve.services.gateway.warmup_jobs import WarmupJob, WarmupJobs
-from kvserve.shared.bus import Bus, BusUnavailableError
+from kvserve.shared.bus.base import Bus, BusUnavailableError
 from kvserve.shared.model.tokenizer import ChatTemplateError
 from kvserve.shared.protocol import AdminRequest, TokenEvent
 from kvserve.shared.telemetry import (

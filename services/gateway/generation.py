@@ -22,7 +22,7 @@ from typing import Any
 
 from kvserve.services.gateway.errors import APIError
 from kvserve.services.gateway.schema import GenerationPlan
-from kvserve.shared.bus import Bus, EventStream
+from kvserve.shared.bus.base import Bus, EventStream
 from kvserve.shared.protocol import GenerateRequest, TokenEvent
 from kvserve.shared.tasks import cancel_all
 from kvserve.shared.telemetry import current_traceparent, get_logger

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> None:
     from kvserve.services.gateway.schema import load_model_info
-    from kvserve.shared.bus import RedisBus, RedisBusConfig
+    from kvserve.shared.bus.redis import RedisBus
+    from kvserve.shared.bus.redis_layout import RedisBusConfig
     from kvserve.shared.telemetry import get_logger
 
     log = get_logger("kvserve.gateway")

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvserve.services.gateway.router import Decision, Router
-from kvserve.shared.bus import Bus
+from kvserve.shared.bus.base import Bus
 from kvserve.shared.tasks import cancel_all
 from kvserve.shared.telemetry import PREFIX, TOKEN_BUCKETS, get_logger, get_tracer
 from prometheus_client import CollectorRegistry, Histogram

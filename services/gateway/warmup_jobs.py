@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.shared.bus import EventStream
+from kvserve.shared.bus.base import EventStream
 from kvserve.shared.tasks import cancel_all
 from kvserve.shared.telemetry import get_logger
 

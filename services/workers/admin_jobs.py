@@ -11,9 +11,9 @@ import asyncio
 import contextlib
 from typing import Any
 
-from kvserve.shared.bus import WorkerPort, error_event
+from kvserve.shared.bus.base import WorkerPort
 from kvserve.shared.engine.async_engine import AsyncEngine
-from kvserve.shared.protocol import AdminRequest, ErrorInfo, TokenEvent
+from kvserve.shared.protocol import AdminRequest, ErrorInfo, TokenEvent, error_event
 from kvserve.shared.sampling_params import InvalidRequestError
 from kvserve.shared.telemetry import (
     KVSERVE_REQUEST_ID,

@@ -35,7 +35,7 @@ from kvserve.services.workers.admin_jobs import run_admin_job
 from kvserve.services.workers.kv_events import KVEventPublisher
 from kvserve.services.workers.spans import request_span, set_cache_sources, set_cached_tokens
 from kvserve.services.workers.token_events import TakenOver, TokenEmitter, taken_over
-from kvserve.shared.bus import Delivery, WorkerPort, is_bus_error
+from kvserve.shared.bus.base import Delivery, WorkerPort, is_bus_error
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.outputs import Emitted, RequestOutput
 from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest, WorkerInfo

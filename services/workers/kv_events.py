@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvserve.shared.bus import WorkerPort
+from kvserve.shared.bus.base import WorkerPort
 from kvserve.shared.engine.kv_cache_manager import KVCacheManager, TierEvent
 from kvserve.shared.protocol import KVEvent
 from kvserve.shared.tasks import cancel_and_wait

@@ -21,10 +21,10 @@ from typing import Any
 
 from kvserve.services.workers.engine_worker import EngineWorker
 from kvserve.services.workers.spans import request_span, set_cache_sources, set_cached_tokens
-from kvserve.shared.bus import Delivery, WorkerPort, error_event, is_bus_error
+from kvserve.shared.bus.base import Delivery, WorkerPort, is_bus_error
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.outputs import RequestOutput
-from kvserve.shared.protocol import ErrorInfo, GenerateRequest
+from kvserve.shared.protocol import ErrorInfo, GenerateRequest, error_event
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.shared.store.hashing import block_hashes
 from kvserve.shared.store.tiers import KVTail

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.shared.bus import WorkerPort, error_event
+from kvserve.shared.bus.base import WorkerPort
 from kvserve.shared.engine.outputs import Emitted, RequestOutput
-from kvserve.shared.protocol import ErrorInfo, TokenEvent
+from kvserve.shared.protocol import ErrorInfo, TokenEvent, error_event
 
 
 @dataclass

@@ -30,7 +30,7 @@ from kvserve.services.gateway.auth import ApiKeys, key_salt
 from kvserve.services.gateway.errors import APIError
 from kvserve.services.gateway.main import check_gateway_arguments, start_gateway
 from kvserve.services.gateway.schema import ModelInfo
-from kvserve.shared.bus import InProcessBus
+from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.model.tokenizer import KVTokenizer
 
 KEYS = ("sk-team-alpha-0123456789", "sk-b")

@@ -27,7 +27,7 @@ from kvserve.services.cli import SUBCOMMANDS, build_parser
 from kvserve.services.gateway.main import check_gateway_arguments, start_gateway
 from kvserve.services.gateway.schema import ModelInfo
 from kvserve.services.workers.metrics import serve_worker_metrics
-from kvserve.shared.bus import InProcessBus
+from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.model.tokenizer import KVTokenizer
 
 from tests.redis_servers import free_port

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from kvserve.shared.bus import RedisBus, RedisBusConfig
+from kvserve.shared.bus.redis import RedisBus
+from kvserve.shared.bus.redis_layout import RedisBusConfig
 from kvserve.shared.protocol import Cancel, GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.base import open_store

@@ -120,7 +120,7 @@ def test_tokenize_detokenize(http: Http, tokenizer) -> None:
 def test_openapi_lists_every_route(http: Http, tokenizer) -> None:
     from kvserve.services.gateway.app import Gateway, GatewayConfig
     from kvserve.services.gateway.schema import ModelInfo
-    from kvserve.shared.bus import InProcessBus
+    from kvserve.shared.bus.memory import InProcessBus
 
     gw = Gateway(GatewayConfig(), InProcessBus(), ModelInfo("m", tokenizer, 8192, 49152))
     routes = {

@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from kvserve.shared.bus import Bus, BusUnavailableError, InProcessBus, RedisBus, RedisBusConfig
+from kvserve.shared.bus.base import Bus, BusUnavailableError
+from kvserve.shared.bus.memory import InProcessBus
+from kvserve.shared.bus.redis import RedisBus
+from kvserve.shared.bus.redis_layout import RedisBusConfig
 from kvserve.shared.protocol import Cancel, ErrorInfo, GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -159,10 +162,10 @@ async def test_dead_workers_request_is_claimed_and_completes(rbus: RedisBus) -> 
     await live.emit(event(1, 0, "stop"))
     await live.ack(again)
     assert [e.seq for e in [ev async for ev in stream]] == [0, 1]
-    assert (await rbus.redis.xpending(rbus.request_key, "prefill"))["pending"] == 0
-    assert await rbus.redis.xlen(rbus.request_key) == 0
+    assert (await rbus.redis.xpending(rbus.keys.request_key, "prefill"))["pending"] == 0
+    assert await rbus.redis.xlen(rbus.keys.request_key) == 0
     await stream.close()
-    assert not await rbus.redis.exists(rbus.out_key("r1"))
+    assert not await rbus.redis.exists(rbus.keys.out_key("r1"))
     await live.close()
 
 
@@ -176,7 +179,7 @@ async def test_heartbeat_keeps_held_requests_fresh() -> None:
         (d,) = await port.receive(timeout=5)
 
         async def pending() -> dict[str, Any]:
-            rows = await bus.redis.xpending_range(bus.request_key, "prefill", "-", "+", 1)
+            rows = await bus.redis.xpending_range(bus.keys.request_key, "prefill", "-", "+", 1)
             return dict(rows[0])
 
         deadline = time.monotonic() + 5
@@ -211,7 +214,7 @@ async def test_poison_request_fails_after_max_deliveries() -> None:
         assert await b.receive(timeout=0.05) == []  # delivery 2 > max: failed, not run
         (err,) = [ev async for ev in stream]
         assert err.error is not None and "not retried" in err.error.message
-        assert (await bus.redis.xpending(bus.request_key, "prefill"))["pending"] == 0
+        assert (await bus.redis.xpending(bus.keys.request_key, "prefill"))["pending"] == 0
         await b.close()
     finally:
         await drop(bus)
@@ -221,14 +224,14 @@ async def test_poison_request_fails_after_max_deliveries() -> None:
 async def test_malformed_request_is_acked_and_dropped(rbus: RedisBus) -> None:
     port = rbus.worker("w")
     await port.start()
-    await rbus.redis.xadd(rbus.request_key, {b"m": b"\xc1 not msgpack"})
+    await rbus.redis.xadd(rbus.keys.request_key, {b"m": b"\xc1 not msgpack"})
     await rbus.submit(request("good"))
     got = await port.receive(timeout=5)
     while not got:
         got = await port.receive(timeout=5)
     assert [d.request.request_id for d in got] == ["good"]
     await port.ack(got[0])
-    assert (await rbus.redis.xpending(rbus.request_key, "prefill"))["pending"] == 0
+    assert (await rbus.redis.xpending(rbus.keys.request_key, "prefill"))["pending"] == 0
     await port.close()
 
 

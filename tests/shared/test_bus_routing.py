@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from kvserve.shared.bus import Delivery, RedisBus, WorkerPort
+from kvserve.shared.bus.base import Delivery, WorkerPort
+from kvserve.shared.bus.redis import RedisBus
 from kvserve.shared.protocol import KVEvent, WorkerInfo
 
 from tests.shared.test_bus import drop, make_redis_bus, request
@@ -73,9 +74,9 @@ async def test_a_routed_request_reaches_only_its_worker(live_bus: RedisBus) -> N
     stream = await rbus.submit(request("r1"), worker="b")
     assert await a.receive(16, timeout=0.2) == []
     got = await receive_until(b)
-    assert [d.request.request_id for d in got] == ["r1"] and got[0].stream == rbus.to_key("b")
+    assert [d.request.request_id for d in got] == ["r1"] and got[0].stream == rbus.keys.to_key("b")
     await b.ack(got[0])
-    assert await rbus.redis.xlen(rbus.to_key("b")) == 0
+    assert await rbus.redis.xlen(rbus.keys.to_key("b")) == 0
     await stream.close()
     assert set(await rbus.workers()) == {"a", "b"}
     assert (await rbus.workers())["b"] == info("b")
@@ -97,14 +98,14 @@ async def test_a_dead_workers_unread_and_held_requests_are_adopted(rbus: RedisBu
     assert set(by_id) == {"held", "unread"} and held[0].request.request_id == "held"
     assert by_id["held"].redelivered and not by_id["unread"].redelivered
     for d in got:
-        assert d.stream == rbus.to_key("a")
+        assert d.stream == rbus.keys.to_key("a")
         await b.ack(d)
     await receive_until(b, 0)
     b._last_claim = 0.0  # type: ignore[attr-defined]
     await b.receive(16, timeout=0.1)  # the empty stream of a dead worker: its registration goes
-    assert await rbus.redis.zscore(rbus.workers_key, "a") is None
-    assert not await rbus.redis.exists(rbus.to_key("a"))
-    assert await rbus.redis.hget(rbus.info_key, "a") is None
+    assert await rbus.redis.zscore(rbus.keys.workers_key, "a") is None
+    assert not await rbus.redis.exists(rbus.keys.to_key("a"))
+    assert await rbus.redis.hget(rbus.keys.info_key, "a") is None
     await b.close()
 
 

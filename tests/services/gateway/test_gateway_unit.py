@@ -19,7 +19,9 @@ from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys, key_salt
 from kvserve.services.gateway.errors import APIError
 from kvserve.services.gateway.schema import ModelInfo
-from kvserve.shared.bus import Bus, Delivery, InProcessBus, RedisBus, WorkerPort
+from kvserve.shared.bus.base import Bus, Delivery, WorkerPort
+from kvserve.shared.bus.memory import InProcessBus
+from kvserve.shared.bus.redis import RedisBus
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.protocol import ErrorInfo, TokenEvent
 from kvserve.shared.store.hashing import validate_cache_salt
@@ -202,7 +204,8 @@ def test_gateway_side_never_imports_torch() -> None:
     (which load the engine lazily)."""
     code = (
         "import sys\n"
-        "import kvserve.services.gateway.app, kvserve.shared.bus, kvserve.shared.protocol\n"
+        "import kvserve.services.gateway.app, kvserve.shared.protocol\n"
+        "import kvserve.shared.bus.memory, kvserve.shared.bus.redis\n"
         "import kvserve.shared.telemetry, kvserve.services.serve, kvserve.services.gateway.main\n"
         "import kvserve.services.cli_support, kvserve.services.engine_options\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

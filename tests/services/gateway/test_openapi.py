@@ -11,7 +11,7 @@ import pytest
 import schemathesis
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.schema import ModelInfo
-from kvserve.shared.bus import InProcessBus
+from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.model.tokenizer import KVTokenizer
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from kvserve.services.workers.decode import DecodeWorker
 from kvserve.services.workers.prefill import PrefillWorker
-from kvserve.shared.bus import Delivery, EventStream, InProcessBus, WorkerPort
+from kvserve.shared.bus.base import Delivery, EventStream, WorkerPort
+from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.protocol import Cancel, GenerateRequest, TokenEvent
 from kvserve.shared.store.base import BlockStore
 from kvserve.shared.store.hashing import BlockHash

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from kvserve.services.workers.engine_worker import EngineWorker
-from kvserve.shared.bus import InProcessBus
+from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.protocol import GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams

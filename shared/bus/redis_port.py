@@ -1,0 +1,310 @@
+"""RedisWorkerPort: a worker's end of the Redis bus.
+
+A request stays pending in its stream's consumer group until its worker acks it, so a worker
+that dies leaves it pending and a live one claims it (XAUTOCLAIM after `claim_idle_s`; live
+workers refresh the idle time of what they hold on every heartbeat, so only a dead worker's
+messages go stale). A live worker also adopts the own stream of a worker whose heartbeat
+stopped: it claims what that worker held, takes what it never read, and removes its
+registration once the stream is empty. A group that disappeared (Redis restarted empty) is
+created again on the next read. A request delivered more than `max_deliveries` times is failed
+with an error event instead of being run again. Registration, stats and info are refreshed on
+every heartbeat (so a Redis that restarts empty learns them again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import msgpack
+from kvserve.shared.bus.base import Delivery, StatsSource, WorkerPort
+from kvserve.shared.bus.redis_layout import (
+    RedisBusConfig,
+    RedisKeys,
+    read_messages,
+    registered_workers,
+    text,
+)
+from kvserve.shared.protocol import (
+    AdminRequest,
+    Cancel,
+    ErrorInfo,
+    GenerateRequest,
+    KVEvent,
+    ProtocolError,
+    TokenEvent,
+    WorkerInfo,
+    decode,
+    encode,
+    error_event,
+)
+from kvserve.shared.tasks import cancel_and_wait
+
+log = logging.getLogger("kvserve.shared.bus")
+
+
+class RedisWorkerPort(WorkerPort):
+    """A worker's end of the Redis bus (see the bus's module for what it guarantees)."""
+
+    def __init__(self, redis: Any, keys: RedisKeys, config: RedisBusConfig, name: str) -> None:
+        self.name = name
+        self._r: Any = redis
+        self._keys = keys
+        self._cfg = config
+        self.own_key = keys.to_key(name)
+        self._held: dict[str, Delivery] = {}  # received, not yet acked
+        self._cancel_cursor: bytes | str | None = None
+        self._stats_source: StatsSource | None = None
+        self._info: WorkerInfo | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._last_claim = 0.0
+
+    async def start(
+        self, stats_source: StatsSource | None = None, info: WorkerInfo | None = None
+    ) -> None:
+        self._stats_source = stats_source
+        self._info = info
+        await self._create_groups((self._keys.request_key, self.own_key))
+        await self._init_cancel_cursor()
+        await self.heartbeat()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+
+    async def _create_groups(self, keys: tuple[str, ...]) -> None:
+        """The consumer group on each stream, reading from its first entry (so requests added
+        before the group existed are delivered); one that exists already stays."""
+        for key in keys:
+            with contextlib.suppress(Exception):  # BUSYGROUP: it exists already
+                await self._r.xgroup_create(key, self._cfg.group, id="0", mkstream=True)
+
+    async def _init_cancel_cursor(self) -> None:
+        """Read cancels from now on (older ones reach us through the cancelled keys)."""
+        last = await self._r.xrevrange(self._keys.cancel_key, count=1)
+        self._cancel_cursor = last[0][0] if last else "0-0"
+
+    async def heartbeat(self) -> None:
+        """Say we are alive, publish stats and info, and reset the idle time of every request
+        we hold (so XAUTOCLAIM takes only a dead worker's requests)."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.zadd(self._keys.workers_key, {self.name: time.time()})
+        if self._stats_source is not None:
+            report = {**self._stats_source(), "published_at": time.time()}
+            stats = msgpack.packb(report, default=str)
+            pipe.hset(self._keys.stats_key, self.name, stats)
+        if self._info is not None:
+            pipe.hset(self._keys.info_key, self.name, encode(self._info))
+        by_stream: dict[str, list[str]] = {}
+        for d in self._held.values():
+            by_stream.setdefault(d.stream, []).append(d.message_id)
+        for key, ids in by_stream.items():
+            pipe.xclaim(
+                key, self._cfg.group, self.name, min_idle_time=0, message_ids=ids, justid=True
+            )
+        await pipe.execute()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cfg.heartbeat_s)
+            try:
+                await self.heartbeat()
+            except Exception:
+                log.exception("worker heartbeat failed")
+
+    async def receive(self, max_count: int = 16, timeout: float = 1.0) -> list[Delivery]:
+        out = await self._claim_stale(max_count)
+        if out:
+            return out
+        return await self._read_new(
+            (self._keys.request_key, self.own_key), max_count, max(1, int(timeout * 1000))
+        )
+
+    async def _read_new(
+        self, keys: tuple[str, ...], max_count: int, block_ms: int | None
+    ) -> list[Delivery]:
+        """Entries of `keys` never delivered to anyone; a missing group (Redis restarted
+        empty, or a stream created by a submit before its worker) is created again."""
+        from redis.exceptions import ResponseError
+
+        try:
+            reply = await self._r.xreadgroup(
+                self._cfg.group,
+                self.name,
+                dict.fromkeys(keys, ">"),
+                count=max_count,
+                block=block_ms,
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await self._create_groups(keys)
+            return []
+        out = []
+        for stream, entries in reply or []:
+            for entry_id, fields in entries:
+                d = await self._delivery(text(stream), entry_id, fields, redelivered=False)
+                if d is not None:
+                    out.append(d)
+        return out
+
+    async def _claim_stale(self, max_count: int) -> list[Delivery]:
+        """Requests whose worker died: XAUTOCLAIM those idle longer than claim_idle_s (on the
+        shared stream and our own, where a previous run of this worker may have left some),
+        then the own streams of dead workers. Checked at most once per heartbeat period."""
+        now = time.monotonic()
+        if now - self._last_claim < self._cfg.heartbeat_s:
+            return []
+        self._last_claim = now
+        out: list[Delivery] = []
+        for key in (self._keys.request_key, self.own_key):
+            out += await self._autoclaim(key, max_count - len(out))
+        for name in await registered_workers(self._r, self._keys, self._cfg, alive=False):
+            if len(out) >= max_count:
+                break
+            if name != self.name:
+                out += await self._adopt(name, max_count - len(out))
+        return out
+
+    async def _adopt(self, name: str, max_count: int) -> list[Delivery]:
+        """A dead worker's own stream: what it held (once idle long enough) and what it never
+        read; its registration goes once the stream is empty."""
+        key = self._keys.to_key(name)
+        out = await self._autoclaim(key, max_count)
+        if len(out) < max_count:
+            out += await self._read_new((key,), max_count - len(out), None)
+        if not out and not await self._r.xlen(key):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.zrem(self._keys.workers_key, name)
+            pipe.hdel(self._keys.info_key, name)
+            pipe.hdel(self._keys.stats_key, name)
+            pipe.delete(key)
+            await pipe.execute()
+        elif out:
+            log.warning("adopted %d request(s) of dead worker %s", len(out), name)
+        return out
+
+    async def _autoclaim(self, key: str, max_count: int) -> list[Delivery]:
+        from redis.exceptions import ResponseError
+
+        if max_count <= 0:
+            return []
+        try:
+            reply = await self._r.xautoclaim(
+                key,
+                self._cfg.group,
+                self.name,
+                min_idle_time=int(self._cfg.claim_idle_s * 1000),
+                start_id="0-0",
+                count=max_count,
+            )
+        except ResponseError:  # NOGROUP: nothing was ever delivered from it
+            return []
+        out = []
+        for entry_id, fields in reply[1]:
+            if fields is None:  # deleted while pending
+                continue
+            if await self._delivered_too_often(key, entry_id):
+                continue
+            d = await self._delivery(key, entry_id, fields, redelivered=True)
+            if d is not None:
+                out.append(d)
+        return out
+
+    async def _delivered_too_often(self, key: str, entry_id: bytes) -> bool:
+        info = await self._r.xpending_range(
+            key, self._cfg.group, min=entry_id, max=entry_id, count=1
+        )
+        if not info or info[0]["times_delivered"] <= self._cfg.max_deliveries:
+            return False
+        d = await self._delivery(key, entry_id, (await self._fields(key, entry_id)) or {}, True)
+        if d is not None:
+            err = ErrorInfo(
+                f"request failed on {self._cfg.max_deliveries} workers; not retried again",
+                "server_error",
+            )
+            await self.emit(error_event(d.request.request_id, 0, err))
+            await self.ack(d)
+        else:
+            await self._ack_id(key, entry_id)
+        return True
+
+    async def _fields(self, key: str, entry_id: bytes) -> dict[bytes, bytes] | None:
+        rows = await self._r.xrange(key, min=entry_id, max=entry_id)
+        return dict(rows[0][1]) if rows else None
+
+    async def _delivery(
+        self, key: str, entry_id: bytes | str, fields: dict[bytes, bytes], redelivered: bool
+    ) -> Delivery | None:
+        mid = text(entry_id)
+        try:
+            msg = decode(fields[b"m"])
+            if not isinstance(msg, GenerateRequest | AdminRequest):
+                raise ProtocolError(f"expected a generate request, got {type(msg).__name__}")
+        except (ProtocolError, KeyError) as e:
+            log.warning("dropping malformed request %s: %s", mid, e)
+            await self._ack_id(key, mid)
+            return None
+        d = Delivery(mid, msg, redelivered, key)
+        self._held[mid] = d
+        return d
+
+    async def cancels(self, timeout: float = 1.0) -> list[Cancel]:
+        if self._cancel_cursor is None:
+            await self._init_cancel_cursor()
+        reply = await self._r.xread(
+            {self._keys.cancel_key: self._cancel_cursor},
+            count=256,
+            block=max(1, int(timeout * 1000)),
+        )
+        out, self._cancel_cursor = read_messages(reply, Cancel, self._cancel_cursor)
+        return out
+
+    async def is_cancelled(self, request_id: str) -> bool:
+        return bool(await self._r.exists(self._keys.cancelled_key(request_id)))
+
+    async def emit(self, event: TokenEvent) -> None:
+        key = self._keys.out_key(event.request_id)
+        pipe = self._r.pipeline(transaction=False)
+        pipe.xadd(key, {b"m": encode(event)})
+        pipe.expire(key, self._cfg.out_ttl_s)
+        await pipe.execute()
+
+    async def publish_kv_events(self, events: list[KVEvent]) -> None:
+        if not events:
+            return
+        pipe = self._r.pipeline(transaction=False)
+        for event in events:
+            pipe.xadd(
+                self._keys.kv_events_key,
+                {b"m": encode(event)},
+                maxlen=self._cfg.kv_events_maxlen,
+                approximate=True,
+            )
+        await pipe.execute()
+
+    async def resync_requested(self) -> bool:
+        return bool(await self._r.getdel(self._keys.resync_key(self.name)))
+
+    async def emitted(self, request_id: str) -> list[TokenEvent]:
+        key = self._keys.out_key(request_id)
+        events, _ = read_messages([(key, await self._r.xrange(key))], TokenEvent, None)
+        return [e for e in events if e.request_id == request_id]
+
+    async def ack(self, delivery: Delivery) -> None:
+        self._held.pop(delivery.message_id, None)
+        await self._ack_id(delivery.stream or self._keys.request_key, delivery.message_id)
+
+    async def _ack_id(self, key: str, message_id: bytes | str) -> None:
+        pipe = self._r.pipeline(transaction=False)
+        pipe.xack(key, self._cfg.group, message_id)
+        pipe.xdel(key, message_id)
+        await pipe.execute()
+
+    async def close(self) -> None:
+        """Score ourselves dead (not deregistered): what is left on our own stream goes to a
+        live worker, which removes the registration once the stream is empty."""
+        if self._heartbeat_task is not None:
+            await cancel_and_wait(self._heartbeat_task)
+        with contextlib.suppress(Exception):
+            await self._r.zadd(self._keys.workers_key, {self.name: 0})
