@@ -113,7 +113,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def _store_url(url: str) -> str | None:
     """--store as the engine takes it (None: no store); CliError for a URL it cannot open."""
-    from kvserve.shared.store.base import check_store_url
+    from kvserve.shared.store.backends import check_store_url
 
     store = None if url == "none" else url
     if store is not None and store != DEFAULT_STORE:

@@ -101,7 +101,7 @@ async def _start_worker(bus: Any, engine: Any, url: str, store: str | None) -> A
         "ready",
         url=url,
         store=store,
-        startup_s={k: round(v, 4) for k, v in engine.engine.startup_s.items()},
+        startup_s={k: round(v, 4) for k, v in engine.startup_s.items()},
     )
     return worker
 
@@ -114,7 +114,4 @@ async def _stop_engine(load: asyncio.Task[Any]) -> None:
     with contextlib.suppress(BaseException):
         engine = await load
     if engine is not None:
-        engine.stop()
-        close = getattr(engine.engine, "close", None)
-        if close is not None:
-            close()
+        engine.close()

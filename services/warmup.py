@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.shared.engine.engine import Engine
     from kvserve.shared.model.tokenizer import ChatTemplateError
     from kvserve.shared.sampling_params import InvalidRequestError
-    from kvserve.shared.store.base import check_store_url
+    from kvserve.shared.store.backends import check_store_url
     from tqdm import tqdm
 
     if args.store != DEFAULT_STORE:

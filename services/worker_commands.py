@@ -148,7 +148,7 @@ async def _work(args: argparse.Namespace, role: str) -> None:
     name = args.name or f"{role}-{socket.gethostname()}-{os.getpid()}"
     stop = stop_on_signals()
     engine = await asyncio.to_thread(load_engine, engine_config(args))
-    if not engine.engine.kv.has_store:
+    if engine.store_url is None:
         raise CliError("--store: the engine has no prefix store")
     worker, bus = _make_worker(args, role, name, engine)
     metrics_url = _start_metrics(args, name, worker)
@@ -157,7 +157,6 @@ async def _work(args: argparse.Namespace, role: str) -> None:
     await stop.wait()
     log.info("shutting down", drain_timeout_s=args.drain_timeout)
     await worker.stop(drain_timeout=args.drain_timeout)
-    engine.stop()
-    await asyncio.to_thread(engine.engine.close)
+    await asyncio.to_thread(engine.close)
     await bus.close()
     log.info("stopped")

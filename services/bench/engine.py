@@ -69,10 +69,11 @@ from kvserve.shared.config import (
     SchedulerConfig,
     default_model_path,
 )
-from kvserve.shared.engine.engine import Engine, kept_formats
-from kvserve.shared.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype
+from kvserve.shared.engine.engine import Engine
+from kvserve.shared.engine.kv.cache import kv_bytes_per_token, resolve_kv_dtype
 from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.engine.scheduler import Batch
+from kvserve.shared.engine.startup import kept_formats
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -317,12 +318,12 @@ def kv_event_drain(engine: Engine, enabled: bool) -> Iterator[dict[str, int]]:
     if not enabled:
         yield counts
         return
-    engine.kv.enable_events()
+    engine.kv.events.enable()
     stop = threading.Event()
 
     def drain() -> None:
         while not stop.wait(0.05):
-            for e in merge(engine.kv.take_events()):
+            for e in merge(engine.kv.events.take()):
                 data = encode(KVEvent("w", "i", counts["events"], e.kind, e.tier, list(e.hashes)))
                 counts["events"] += 1
                 counts["bytes"] += len(data)

@@ -24,7 +24,7 @@ import torch
 from kvserve.services.cli_support import CliError
 from kvserve.shared.config import CacheConfig, EngineConfig, default_model_path
 from kvserve.shared.engine.engine import Engine
-from kvserve.shared.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype
+from kvserve.shared.engine.kv.cache import kv_bytes_per_token, resolve_kv_dtype
 from kvserve.shared.model.loader import load_weights
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams

@@ -347,7 +347,7 @@ async def _put_then_get(
 ) -> tuple[float, float, int]:
     """(seconds to put all, seconds to get all, how many came back), in --batch batches, in a
     namespace of their own that is deleted at the end."""
-    from kvserve.shared.store.base import open_store
+    from kvserve.shared.store.backends import open_store
 
     ns = f"bench-{uuid.uuid4().hex[:12]}"
     store = open_store(f"{args.redis}?namespace={ns}&timeout=10")

@@ -70,7 +70,7 @@ async def run_admin_job(port: WorkerPort, engine: AsyncEngine, job: AdminRequest
 
 
 async def _flush(port: WorkerPort, engine: AsyncEngine, events: _JobEvents) -> None:
-    got = await engine.call(engine.engine.reset_prefix_cache)
+    got = await engine.reset_prefix_cache()
     await events.emit({**got, "worker": port.name}, "stop")
     log.info("prefix cache flushed", **got)
 
@@ -78,15 +78,10 @@ async def _flush(port: WorkerPort, engine: AsyncEngine, events: _JobEvents) -> N
 async def _warmup(engine: AsyncEngine, job: AdminRequest, events: _JobEvents) -> None:
     """Each prefix on the engine thread in turn; an event with the running counters after
     each (an empty job: one final event)."""
-    eng = engine.engine
     total = len(job.prefixes)
     counts = {"done": 0, "total": total, **dict.fromkeys(WARMUP_COUNTERS, 0)}
     for i, p in enumerate(job.prefixes):
-
-        def one(p: dict[str, Any] = p, i: int = i) -> dict[str, int]:
-            return eng.warmup(p["token_ids"], p.get("cache_salt"), f"{job.request_id}-{i}")
-
-        got = await engine.call(one)
+        got = await engine.warmup(p["token_ids"], p.get("cache_salt"), f"{job.request_id}-{i}")
         for k in WARMUP_COUNTERS:
             counts[k] += int(got[k])
         counts["done"] = i + 1

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 from kvserve.services.workers.engine_worker import EngineWorker
 from kvserve.shared.engine.outputs import Emitted, RequestOutput
 from kvserve.shared.protocol import GenerateRequest
-from kvserve.shared.store.tiers import KVTail
+from kvserve.shared.store.block_data import KVTail
 from kvserve.shared.telemetry import KVSERVE_REQUEST_ID, get_tracer
 
 tracer = get_tracer("kvserve.disagg")
@@ -63,16 +63,15 @@ class DecodeWorker(EngineWorker):
         """The `kvserve.store_fetch` span: the prompt's partial last block before its last
         token, as the prefill worker stored it; None when there is none to fetch or the
         store does not have it."""
-        eng = self.engine.engine
         head = len(req.prompt_token_ids) - 1
-        full = head // eng.block_size * eng.block_size
-        if not eng.kv.has_store or full >= head:
+        full = head // self.engine.block_size * self.engine.block_size
+        if self.engine.store_url is None or full >= head:
             return None
         with tracer.start_as_current_span("kvserve.store_fetch") as fetch:
             fetch.set_attribute(KVSERVE_REQUEST_ID, req.request_id)
             fetch.set_attribute("kvserve.tail_tokens", head - full)
             tail_ids = list(req.prompt_token_ids[full:head])
-            future = eng.kv.fetch_tail(req.request_id, tail_ids)
+            future = self.engine.fetch_tail(req.request_id, tail_ids)
             tail = await asyncio.wrap_future(future) if future is not None else None
             fetch.set_attribute("kvserve.tail_found", tail is not None)
         return tail

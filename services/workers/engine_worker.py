@@ -76,11 +76,8 @@ class EngineWorker:
         self.max_receive = max_receive
         self.poll_s = poll_s
         self.incarnation = uuid.uuid4().hex
-        kv = engine.engine.kv
         self.kv_events = (
-            KVEventPublisher(
-                port, kv, self.incarnation, snapshot=lambda: engine.call(kv.log_snapshot)
-            )
+            KVEventPublisher(port, engine.kv_events, self.incarnation, engine.log_kv_snapshot)
             if kv_events
             else None
         )
@@ -99,18 +96,18 @@ class EngineWorker:
 
     def info(self) -> WorkerInfo:
         """This worker as a router sees it: its blocks' identity and the store it shares."""
-        kv = self.engine.engine.kv
-        meta = kv.identity.meta
-        store = kv.store_config.url if kv.store_config is not None else None
+        identity = self.engine.identity
+        meta = identity.meta
+        store = self.engine.store_url
         return WorkerInfo(
             name=self.port.name,
             role=self.role,
             incarnation=self.incarnation,
             block_size=meta.block_size,
             model_fp=meta.model_fp,
-            tokenizer_fp=kv.identity.tokenizer_fingerprint,
+            tokenizer_fp=identity.tokenizer_fingerprint,
             kv_format=meta.kv_format,
-            store_id=shared_store_id(store) if kv.connector is not None else "",
+            store_id=shared_store_id(store) if store is not None else "",
         )
 
     async def start(self) -> None:

@@ -1,6 +1,6 @@
-"""KVEventPublisher: a worker's KV events, from its KV-cache manager's tier log to the bus.
+"""KVEventPublisher: a worker's KV events, from its engine's tier log to the bus.
 
-Every `interval_s` it takes what the manager logged (the engine thread appends; nothing here
+Every `interval_s` it takes what the engine logged (the engine thread appends; nothing here
 runs on it), merges consecutive changes of the same kind and tier into one event (at most
 `max_hashes` hashes each), numbers them `seq` = 0, 1, 2, ... for this incarnation and publishes
 them in one pipeline. A failed publish loses those events but not their numbers, so a router
@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvserve.shared.bus.base import WorkerPort
-from kvserve.shared.engine.kv_cache_manager import KVCacheManager, TierEvent
+from kvserve.shared.engine.kv.events import TierEvent, TierLog
 from kvserve.shared.protocol import KVEvent
 from kvserve.shared.tasks import cancel_and_wait
 from kvserve.shared.telemetry import get_logger
@@ -46,14 +46,14 @@ class KVEventPublisher:
     def __init__(
         self,
         port: WorkerPort,
-        manager: KVCacheManager,
+        log: TierLog,
         incarnation: str,
         snapshot: Callable[[], Awaitable[Any]] | None = None,
         interval_s: float = 0.05,
         resync_every: int = 20,
     ) -> None:
         self.port = port
-        self.manager = manager
+        self.tier_log = log
         self.incarnation = incarnation
         self.interval_s = interval_s
         self.snapshot = snapshot
@@ -63,7 +63,7 @@ class KVEventPublisher:
         self.published = 0
         self.failed = 0
         self._task: asyncio.Task[None] | None = None
-        manager.enable_events()
+        log.enable()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kv-events")
@@ -94,7 +94,7 @@ class KVEventPublisher:
             log.warning("KV snapshot failed", error=str(e))
 
     async def flush(self) -> None:
-        events = [self._numbered(e) for e in merge(self.manager.take_events())]
+        events = [self._numbered(e) for e in merge(self.tier_log.take())]
         if not events:
             return
         try:

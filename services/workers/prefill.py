@@ -26,8 +26,7 @@ from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.protocol import ErrorInfo, GenerateRequest, error_event
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
-from kvserve.shared.store.hashing import block_hashes
-from kvserve.shared.store.tiers import KVTail
+from kvserve.shared.store.block_data import KVTail
 from kvserve.shared.telemetry import (
     KVSERVE_REQUEST_ID,
     current_traceparent,
@@ -93,7 +92,7 @@ class PrefillWorker(EngineWorker):
             return None
         prompt = list(req.prompt_token_ids)
         try:
-            self.engine.engine.validate(prompt, req.sampling)
+            self.engine.validate(prompt, req.sampling)
         except InvalidRequestError as e:
             await self._fail(req, ErrorInfo(str(e), "invalid_request_error", e.param))
             return None
@@ -139,18 +138,11 @@ class PrefillWorker(EngineWorker):
         """The `kvserve.prefix_match` span: how many of the prompt's full blocks the local
         tiers hold (device cache, then host tier), looked up on the engine thread before the
         compute (which then also asks the store for the rest). Returns the local tokens."""
-        eng = self.engine.engine
-        bs = eng.block_size
-
-        def lookup() -> tuple[int, int, int]:
-            n = (len(prompt) - 1) // bs  # the last token is always computed
-            hashes = block_hashes(eng.root_hash(req.cache_salt), prompt[: n * bs], bs)
-            return n, *eng.kv.local_prefix(hashes)
-
+        bs = self.engine.block_size
         with tracer.start_as_current_span(
             "kvserve.prefix_match", attributes={KVSERVE_REQUEST_ID: req.request_id}
         ) as span:
-            n, device, host = await self.engine.call(lookup)
+            n, device, host = await self.engine.local_prefix(prompt, req.cache_salt)
             span.set_attribute("kvserve.prefix.full_blocks", n)
             span.set_attribute("kvserve.cached_tokens.device", device * bs)
             span.set_attribute("kvserve.cached_tokens.host", host * bs)
@@ -166,7 +158,7 @@ class PrefillWorker(EngineWorker):
             pub.set_attribute("kvserve.flushed", flushed)
 
     def _publish(self, request_id: str, tail: KVTail | None) -> bool:
-        return self.engine.engine.kv.hand_off(request_id, tail)
+        return self.engine.hand_off(request_id, tail)
 
     async def _fail(self, req: GenerateRequest, info: ErrorInfo) -> None:
         await self.port.emit(error_event(req.request_id, 0, info))

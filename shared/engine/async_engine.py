@@ -3,13 +3,19 @@ are produced, abort it.
 
 One background thread owns the Engine and runs `step()` while there is work (torch releases
 the GIL in its kernels, so the event loop stays responsive). Requests and aborts reach that
-thread through a queue; outputs come back through per-request asyncio queues. A consumer that
-stops iterating (cancelled, client gone) aborts its request, freeing its blocks.
+thread through a queue; outputs come back through per-request asyncio queues (the engine's
+`on_outputs` hook, so that steps taken inside an engine call, such as a warm-up, deliver too).
+A consumer that stops iterating (cancelled, client gone) aborts its request, freeing its blocks.
+
+It is all the services see of the engine: besides requests it offers what the workers need
+(the hand-off and tail fetch of the disaggregated topology, the local prefix, KV events, cache
+admin) and the engine's identity and start-up figures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import queue
 import threading
@@ -18,8 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.shared.engine.engine import Engine
+from kvserve.shared.engine.kv.events import TierLog
+from kvserve.shared.engine.kv.manager import KVIdentity
 from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.store.block_data import KVTail
+from kvserve.shared.store.hashing import block_hashes
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class AsyncEngine:
         self._sinks: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        engine.on_outputs = self._deliver_all
 
     def start(self) -> None:
         if self._thread is None:
@@ -87,7 +98,7 @@ class AsyncEngine:
         already has of each completion, as in `Engine.add_request`."""
         if self._error is not None:
             raise RuntimeError("the engine thread has failed") from self._error
-        self.engine.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params)
         self.start()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -138,6 +149,85 @@ class AsyncEngine:
         """False once the engine thread has died (every later request fails)."""
         return self._error is None
 
+    # ---- what the workers need of the engine ---------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    @property
+    def identity(self) -> KVIdentity:
+        """What makes this engine's blocks interchangeable with another's."""
+        return self.engine.kv.identity
+
+    @property
+    def store_url(self) -> str | None:
+        """The prefix store's URL (None: no store)."""
+        kv = self.engine.kv
+        return kv.store_config.url if kv.has_store and kv.store_config is not None else None
+
+    @property
+    def startup_s(self) -> dict[str, float]:
+        return dict(self.engine.startup_s)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request that can never run (any thread)."""
+        self.engine.validate(prompt_token_ids, params)
+
+    @property
+    def kv_events(self) -> TierLog:
+        """The tier changes of the engine's blocks (enable it before reading; any thread)."""
+        return self.engine.kv.events
+
+    async def log_kv_snapshot(self) -> None:
+        """Log every block the device and host tiers hold, in order with the other changes."""
+        await self.call(self.engine.kv.log_snapshot)
+
+    async def local_prefix(
+        self, prompt: Sequence[int], cache_salt: str | None
+    ) -> tuple[int, int, int]:
+        """The prompt's full blocks before its last token, and how many of them the device
+        cache holds and the host tier continues with (looked up on the engine thread)."""
+        eng, bs = self.engine, self.engine.block_size
+
+        def lookup() -> tuple[int, int, int]:
+            n = (len(prompt) - 1) // bs  # the last token is always computed
+            hashes = block_hashes(eng.root_hash(cache_salt), list(prompt[: n * bs]), bs)
+            return n, *eng.kv.local_prefix(hashes)
+
+        result: tuple[int, int, int] = await self.call(lookup)
+        return result
+
+    def hand_off(self, request_id: str, tail: KVTail | None) -> bool:
+        """Prefill's side of a disaggregated request (blocking: run it in a thread)."""
+        return self.engine.kv.hand_off(request_id, tail)
+
+    def fetch_tail(
+        self, request_id: str, token_ids: list[int]
+    ) -> concurrent.futures.Future[KVTail | None] | None:
+        """Decode's side: the tail prefill stored for this request (None: no store)."""
+        return self.engine.kv.fetch_tail(request_id, token_ids)
+
+    async def warmup(
+        self, prefix: Sequence[int], cache_salt: str | None, request_id: str
+    ) -> dict[str, int]:
+        """One prefix's warm-up job on the engine thread (Engine.warmup)."""
+        result: dict[str, int] = await self.call(
+            lambda: self.engine.warmup(prefix, cache_salt, request_id)
+        )
+        return result
+
+    async def reset_prefix_cache(self) -> dict[str, int]:
+        """Drop the device cache's unreferenced blocks and the host tier (engine thread)."""
+        result: dict[str, int] = await self.call(self.engine.reset_prefix_cache)
+        return result
+
+    def close(self) -> None:
+        """Stop the engine thread, then write out queued blocks and close the store
+        (blocking)."""
+        self.stop()
+        self.engine.close()
+
     def stats(self) -> dict[str, Any]:
         """A snapshot of the engine's counters, read from any thread (plain int reads: the
         numbers may be one step apart from each other, never torn). Requests the engine
@@ -147,7 +237,6 @@ class AsyncEngine:
         running = len({s.request_id for s in list(sched.running)})
         prefix = eng.prefix_cache_stats
         kv = eng.kv.stats()
-        connector = eng.kv.connector
         return {
             "num_requests_running": running,
             "num_requests_waiting": max(0, eng.num_requests - running),
@@ -170,7 +259,7 @@ class AsyncEngine:
             "healthy": self.healthy,
             "store": self._store_stats(),
             "kv_tier_events": kv["tier_events"],
-            "store_latency": connector.latency.snapshot() if connector is not None else {},
+            "store_latency": eng.kv.store_latency(),
         }
 
     def _store_stats(self) -> dict[str, Any]:
@@ -191,8 +280,7 @@ class AsyncEngine:
                 block = not self.engine.has_unfinished_requests()
                 if not self._drain(block):
                     return
-                for out in self.engine.step():
-                    self._deliver(out)
+                self.engine.step()  # its outputs reach their consumers through on_outputs
         except BaseException as e:  # surface to every waiting request, then stop
             self._error = e
             for add in list(self._sinks.values()):
@@ -232,23 +320,12 @@ class AsyncEngine:
             self._sinks[cmd.request_id] = cmd
 
     def _call(self, cmd: _EngineCall) -> None:
-        engine_step = self.engine.step
-
-        def step() -> list[RequestOutput]:
-            outs = engine_step()
-            for out in outs:
-                self._deliver(out)
-            return outs
-
-        vars(self.engine)["step"] = step  # this instance only, while fn runs
         try:
             result = cmd.fn()
         except Exception as e:
             self._settle(cmd, None, e)
         else:
             self._settle(cmd, result, None)
-        finally:
-            vars(self.engine).pop("step", None)  # back to the class's method
 
     @staticmethod
     def _settle(cmd: _EngineCall, result: Any, error: BaseException | None) -> None:
@@ -262,6 +339,10 @@ class AsyncEngine:
 
         with contextlib.suppress(RuntimeError):  # the caller's loop is closed
             cmd.loop.call_soon_threadsafe(settle)
+
+    def _deliver_all(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
         add = self._sinks.get(out.request_id)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from kvserve.kernels.backend import AttentionBackend
-from kvserve.shared.engine.kv_cache import KVCache
+from kvserve.shared.engine.kv.cache import KVCache
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
 from kvserve.shared.engine.sequence import Sequence
 from kvserve.shared.model.attention import AttentionMetadata, OutputRows

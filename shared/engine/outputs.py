@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvserve.shared.engine.sequence import Sequence
 from kvserve.shared.model.tokenizer import IncrementalDetokenizer
-from kvserve.shared.store.tiers import KVTail
+from kvserve.shared.store.block_data import KVTail
 
 
 @dataclass

@@ -7,18 +7,23 @@ running sequence is preempted: its blocks are freed, `num_computed_tokens` drops
 back to the front of the waiting queue to be recomputed (prompt and tokens generated so far).
 No waiting sequence is admitted in a step that preempted.
 
-Owns: the waiting queue and the running list. Mutates: sequences' `num_computed_tokens` (only on
-preemption) and status. Blocks come from the KVCacheManager and go back to it: `match_prefix` at
-admission, `allocate_slots` for each step's tokens, `free` on preemption and finish.
+A sequence whose prefix blocks are being fetched from the store waits in the same queue, in
+status FETCHING: it keeps its place and is passed over until its blocks have landed.
+
+Owns: the waiting queue and the running list. Mutates: sequences' `num_computed_tokens` and
+status. Sees the KV cache only through `KVSlots` (what it may ask of the KV-cache manager):
+blocks come from it and go back to it: `start_fetch` when a sequence arrives, `match_prefix`
+at admission, `allocate_slots` for each step's tokens, `publish` after it, `free` on
+preemption and finish.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvserve.shared.config import SchedulerConfig
-from kvserve.shared.engine.kv_cache_manager import KVCacheManager
 from kvserve.shared.engine.sequence import (
     BlockId,
     FinishReason,
@@ -26,6 +31,40 @@ from kvserve.shared.engine.sequence import (
     SequenceStatus,
 )
 from kvserve.shared.store.hashing import BlockHash
+
+
+class KVSlots(Protocol):
+    """The KV cache as the scheduler sees it (implemented by KVCacheManager): a sequence's
+    block table and counters live on the Sequence; everything else stays behind this."""
+
+    @property
+    def caching(self) -> bool: ...
+
+    def start_fetch(self, seq: Sequence) -> bool:
+        """Ask the store for the prompt's uncached blocks; True: park it until they land."""
+        ...
+
+    def take_fetched(self, wait: bool) -> list[Sequence]:
+        """Parked sequences whose store lookup has ended (waiting briefly with `wait`)."""
+        ...
+
+    def cancel_fetch(self, request_id: str) -> None: ...
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Attach the longest cached prefix (sets block_table and num_computed_tokens)."""
+        ...
+
+    def allocate_slots(self, seq: Sequence, n: int) -> list[tuple[BlockId, BlockId]] | None:
+        """Blocks for `n` more tokens (None: none free); the copy-on-write copies to make."""
+        ...
+
+    def free(self, seq: Sequence) -> None: ...
+
+    def publish(self, seq: Sequence) -> None:
+        """Index the sequence's newly computed full blocks."""
+        ...
+
+    def observe_prefill(self, prompt_tokens: int, step_tokens: int, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +95,7 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVSlots) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
@@ -67,8 +106,11 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.cached_tokens_by_source: dict[str, int] = {"device": 0, "host": 0, "store": 0}
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
+    def add(self, seq: Sequence, fetch: bool = True) -> None:
+        """Queue a new sequence; with `fetch`, it first asks the store for the prompt blocks
+        the local tiers lack (FETCHING until they land)."""
+        parked = fetch and self.kv.start_fetch(seq)
+        seq.status = SequenceStatus.FETCHING if parked else SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -77,9 +119,12 @@ class Scheduler:
         self.running.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Is there anything a step could run now (not counting parked sequences)?"""
+        return bool(self.running) or any(s.status is SequenceStatus.WAITING for s in self.waiting)
 
     def schedule(self) -> Batch:
+        for seq in self.kv.take_fetched(wait=not self.has_work()):
+            seq.status = SequenceStatus.WAITING
         batch = Batch()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -114,6 +159,9 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
+            if seq.status is SequenceStatus.FETCHING:
+                deferred.append(seq)
+                continue
             if seq.num_computed_tokens == 0 and self.kv.caching:
                 self.kv.match_prefix(seq)
                 nxt = len(seq.block_table)
@@ -172,11 +220,23 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def advance(self, batch: Batch, seconds: float) -> None:
+        """The step ran: each scheduled sequence's computed tokens catch up, its newly full
+        blocks are published, and the prefill-speed estimate learns the step's time."""
+        prompt = sum(s.num_new_tokens for s in batch.scheduled if s.num_new_tokens > 1)
+        self.kv.observe_prefill(prompt, batch.num_tokens, seconds)
+        for s in batch.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.kv.publish(s.seq)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Finish (or abort) a sequence wherever it is; its blocks are freed at once."""
+        """Finish (or abort) a sequence wherever it is; its blocks are freed at once (and a
+        store fetch it waits for is cancelled)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+        elif seq in self.waiting:
+            if seq.status is SequenceStatus.FETCHING:
+                self.kv.cancel_fetch(seq.request_id)
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -16,13 +16,14 @@ from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.hashing import BlockHash, block_hashes
 
 if TYPE_CHECKING:
-    from kvserve.shared.store.tiers import KVTail
+    from kvserve.shared.store.block_data import KVTail
 
 SeqId = NewType("SeqId", int)
 BlockId = NewType("BlockId", int)
 
 
 class SequenceStatus(enum.Enum):
+    FETCHING = "fetching"  # waiting, parked until its prefix blocks arrive from the store
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

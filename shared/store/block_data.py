@@ -47,3 +47,13 @@ class BlockData:
             vq, vs = quantize_kv(v, dtype)
             return cls(kq, vq, ks, vs)
         return cls(k.to(dtype), v.to(dtype))
+
+
+@dataclass(frozen=True)
+class KVTail:
+    """The last, partial block of a prompt's computed KV: its tokens and the block (positions
+    past len(token_ids) hold nothing meaningful). Prefill hands it to decode through the store
+    under a per-request key (`hashing.tail_hash`)."""
+
+    token_ids: list[int]
+    data: BlockData

@@ -84,3 +84,20 @@ def block_hashes(
         prev = chain_hash(prev, token_ids[i * block_size : (i + 1) * block_size])
         out.append(prev)
     return out
+
+
+def tail_hash(request_id: str, token_ids: list[int], block_size: int) -> BlockHash:
+    """The per-request key of a tail: its tokens (zero-padded to a block) chained onto a parent
+    derived from the request id, so the frame verifies like any block (checksum, header, hash)
+    and no other request or content can answer for it."""
+    return chain_hash(tail_parent(request_id), padded_tail(token_ids, block_size))
+
+
+def tail_parent(request_id: str) -> BlockHash:
+    """The parent a tail's frame is chained onto: derived from the request id alone."""
+    return BlockHash(hashlib.sha256(b"kvserve-tail:" + request_id.encode()).digest())
+
+
+def padded_tail(token_ids: list[int], block_size: int) -> list[int]:
+    """A tail's tokens zero-padded to a whole block, as its frame carries them."""
+    return list(token_ids) + [0] * (block_size - len(token_ids))

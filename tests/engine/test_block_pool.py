@@ -12,7 +12,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvserve.shared.engine.block_pool import BlockPool
+from kvserve.shared.engine.kv.block_pool import BlockPool
 from kvserve.shared.engine.sequence import BlockId
 
 

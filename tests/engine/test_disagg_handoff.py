@@ -61,7 +61,8 @@ def test_an_abandoned_tail_expires_within_30_s_in_redis(make_engine, tokenizer) 
 
     import pytest
     import redis
-    from kvserve.shared.store.tiers import TAIL_TTL_S, tail_hash
+    from kvserve.shared.engine.kv.connector import TAIL_TTL_S
+    from kvserve.shared.store.hashing import tail_hash
 
     url = f"redis://127.0.0.1:6379/14?namespace=tailttl-{uuid.uuid4().hex[:8]}&ttl=3600"
     client = redis.Redis.from_url("redis://127.0.0.1:6379/14")

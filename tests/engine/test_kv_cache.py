@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-from kvserve.shared.engine import kv_cache
-from kvserve.shared.engine.kv_cache import KVCache, zeros
+from kvserve.shared.engine.kv import cache as kv_cache
+from kvserve.shared.engine.kv.cache import KVCache, zeros
 
 from tests.shared.model_configs import model_config
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from kvserve.shared.config import StoreConfig
-from kvserve.shared.engine.kv_cache import KVCache
-from kvserve.shared.engine.kv_cache_manager import KVCacheManager, KVIdentity
+from kvserve.shared.engine.kv.cache import KVCache
+from kvserve.shared.engine.kv.manager import KVCacheManager, KVIdentity
 from kvserve.shared.engine.sequence import BlockId, Sequence
 from kvserve.shared.store.codec import BlockMeta
 
@@ -53,7 +53,7 @@ def compute(kv: KVCacheManager, seq: Sequence) -> None:
 
 
 def events(kv: KVCacheManager) -> dict[str, int]:
-    return {f"{t}_{k}": n for (t, k), n in kv.tier_events.items()}
+    return {f"{t}_{k}": n for (t, k), n in kv.events.counts.items()}
 
 
 def test_slots_come_from_the_front_of_the_free_list() -> None:
@@ -89,7 +89,7 @@ def test_published_blocks_match_later_and_count_as_stored() -> None:
     a = seq_of(0, list(range(10)))  # 2 full blocks and a partial one
     compute(kv, a)
     assert events(kv) == {"device_stored": 2}
-    assert kv.num_cached_blocks == 2
+    assert kv.tiers.num_cached_blocks == 2
     kv.free(a)
     b = seq_of(1, list(range(10)))
     kv.match_prefix(b)
@@ -134,9 +134,9 @@ def test_reset_drops_the_device_cache_and_the_host_tier(kv_host: KVCacheManager)
     compute(kv, a)
     kv.free(a)
     assert kv.allocate_slots(seq_of(1, list(range(50, 62))), 12) == []  # evicts one of two
-    assert (kv.num_cached_blocks, kv.num_host_blocks) == (1, 1)
+    assert (kv.tiers.num_cached_blocks, kv.tiers.num_host_blocks) == (1, 1)
     assert kv.reset() == {"device_blocks": 1, "host_blocks": 1}
-    assert (kv.num_cached_blocks, kv.num_host_blocks) == (0, 0)
+    assert (kv.tiers.num_cached_blocks, kv.tiers.num_host_blocks) == (0, 0)
     assert events(kv)["device_removed"] == 2 and events(kv)["host_removed"] == 1
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvserve.shared.engine.prefix_index import PrefixIndex
+from kvserve.shared.engine.kv.prefix_index import PrefixIndex
 from kvserve.shared.engine.sequence import BlockId
 from kvserve.shared.store.hashing import BlockHash, block_hashes, root_hash
 

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvserve.shared.config import SchedulerConfig
-from kvserve.shared.engine.kv_cache import KVCache
-from kvserve.shared.engine.kv_cache_manager import KVCacheManager, KVIdentity
+from kvserve.shared.engine.kv.cache import KVCache
+from kvserve.shared.engine.kv.manager import KVCacheManager, KVIdentity
 from kvserve.shared.engine.scheduler import Batch, Scheduler
 from kvserve.shared.engine.sequence import (
     BlockId,

@@ -28,7 +28,7 @@ from kvserve.shared.bus.redis import RedisBus
 from kvserve.shared.bus.redis_layout import RedisBusConfig
 from kvserve.shared.protocol import Cancel, GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
-from kvserve.shared.store.base import open_store
+from kvserve.shared.store.backends import open_store
 from kvserve.shared.store.codec import BlockMeta, DecodedBlock, decode_block, encode_block
 from kvserve.shared.store.hashing import BlockHash, block_hashes, root_hash
 from kvserve.shared.store.redis import RedisStore

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from kvserve.shared.store.base import BlockStore, Presence, open_store, parse_size
+from kvserve.shared.store.backends import open_store, parse_size
+from kvserve.shared.store.base import BlockStore, Presence
 from kvserve.shared.store.breaker import CircuitBreaker
 from kvserve.shared.store.disk import DiskStore
 from kvserve.shared.store.hashing import BlockHash

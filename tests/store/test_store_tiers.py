@@ -71,7 +71,7 @@ def test_second_engine_loads_prefix_from_store(make_engine, prompts, cold, tmp_p
         assert _lookups(b) == {"hit": 1}
         # Loaded straight into device blocks (no host-tier staging), and indexed there.
         assert stats["host_tier_blocks"] == 0
-        assert b.kv.num_cached_blocks >= cached // b.block_size
+        assert b.kv.tiers.num_cached_blocks >= cached // b.block_size
     finally:
         b.close()
 
@@ -109,7 +109,7 @@ def test_a_request_aborted_during_its_load_gives_back_every_block(  # type: igno
             b.kv.take_fetched(wait=True)
         assert len(writes) == started  # no write started after the abort
         b.kv.pool.check()
-        assert b.kv.num_cached_blocks == 0
+        assert b.kv.tiers.num_cached_blocks == 0
         b.kv.cache.write_stacked = write  # type: ignore[method-assign]
         tokens, _ = run_one(b, "c", prompts[1], GREEDY)  # and the engine goes on serving
         assert tokens == cold[1]
@@ -158,9 +158,9 @@ def test_open_breaker_is_a_lookup_outcome() -> None:
     """A connector over a Redis store whose breaker is open: the lookup sends nothing and is
     counted `breaker_open`, not `absent`."""
     import torch
+    from kvserve.shared.engine.kv.connector import StoreConnector
     from kvserve.shared.store.breaker import CircuitBreaker
     from kvserve.shared.store.redis import RedisStore
-    from kvserve.shared.store.tiers import StoreConnector
 
     from tests.redis_servers import free_port
 
@@ -189,8 +189,8 @@ def test_close_closes_the_store_threads_event_loop(tmp_path: Path) -> None:
     """Its selector and self-pipe are released at close, not left to the garbage collector
     (whose finalization order can find the pipe already closed: an exception in __del__)."""
     import torch
+    from kvserve.shared.engine.kv.connector import StoreConnector
     from kvserve.shared.store.disk import DiskStore
-    from kvserve.shared.store.tiers import StoreConnector
 
     meta = BlockMeta("m", "float32", block_size=16, num_layers=1, num_kv_heads=1, head_dim=4)
     connector = StoreConnector(DiskStore(tmp_path, 1 << 20), meta, "native", torch.float32)
@@ -358,7 +358,7 @@ def test_compact_store_format_through_the_engine(make_engine, prompts, tmp_path:
 
 
 def test_store_latency_stats_and_metrics() -> None:
-    from kvserve.shared.store.tiers import LatencyStats
+    from kvserve.shared.engine.kv.latency import LatencyStats
     from kvserve.shared.telemetry import EngineStatsCollector
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
@@ -414,7 +414,7 @@ def test_store_lookups_are_one_counter_by_outcome() -> None:
 
 def test_a_single_stored_block_is_recomputed(make_engine, prompts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """One block costs less to recompute than to fetch (MIN_FETCH_BLOCKS); two are loaded."""
-    from kvserve.shared.store.tiers import MIN_FETCH_BLOCKS
+    from kvserve.shared.engine.kv.connector import MIN_FETCH_BLOCKS
 
     assert MIN_FETCH_BLOCKS == 2
     store = StoreConfig(f"file://{tmp_path}")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kvserve.shared.protocol import GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
-from kvserve.shared.store.tiers import tail_hash
+from kvserve.shared.store.hashing import tail_hash
 
 from tests.services.workers.disagg import Disagg
 

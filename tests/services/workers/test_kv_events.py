@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from kvserve.services.workers.kv_events import KVEventPublisher, merge
-from kvserve.shared.engine.kv_cache_manager import TierEvent
+from kvserve.shared.engine.kv.events import TierEvent
 from kvserve.shared.protocol import KVEvent
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -42,25 +42,25 @@ class RecordingPort:
 def test_the_manager_logs_stored_evicted_and_cleared_blocks(make_engine: Any, tokenizer: Any):
     engine = make_engine(num_blocks=6, block_size=16)
     kv = engine.kv
-    kv.enable_events()
+    kv.events.enable()
     prompt = long_ids(tokenizer, 0)[:50]  # 3 full blocks are cached (the 4th holds the last)
     run_one(engine, "a", prompt, GREEDY)
-    stored = [h for e in kv.take_events() if e.kind == "stored" for h in e.hashes]
+    stored = [h for e in kv.events.take() if e.kind == "stored" for h in e.hashes]
     assert stored == kv.prefix_hashes(prompt[:48], None)
     run_one(engine, "b", long_ids(tokenizer, 3)[:90], GREEDY)  # needs every block: evicts
-    removed = [h for e in kv.take_events() if e.kind == "removed" for h in e.hashes]
+    removed = [h for e in kv.events.take() if e.kind == "removed" for h in e.hashes]
     assert set(removed) == set(stored)
     kv.reset()
-    assert kv.take_events()[-1] == TierEvent("cleared", "")
-    assert kv.take_events() == []
+    assert kv.events.take()[-1] == TierEvent("cleared", "")
+    assert kv.events.take() == []
 
 
 def test_an_unread_log_past_its_bound_becomes_one_cleared(make_engine: Any, tokenizer: Any):
     engine = make_engine(num_blocks=16, block_size=16)
-    engine.kv.enable_events()
-    engine.kv.max_events = 2
+    engine.kv.events.enable()
+    engine.kv.events.max_events = 2
     run_one(engine, "a", long_ids(tokenizer, 0)[:100], GREEDY)  # 6 blocks, one event each
-    events = engine.kv.take_events()
+    events = engine.kv.events.take()
     assert events[0] == TierEvent("cleared", "") and len(events) <= 2
 
 
@@ -85,7 +85,7 @@ async def test_the_publisher_numbers_events_and_a_lost_batch_leaves_a_gap(
 ) -> None:
     engine = make_engine(num_blocks=32, block_size=16)
     port = RecordingPort()
-    publisher = KVEventPublisher(port, engine.kv, "inc-1")  # type: ignore[arg-type]
+    publisher = KVEventPublisher(port, engine.kv.events, "inc-1")  # type: ignore[arg-type]
     run_one(engine, "a", long_ids(tokenizer, 0)[:50], GREEDY)
     await publisher.flush()
     assert [(e.seq, e.op, e.tier, len(e.block_hashes)) for e in port.events] == [
@@ -110,7 +110,7 @@ async def test_a_requested_snapshot_is_cleared_then_every_block(
     async def snapshot() -> None:
         engine.kv.log_snapshot(chunk=2)
 
-    publisher = KVEventPublisher(port, engine.kv, "inc-1", snapshot, resync_every=1)  # type: ignore[arg-type]
+    publisher = KVEventPublisher(port, engine.kv.events, "inc-1", snapshot, resync_every=1)  # type: ignore[arg-type]
     prompt = long_ids(tokenizer, 0)[:50]
     run_one(engine, "a", prompt, GREEDY)
     await publisher.flush()

@@ -10,8 +10,7 @@ from typing import Any
 
 from kvserve.shared.protocol import GenerateRequest
 from kvserve.shared.sampling_params import SamplingParams
-from kvserve.shared.store.hashing import block_hashes
-from kvserve.shared.store.tiers import tail_hash
+from kvserve.shared.store.hashing import block_hashes, tail_hash
 
 from tests.services.workers.disagg import NUM_BLOCKS, Disagg
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from kvserve.shared.engine.prefix_index import PrefixIndex
+from kvserve.shared.engine.kv.prefix_index import PrefixIndex
 from kvserve.shared.engine.sequence import BlockId
 from kvserve.shared.store.hashing import BlockHash
 

@@ -1,14 +1,7 @@
-"""The tiers behind the engine's own cache: a host-RAM tier of raw blocks, and a connector that
-moves blocks to and from a store backend without ever blocking an engine step.
+"""StoreConnector: moves blocks between the engine and a store backend without ever blocking an
+engine step.
 
-HostTier invariants (one thread, the engine's, uses it):
-- it maps a block hash to that block's BlockData (the cache's own representation, so moving a
-  block back into the cache is a copy, exact), bounded by bytes, least recently used out first;
-- pinned entries (warm-up prefixes) are kept outside the byte bound and never evicted;
-- each entry remembers where it came from (`"host"`: evicted from the device cache or pinned by
-  a warm-up), so cached tokens can be counted by source.
-
-StoreConnector invariants:
+Invariants:
 - it owns one thread running an asyncio loop; every store call runs there. The engine thread
   only enqueues writes (`publish`) and starts lookups (`fetch`, then `load`, concurrent
   Futures); it never waits on the store.
@@ -24,8 +17,8 @@ StoreConnector invariants:
 - A load (`load`) gets the run in batches of FETCH_BATCH, all asked at once; each batch is
   verified and decoded on one of the loader threads (one per core) as soon as it arrives, an
   int8 / fp8 frame dequantized straight into a staging buffer in the cache's dtype, and
-  written into the engine's device blocks with one copy per layer (`write`, under a LoadJob:
-  once stopped, no write starts). A frame that fails to decode (any codec Miss: corrupt,
+  written into the engine's device blocks with one copy per layer (load.BatchLoader, under a
+  LoadJob: once stopped, no write starts). A frame that fails to decode (any codec Miss: corrupt,
   wrong model or format, hash mismatch) ends the run there, is counted by reason and deleted
   from the store; `loaded` counts only the verified leading run.
 - Every stage finishes within `fetch_timeout_s` (then nothing is loaded: recompute).
@@ -45,22 +38,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 import os
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from kvserve.shared.engine.kv.latency import LatencyStats
+from kvserve.shared.engine.kv.load import BatchLoader, LoadedBatch, LoadJob, WriteStacked
 from kvserve.shared.store.base import BlockStore
-from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
+from kvserve.shared.store.block_data import BlockData, KVTail
 from kvserve.shared.store.codec import BlockMeta, Miss, decode_block, encode_block
-from kvserve.shared.store.hashing import BlockHash, chain_hash
+from kvserve.shared.store.hashing import BlockHash, padded_tail, tail_hash, tail_parent
 
 log = logging.getLogger("kvserve.store")
 
@@ -76,168 +70,6 @@ LOOKUP_OUTCOMES = ("hit", "absent", "recompute", "timeout", "evicted", "corrupt"
 # Codec misses of a frame that is damaged (the rest name another block's identity).
 _CORRUPT = frozenset({"too_large", "not_msgpack", "bad_schema", "bad_checksum", "bad_payload",
                       "internal_error"})  # fmt: skip
-# Upper bounds (seconds) of the store-call latency histograms (Prometheus `le` buckets).
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-@dataclass
-class _OpLatency:
-    counts: list[int]  # per bucket, the last one +Inf
-    sum: float = 0.0
-    count: int = 0
-    errors: int = 0
-
-
-class LatencyStats:
-    """Per-operation call latencies ("get", "put") as fixed-bucket histograms, plus error
-    counts; written from the store thread, read (`snapshot`) from any thread under a lock."""
-
-    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.bounds = tuple(buckets)
-        self._lock = threading.Lock()
-        self._ops: dict[str, _OpLatency] = {}
-
-    def _op(self, op: str) -> _OpLatency:
-        entry = self._ops.get(op)
-        if entry is None:
-            entry = self._ops[op] = _OpLatency([0] * (len(self.bounds) + 1))
-        return entry
-
-    def observe(self, op: str, seconds: float) -> None:
-        i = next((k for k, b in enumerate(self.bounds) if seconds <= b), len(self.bounds))
-        with self._lock:
-            e = self._op(op)
-            e.counts[i] += 1
-            e.sum += seconds
-            e.count += 1
-
-    def error(self, op: str) -> None:
-        with self._lock:
-            self._op(op).errors += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        """{"bounds": [...], op: {"counts" (per bucket, the last one +Inf), "sum", "count",
-        "errors"}} (plain lists and numbers: it travels in the workers' msgpack stats)."""
-        with self._lock:
-            out: dict[str, Any] = {"bounds": list(self.bounds)}
-            for op, e in self._ops.items():
-                out[op] = {"counts": list(e.counts), "sum": e.sum, "count": e.count,
-                           "errors": e.errors}  # fmt: skip
-            return out
-
-    class _Timer:
-        def __init__(self, stats: LatencyStats, op: str) -> None:
-            self.stats, self.op = stats, op
-
-        def __enter__(self) -> None:
-            self.t0 = time.perf_counter()
-
-        def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-            if exc_type is None:
-                self.stats.observe(self.op, time.perf_counter() - self.t0)
-            elif exc_type is not asyncio.CancelledError:
-                self.stats.error(self.op)
-
-    def time(self, op: str) -> LatencyStats._Timer:
-        """`with stats.time("get"): ...`: one observation, or one error if it raises
-        (a timeout included; a cancellation counts as neither)."""
-        return LatencyStats._Timer(self, op)
-
-
-@dataclass
-class _HostEntry:
-    data: BlockData
-    source: str
-
-
-class HostTier:
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[BlockHash, _HostEntry] = OrderedDict()
-        self._pinned: dict[BlockHash, _HostEntry] = {}  # warm-up blocks: never evicted
-        self.hits = 0
-        self.evictions = 0
-
-    def __len__(self) -> int:
-        return len(self._entries) + len(self._pinned)
-
-    def __contains__(self, h: BlockHash) -> bool:
-        return h in self._entries or h in self._pinned
-
-    def hashes(self) -> list[BlockHash]:
-        return [*self._entries, *self._pinned]
-
-    def pin(self, h: BlockHash, data: BlockData, source: str) -> None:
-        """Keep this block regardless of the byte bound (warm-up prefixes)."""
-        old = self._entries.pop(h, None)
-        if old is not None:
-            self.bytes -= old.data.nbytes
-        self._pinned[h] = _HostEntry(data, source)
-
-    def put(self, h: BlockHash, data: BlockData, source: str) -> list[BlockHash]:
-        """Keep the block (most recently used); returns the hashes evicted to make room.
-        A block larger than the whole tier, or pinned already, is not taken."""
-        if data.nbytes > self.max_bytes or h in self._pinned:
-            return []
-        old = self._entries.pop(h, None)
-        if old is not None:
-            self.bytes -= old.data.nbytes
-        self._entries[h] = _HostEntry(data, source)
-        self.bytes += data.nbytes
-        evicted = []
-        while self.bytes > self.max_bytes:
-            gone_hash, gone = self._entries.popitem(last=False)
-            self.bytes -= gone.data.nbytes
-            self.evictions += 1
-            evicted.append(gone_hash)
-        return evicted
-
-    def clear(self) -> list[BlockHash]:
-        """Drop every block, pinned ones too (a cache flush). Returns their hashes."""
-        hashes = [*self._entries, *self._pinned]
-        self._entries.clear()
-        self._pinned.clear()
-        self.bytes = 0
-        return hashes
-
-    def get(self, h: BlockHash) -> tuple[BlockData, str] | None:
-        """The block and its source, touched as most recently used; None if absent."""
-        e = self._pinned.get(h)
-        if e is not None:
-            self.hits += 1
-            return e.data, e.source
-        e = self._entries.get(h)
-        if e is None:
-            return None
-        self._entries.move_to_end(h)
-        self.hits += 1
-        return e.data, e.source
-
-
-@dataclass(frozen=True)
-class KVTail:
-    """The last, partial block of a prompt's computed KV: its tokens and the block (positions
-    past len(token_ids) hold nothing meaningful). Prefill hands it to decode through the store
-    under a per-request key (`tail_hash`)."""
-
-    token_ids: list[int]
-    data: BlockData
-
-
-def tail_hash(request_id: str, token_ids: list[int], block_size: int) -> BlockHash:
-    """The per-request key of a tail: its tokens (zero-padded to a block) chained onto a parent
-    derived from the request id, so the frame verifies like any block (checksum, header, hash)
-    and no other request or content can answer for it."""
-    return chain_hash(_tail_parent(request_id), _pad(token_ids, block_size))
-
-
-def _tail_parent(request_id: str) -> BlockHash:
-    return BlockHash(hashlib.sha256(b"kvserve-tail:" + request_id.encode()).digest())
-
-
-def _pad(token_ids: list[int], block_size: int) -> list[int]:
-    return list(token_ids) + [0] * (block_size - len(token_ids))
 
 
 @dataclass
@@ -250,66 +82,6 @@ class FetchResult:
     present: int = 0  # leading wanted blocks the store said it holds
     loaded: int = 0  # leading blocks of the load written into their cache blocks
     timings: dict[str, float] = field(default_factory=dict)
-
-
-# KVCache.write_stacked: (blocks, k, v, k_scale, v_scale), K/V [num_layers, n, ...].
-WriteStacked = Callable[
-    [list[int], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None
-]
-_staging = threading.local()  # each load thread's reusable K/V buffers
-
-
-def _buffers(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """This thread's K and V staging buffers of `shape` (reused: no fresh pages per batch)."""
-    key = (shape, dtype)
-    if getattr(_staging, "key", None) != key:
-        _staging.key = key
-        _staging.kv = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-    kv: tuple[torch.Tensor, torch.Tensor] = _staging.kv
-    return kv
-
-
-class LoadJob:
-    """The writes of one load into the engine's cache blocks, from worker threads. Once
-    `stop()` was called and `quiescent()` is True, no write happens any more: the engine may
-    then give the blocks to someone else."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stopped = False
-        self._active = 0
-
-    def begin(self) -> bool:
-        """May a block be written now? (then `end()` after it)."""
-        with self._lock:
-            if self._stopped:
-                return False
-            self._active += 1
-            return True
-
-    def end(self) -> None:
-        with self._lock:
-            self._active -= 1
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-
-    def quiescent(self) -> bool:
-        with self._lock:
-            return self._stopped and self._active == 0
-
-
-@dataclass
-class _Decoded:
-    """One fetched batch after verification: how many of its leading blocks were written,
-    and why it stopped early (`miss`: a codec Miss reason, "gone" or "stopped"; `bad`: the
-    hash of a frame that failed)."""
-
-    written: int = 0
-    miss: str | None = None
-    bad: BlockHash | None = None
-    seconds: float = 0.0
 
 
 @dataclass
@@ -422,8 +194,8 @@ class StoreConnector:
         blocking."""
         bs = self.meta.block_size
         k, v = tail.data.to_float()
-        toks = _pad(tail.token_ids, bs)
-        frame = encode_block(self.meta, toks, k, v, self.fmt, _tail_parent(request_id))
+        toks = padded_tail(tail.token_ids, bs)
+        frame = encode_block(self.meta, toks, k, v, self.fmt, tail_parent(request_id))
         h = tail_hash(request_id, tail.token_ids, bs)
         coro = self._timed("put", self.store.put_many([(h, frame)], ttl_s=TAIL_TTL_S))
         return bool(asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout))
@@ -450,7 +222,7 @@ class StoreConnector:
             self.counters["tail_misses"] += 1
             return None
         await self.store.delete([h])
-        got = decode_block(frame, self.meta, h, _tail_parent(request_id))
+        got = decode_block(frame, self.meta, h, tail_parent(request_id))
         if isinstance(got, Miss):
             self.miss_reasons[got.reason] += 1
             return None
@@ -621,14 +393,15 @@ class StoreConnector:
         verification and decoding overlap, and run on every core). `res.loaded`: the leading
         run written, up to the first missing or bad frame (deleted from the store)."""
 
-        async def batch(i: int) -> _Decoded:
+        loader = BatchLoader(self.meta, self.cache_dtype, root, write, job)
+
+        async def batch(i: int) -> LoadedBatch:
             part = hashes[i : i + FETCH_BATCH]
             with self.latency.time("get"):
                 frames = await self.store.get_many(part)
             return await asyncio.get_running_loop().run_in_executor(
-                self._decoders,
-                self._decode_into, part, frames, root, dst[i : i + FETCH_BATCH], write, job,
-            )  # fmt: skip
+                self._decoders, loader.write, part, frames, dst[i : i + FETCH_BATCH]
+            )
 
         done = await asyncio.gather(*(batch(i) for i in range(0, len(hashes), FETCH_BATCH)))
         res.timings["decode_cpu_s"] = sum(d.seconds for d in done)
@@ -645,57 +418,3 @@ class StoreConnector:
                 log.warning("store block %s rejected: %s", d.bad.hex()[:16], d.miss)
                 await self.store.delete([d.bad])
             return
-
-    def _decode_into(
-        self,
-        hashes: list[BlockHash],
-        frames: list[bytes | None],
-        root: BlockHash,
-        dst: list[int],
-        write: WriteStacked,
-        job: LoadJob,
-    ) -> _Decoded:
-        """Verify each frame, up to the first missing or bad one, and write those blocks into
-        theirs (a worker thread: it touches only its own blocks). For a float cache an int8 /
-        fp8 frame is dequantized straight into the staging buffer that the cache's layers are
-        copied from; a quantized cache takes the block requantized to its own scales."""
-        t0 = time.perf_counter()
-        got = _Decoded()
-        quantized = self.cache_dtype in QUANTIZED_KV_DTYPES.values()
-        L, *rest = self.meta.block_shape
-        k, v = _buffers(
-            (L, len(hashes), *rest), self.cache_dtype if not quantized else torch.float32
-        )
-        for j, (h, frame) in enumerate(zip(hashes, frames, strict=True)):
-            if frame is None:
-                got.miss = "gone"
-                break
-            decoded = decode_block(frame, self.meta, h, root, dequantize=False)
-            if isinstance(decoded, Miss):
-                got.miss, got.bad = decoded.reason, h
-                break
-            for out, stored, i in ((k, decoded.k, 0), (v, decoded.v, 1)):
-                out[:, j].copy_(stored)
-                if decoded.scales is not None:
-                    out[:, j].mul_(decoded.scales[i].unsqueeze(-1))
-            got.written += 1
-        n = got.written
-        if n and job.begin():
-            try:
-                if quantized:
-                    blocks = [
-                        BlockData.from_float(k[:, j], v[:, j], self.cache_dtype) for j in range(n)
-                    ]
-                    ks = torch.stack([b.k_scale for b in blocks if b.k_scale is not None], 1)
-                    vs = torch.stack([b.v_scale for b in blocks if b.v_scale is not None], 1)
-                    kq = torch.stack([b.k for b in blocks], 1)
-                    vq = torch.stack([b.v for b in blocks], 1)
-                    write(dst[:n], kq, vq, ks, vs)
-                else:
-                    write(dst[:n], k[:, :n], v[:, :n], None, None)
-            finally:
-                job.end()
-        elif n:
-            got.written, got.miss, got.bad = 0, "stopped", None
-        got.seconds = time.perf_counter() - t0
-        return got

@@ -1,0 +1,216 @@
+"""OutputProcessor: a step's logits turned into tokens, forks, stops and outputs.
+
+After the model call: beam requests stash their rows and advance when every live beam has one;
+every other sampling sequence draws one token (a sequence with pending n > 1 siblings draws
+once per sibling from the same row and forks them, sharing its blocks); tokens are appended,
+stops detected (stop tokens, EOS, stop strings, max_tokens, the context window), and each
+touched request yields its deltas. A finished request leaves the table here.
+
+Mutates: the request table (shared with the Engine), sequences' tokens and logprobs; finishes
+sequences and adds forks through the Scheduler; forks share blocks through the KV manager.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvserve.shared.engine.beam_search import BeamGroup, BeamSearch
+from kvserve.shared.engine.kv.manager import KVCacheManager
+from kvserve.shared.engine.model_runner import StepOutput
+from kvserve.shared.engine.outputs import Completion, RequestOutput
+from kvserve.shared.engine.request import Request, SequenceFactory
+from kvserve.shared.engine.sampler import Sampler, SampleRow, position_seed
+from kvserve.shared.engine.scheduler import Scheduler
+from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
+from kvserve.shared.sampling_params import SamplingParams
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        requests: dict[str, Request],
+        factory: SequenceFactory,
+        kv: KVCacheManager,
+        scheduler: Scheduler,
+        eos_token_ids: set[int],
+        max_model_len: int,
+    ) -> None:
+        self.requests = requests
+        self.factory = factory
+        self.kv = kv
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.sampler = Sampler()
+        # n > 1 siblings created while their parent's row is sampled, forked right after.
+        self._pending_children: dict[tuple[SeqId, int], Sequence] = {}
+
+    def process(self, out: StepOutput) -> list[RequestOutput]:
+        """The outputs of the requests this step's sampled rows touched."""
+        seqs = out.sampling_seqs
+        beam = [i for i, q in enumerate(seqs) if self.requests[q.request_id].beam]
+        if beam:
+            touched = self._beam_step(seqs, out.logits, beam)
+            keep = [i for i in range(len(seqs)) if i not in set(beam)]
+            touched += self._sample([seqs[i] for i in keep], out.logits[keep])
+        else:
+            touched = self._sample(seqs, out.logits)
+        return [self._output(self.requests[r]) for r in touched if r in self.requests]
+
+    def beam_group(self, params: SamplingParams, seq: Sequence) -> BeamGroup:
+        """The beam search of a request whose first beam is `seq`."""
+        eos = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        search = BeamSearch(
+            params.beam_width,
+            params.max_tokens,
+            eos,
+            params.length_penalty,
+            params.early_stopping,
+        )
+        return BeamGroup(search, [seq])
+
+    # ---- sampling ---------------------------------------------------------------------------
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[str]:
+        """Sample one token per sequence; a sequence with pending forks samples once per
+        sibling from the same row and forks the siblings, sharing its blocks."""
+        row_idx: list[int] = []
+        targets: list[tuple[Sequence, int]] = []  # (sequence, sibling index or -1 for itself)
+        for i, seq in enumerate(seqs):
+            row_idx.append(i)
+            targets.append((seq, -1))
+            for j in range(seq.pending_forks):
+                row_idx.append(i)
+                targets.append((seq, j + 1))
+        rows = [self._sample_row(seq, j) for seq, j in targets]
+        if len(row_idx) != len(seqs):
+            logits = logits[torch.tensor(row_idx)]
+        tokens, logprobs, tops = self.sampler.sample(logits, rows)
+        touched: dict[str, None] = {}
+        # Fork every sibling before any token is appended: a parent that stops on its first
+        # token frees its blocks, which the siblings must already share.
+        owners = [seq if j < 0 else self._fork(seq, j) for seq, j in targets]
+        for owner, tok, lp, top in zip(owners, tokens, logprobs, tops, strict=True):
+            self._append(owner, tok, lp, top)
+            touched[owner.request_id] = None
+        for seq in seqs:
+            seq.pending_forks = 0
+        return list(touched)
+
+    def _sample_row(self, seq: Sequence, sibling: int) -> SampleRow:
+        if sibling >= 0:  # the sibling is created now, and samples its own first token
+            req = self.requests[seq.request_id]
+            child = self.factory.completion(req, sibling, seq.token_ids)
+            self._pending_children[(seq.seq_id, sibling)] = child
+            seq = child
+        gen = seq.generator
+        if gen is not None:
+            seed = self.requests[seq.request_id].seed
+            gen.manual_seed(position_seed(seed, seq.index, seq.num_output_tokens))
+        return SampleRow(seq.params, gen)
+
+    def _fork(self, parent: Sequence, sibling: int) -> Sequence:
+        child = self._pending_children.pop((parent.seq_id, sibling))
+        self.kv.fork(parent, child)
+        self.scheduler.add_running(child)
+        return child
+
+    # ---- beam search ------------------------------------------------------------------------
+
+    def _beam_step(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> list[str]:
+        """Stash each beam's log-softmax row; advance every beam request whose live beams all
+        have theirs. Returns the requests whose search finished."""
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        ready: dict[str, Request] = {}
+        for i, row in zip(rows, logprobs, strict=True):
+            req = self.requests[seqs[i].request_id]
+            assert req.beam is not None
+            if req.beam.stash(seqs[i], row):
+                ready[req.request_id] = req
+        done = []
+        for rid, req in ready.items():
+            assert req.beam is not None
+            if req.beam.advance(self._fork_beam, self._drop_beam):
+                self._finish_beam_request(req)
+                done.append(rid)
+        return done
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        child = self.factory.beam(parent)
+        self.kv.fork(parent, child)
+        self.scheduler.add_running(child)
+        return child
+
+    def _drop_beam(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def _finish_beam_request(self, req: Request) -> None:
+        """The best hypothesis becomes completion 0."""
+        assert req.beam is not None
+        best = req.beam.search.best()
+        comp = req.completions[0]
+        result = Sequence(
+            seq_id=comp.seq.seq_id,
+            request_id=req.request_id,
+            index=0,
+            token_ids=req.prompt + list(best.token_ids),
+            num_prompt_tokens=len(req.prompt),
+            params=req.params,
+            arrival=comp.seq.arrival,
+            num_cached_tokens=comp.seq.num_cached_tokens,
+            cached_tokens_by_source=dict(comp.seq.cached_tokens_by_source),
+            store_lookup=comp.seq.store_lookup,
+        )
+        result.status = SequenceStatus.FINISHED
+        ends_in_eos = bool(best.token_ids) and best.token_ids[-1] in req.beam.search.eos
+        result.finish_reason = FinishReason.STOP if ends_in_eos else FinishReason.LENGTH
+        comp.seq = result
+        for tok in best.token_ids:
+            comp.add(tok)
+
+    # ---- tokens out -------------------------------------------------------------------------
+
+    def _append(
+        self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None = None
+    ) -> None:
+        seq.token_ids.append(token)
+        if seq.params.logprobs:
+            seq.logprobs.append(logprob)
+            if seq.params.top_logprobs:
+                seq.top_logprobs.append(top or {})
+        seq.cumulative_logprob += logprob
+        req = self.requests[seq.request_id]
+        comp = req.completions[seq.index]
+        comp.add(token)
+        reason = self._stop_reason(seq, comp, token)
+        if reason is not None:
+            if req.export_tail and seq.index == 0:
+                req.kv_tail = self.kv.tail_of(seq)
+            self.scheduler.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, comp: Completion, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if p.stop and comp.cut_at_stop(p.stop):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.finished
+        hold = max((len(s) for s in req.params.stop), default=1) - 1
+        deltas = [req.completions[idx].delta(idx, hold) for idx in sorted(req.completions)]
+        first = req.completions[0].seq
+        if finished:
+            del self.requests[req.request_id]
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            first.num_cached_tokens,
+            deltas,
+            finished,
+            kv_tail=req.kv_tail if finished else None,
+            cached_tokens_by_source=dict(first.cached_tokens_by_source),
+            store_lookup=first.store_lookup,
+        )
