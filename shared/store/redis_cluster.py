@@ -48,13 +48,8 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 from kvserve.shared.store.breaker import CircuitBreaker
-from kvserve.shared.store.redis import (
-    STORE_ERRORS,
-    TRANSPORT_ERRORS,
-    RedisStore,
-    breaker_from_settings,
-    split_store_query,
-)
+from kvserve.shared.store.redis import RedisStore, breaker_from_settings, split_store_query
+from kvserve.shared.store.redis_shards import STORE_ERRORS, TRANSPORT_ERRORS
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
