@@ -26,8 +26,8 @@ from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import BlockHash, block_hashes
 from kvserve.shared.store.redis import RedisStore
 
-from tests.engine.helpers import run_one
 from tests.redis_servers import redis_answers
+from tests.shared.engine.helpers import run_one
 
 pytestmark = pytest.mark.redis
 

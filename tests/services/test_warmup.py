@@ -17,7 +17,7 @@ from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import block_hashes
 
-from tests.engine.helpers import run_one
+from tests.shared.engine.helpers import run_one
 
 SYSTEM = "You are the support assistant of a bicycle shop. Be brief, precise and friendly. " * 4
 FEW_SHOT = "Q: 2+2?\nA: 4\nQ: 3+5?\nA: 8\nQ: 7+1?\nA: 8\nQ: 9+9?\nA: 18\n" * 3

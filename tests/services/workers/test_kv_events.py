@@ -12,7 +12,7 @@ from kvserve.shared.engine.kv.events import TierEvent
 from kvserve.shared.protocol import KVEvent
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.engine.helpers import long_ids, run_one
+from tests.shared.engine.helpers import long_ids, run_one
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from kvserve.shared.config import StoreConfig
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.engine.helpers import run_one
+from tests.shared.engine.helpers import run_one
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 

@@ -8,7 +8,7 @@ import torch
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
 from kvserve.shared.engine.sequence import Sequence
 
-from tests.engine.helpers import prompt_sequence
+from tests.shared.engine.helpers import prompt_sequence
 
 
 def _seq(engine, i: int, tokens: list[int], computed: int) -> Sequence:  # type: ignore[no-untyped-def]

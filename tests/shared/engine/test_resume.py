@@ -14,7 +14,7 @@ from kvserve.shared.engine.outputs import Emitted
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.engine.helpers import long_ids
+from tests.shared.engine.helpers import long_ids
 
 MakeEngine = Callable[..., Engine]
 HOT = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # every token of the vocabulary can come

@@ -334,7 +334,7 @@ def test_a_payload_expanding_past_its_size_misses() -> None:
 BOMB_PROBE = """
 import json, resource, sys, time, tracemalloc
 sys.path.insert(0, sys.argv[1])
-from tests.store import test_codec as t
+from tests.shared.store import test_codec as t
 frames = {name: t._int8_frame_with(p) for name, p in t.bomb_frames().items()}
 t.decode_block(t.FRAMES["int8"], t.META, t.KEY, t.ROOT)  # warm up: lazy imports, allocator
 def vm_peak():  # peak virtual size, bytes: counts what is allocated even if never touched
@@ -362,7 +362,7 @@ def test_bombs_miss_quickly_in_little_memory() -> None:
     process's peak resident size and peak address space (which counts what zstd allocates,
     touched or not: a frame without a content size gets a buffer of its window) grow by under
     16 MiB, against the 1 GiB each payload would expand to."""
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     probe = subprocess.run(
         [sys.executable, "-c", BOMB_PROBE, root], capture_output=True, text=True, timeout=120
     )

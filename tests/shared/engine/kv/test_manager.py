@@ -15,7 +15,7 @@ from kvserve.shared.engine.kv.manager import KVCacheManager, KVIdentity
 from kvserve.shared.engine.sequence import BlockId, Sequence
 from kvserve.shared.store.codec import BlockMeta
 
-from tests.engine.helpers import prompt_sequence
+from tests.shared.engine.helpers import prompt_sequence
 from tests.shared.model_configs import model_config
 
 BS = 4

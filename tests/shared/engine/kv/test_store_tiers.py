@@ -21,7 +21,7 @@ from kvserve.shared.store.disk import DiskStore
 from kvserve.shared.store.hashing import BlockHash
 from kvserve.shared.store.memory import MemoryStore
 
-from tests.engine.helpers import run_one
+from tests.shared.engine.helpers import run_one
 
 # Read by the `prompts` and `cold` fixtures (tests/conftest.py): SYSTEM with each of QUESTIONS
 # as a chat, and their outputs under GREEDY with prefix caching off.

@@ -26,7 +26,7 @@ from kvserve.shared.engine.sequence import (
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.codec import BlockMeta
 
-from tests.engine.helpers import prompt_sequence
+from tests.shared.engine.helpers import prompt_sequence
 from tests.shared.model_configs import model_config
 
 NEXT_TOKEN = 7

@@ -10,7 +10,7 @@ from kvserve.shared.config import StoreConfig
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.engine.helpers import long_ids, run_one
+from tests.shared.engine.helpers import long_ids, run_one
 
 
 def test_top_logprobs_greedy(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]

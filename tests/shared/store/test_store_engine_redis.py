@@ -18,8 +18,8 @@ from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import block_hashes
 
-from tests.engine.helpers import run_one
 from tests.redis_servers import RedisCluster, RedisServer
+from tests.shared.engine.helpers import run_one
 
 pytestmark = pytest.mark.redis
 

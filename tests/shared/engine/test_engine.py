@@ -17,7 +17,7 @@ from kvserve.shared.engine.sequence import Sequence
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
-from tests.engine.helpers import long_ids
+from tests.shared.engine.helpers import long_ids
 
 MakeEngine = Callable[..., Engine]
 

@@ -14,7 +14,7 @@ from kvserve.shared.bus.base import Delivery, WorkerPort
 from kvserve.shared.bus.redis import RedisBus
 from kvserve.shared.protocol import KVEvent, WorkerInfo
 
-from tests.shared.test_bus import drop, make_redis_bus, request
+from tests.shared.bus.test_bus import drop, make_redis_bus, request
 
 pytestmark = pytest.mark.redis
 

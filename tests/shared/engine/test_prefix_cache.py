@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
-from tests.engine.helpers import run_one
+from tests.shared.engine.helpers import run_one
 
 # Read by the `prompts` and `cold` fixtures (tests/conftest.py): SYSTEM with each of QUESTIONS
 # as a chat, and their outputs under GREEDY with prefix caching off.
