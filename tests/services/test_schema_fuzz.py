@@ -6,10 +6,17 @@ the bearer key enforced, 405 with `Allow` for undocumented methods.
 
 One server for the module, with an API key (so the auth checks have something to check) that
 may narrow its cache partition with `cache_salt`, and a memory store (warm-up jobs need one).
-The default run is short (few examples per operation, under a minute on two cores); the long
-one is marked slow. Generated completions are kept to MAX_NEW_TOKENS tokens by a hook on the
-generated cases (the document rightly allows up to the context window), and afterwards the
-server must still answer an ordinary request and have nothing left running."""
+The default run is short (few examples per operation, under a minute on two cores); a longer
+one is marked slow; both are derandomized, so each run sends the same cases. A random run of
+many more examples is marked `fuzz` (`bash ops/test.sh -m fuzz`), outside both suites.
+
+Two constraints the document cannot state are kept by a hook on the generated cases, each
+changing a case only into another of the same validity: completions are kept to
+MAX_NEW_TOKENS tokens (the document rightly allows up to the context window), and a prompt
+string that the model's tokenizer turns into no tokens at all (a few control characters, here)
+gets a letter appended (the server answers such a prompt 400 "'prompt' must not be empty", as
+vLLM does; test_gateway_unit checks that answer). Afterwards the server must still answer an
+ordinary request and have nothing left running."""
 
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ from tests.services.kvserve_process import Http, ServeProcess, idle, poll_until
 KEY = "fuzz-key"
 MAX_NEW_TOKENS = 2  # per generated completion
 SHORT_EXAMPLES = 5  # per operation and generation mode
-LONG_EXAMPLES = 500
+SEEDED_EXAMPLES = 60
+RANDOM_EXAMPLES = 500
 CHAT = "/v1/chat/completions"
 GENERATION = ("/v1/completions", CHAT)
 
@@ -59,15 +67,31 @@ def is_whole(v: object) -> bool:
     return type(v) is int or (type(v) is float and v.is_integer())
 
 
-def small_generations(max_model_len: int) -> Callable[[HookContext, Case], Case]:
-    """A `map_case` hook: a generation request asks for at most MAX_NEW_TOKENS tokens. Only
-    values the document allows are lowered, and a missing limit is added, so a valid case
-    stays valid and an invalid one invalid."""
+def tokenizes_to_nothing(http: Http, text: str) -> bool:
+    reply = http.post("/tokenize", json={"prompt": text})
+    return reply.status_code == 200 and reply.json()["count"] == 0
+
+
+def generated_prompts(http: Http, body: dict[str, Any]) -> None:
+    """A completions prompt string (alone or in a list) that tokenizes to nothing gets a
+    letter: still a string, so a valid case stays valid and an invalid one invalid."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and tokenizes_to_nothing(http, prompt):
+        body["prompt"] = prompt + "a"
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        body["prompt"] = [p + "a" if tokenizes_to_nothing(http, p) else p for p in prompt]
+
+
+def small_generations(http: Http, max_model_len: int) -> Callable[[HookContext, Case], Case]:
+    """A `map_case` hook: a generation request asks for at most MAX_NEW_TOKENS tokens, and its
+    prompt strings tokenize to something. Only values the document allows are lowered, and a
+    missing limit is added, so a valid case stays valid and an invalid one invalid."""
 
     def hook(context: HookContext, case: Case) -> Case:
         if case.operation.path not in GENERATION or not isinstance(case.body, dict):
             return case
         body: dict[str, Any] = case.body
+        generated_prompts(http, body)
         names = ["max_tokens"] + (["max_completion_tokens"] if case.operation.path == CHAT else [])
         for name in names:
             if is_whole(body.get(name)) and MAX_NEW_TOKENS < body[name] < max_model_len:
@@ -89,7 +113,7 @@ def load_schema(server: ServeProcess, http: Http, generation: dict[str, Any]) ->
     )
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json", config=config)
     max_model_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
-    schema.hook("map_case")(small_generations(max_model_len))
+    schema.hook("map_case")(small_generations(http, max_model_len))
     return schema
 
 
@@ -99,12 +123,18 @@ def short_schema(server: ServeProcess, http: Http) -> BaseSchema:
 
 
 @pytest.fixture
-def long_schema(server: ServeProcess, http: Http) -> BaseSchema:
-    return load_schema(server, http, {"max-examples": LONG_EXAMPLES})
+def seeded_schema(server: ServeProcess, http: Http) -> BaseSchema:
+    return load_schema(server, http, {"max-examples": SEEDED_EXAMPLES, "deterministic": True})
+
+
+@pytest.fixture
+def random_schema(server: ServeProcess, http: Http) -> BaseSchema:
+    return load_schema(server, http, {"max-examples": RANDOM_EXAMPLES})
 
 
 short = schemathesis.pytest.from_fixture("short_schema")
-long = schemathesis.pytest.from_fixture("long_schema")
+seeded = schemathesis.pytest.from_fixture("seeded_schema")
+random_cases = schemathesis.pytest.from_fixture("random_schema")
 
 
 def still_serves(http: Http) -> None:
@@ -133,12 +163,20 @@ def test_still_serves_after_fuzzing(http: Http) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
-@long.parametrize()
+@pytest.mark.timeout(1800)
+@seeded.parametrize()
 def test_api_matches_its_document_long(case: Case) -> None:
     case.call_and_validate()
 
 
+@pytest.mark.fuzz
+@pytest.mark.timeout(3600)
+@random_cases.parametrize()
+def test_api_matches_its_document_random(case: Case) -> None:
+    case.call_and_validate()
+
+
 @pytest.mark.slow
+@pytest.mark.fuzz
 def test_still_serves_after_long_fuzzing(http: Http) -> None:
     still_serves(http)

@@ -12,7 +12,8 @@ import pytest
 import redis
 from kvserve.services import cli
 from kvserve.services.warmup import prefix_ids
-from kvserve.shared.config import StoreConfig
+from kvserve.shared.config import CacheConfig, EngineConfig, StoreConfig
+from kvserve.shared.engine.engine import Engine
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import block_hashes
@@ -24,13 +25,18 @@ FEW_SHOT = "Q: 2+2?\nA: 4\nQ: 3+5?\nA: 8\nQ: 7+1?\nA: 8\nQ: 9+9?\nA: 18\n" * 3
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
+def serve_engine(model_path: Path, store: StoreConfig, caching: bool = True) -> Engine:
+    cache = CacheConfig(num_blocks=512, enable_prefix_caching=caching)
+    return Engine(EngineConfig(model_path=str(model_path), cache=cache, store=store))
+
+
 def last_json(capsys) -> dict:  # type: ignore[no-untyped-def, type-arg]
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 @pytest.mark.redis
 @pytest.mark.slow  # ~18 s; test_serve_admin covers warm-up jobs over HTTP (2-core AVX2 machine)
-def test_warmup_then_cached(make_engine, tokenizer, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_warmup_then_cached(model_path, tokenizer, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     ns = f"t-{uuid.uuid4().hex}"
     url = f"redis://127.0.0.1:6379/15?namespace={ns}&ttl=3600"
     jobs = tmp_path / "prefixes.jsonl"
@@ -44,8 +50,9 @@ def test_warmup_then_cached(make_engine, tokenizer, tmp_path: Path, capsys) -> N
         second["computed"] == 0 and second["skipped"] == 2 and second["blocks"] == first["blocks"]
     )
 
-    # Pinned: no TTL on the warm-up blocks.
-    eng = make_engine(store=StoreConfig(url))
+    # Pinned: no TTL on the warm-up blocks. The engines below are built as `kvserve serve`
+    # builds its own (the default weights, whose numerics the blocks' root names).
+    eng = serve_engine(model_path, StoreConfig(url))
     sys_ids = prefix_ids(tokenizer, {"system": SYSTEM})
     hashes = block_hashes(eng.root_hash(), sys_ids[: len(sys_ids) // 16 * 16], 16)
     r = redis.Redis.from_url("redis://127.0.0.1:6379/15")
@@ -61,7 +68,8 @@ def test_warmup_then_cached(make_engine, tokenizer, tmp_path: Path, capsys) -> N
         tokens, cached = run_one(eng, "r", prompt, GREEDY)
         assert cached >= len(hashes) * 16
         assert eng.prefix_cache_stats["hits_tokens_store"] >= len(hashes) * 16
-        cold = make_engine(enable_prefix_caching=False).generate([prompt], GREEDY)[0][0]
+        with serve_engine(model_path, StoreConfig(), caching=False) as cold_engine:
+            cold = cold_engine.generate([prompt], GREEDY)[0][0]
         assert tokens == cold
     finally:
         eng.close()

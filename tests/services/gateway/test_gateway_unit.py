@@ -263,6 +263,18 @@ async def test_requests_outside_the_document_are_refused(
     assert set(reply["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("prompt", ["\x04\x06", ["a", "\x13\x1d"]])
+async def test_a_prompt_that_tokenizes_to_nothing_is_a_clear_400(
+    harness: Harness, tokenizer: KVTokenizer, prompt: str | list[str]
+) -> None:
+    """Valid by the document (any string), but no token to compute: refused, naming the field."""
+    assert tokenizer.encode("\x04\x06") == [] and tokenizer.encode("\x13\x1d") == []
+    status, reply, text = await harness.post("/v1/completions", {"prompt": prompt})
+    assert status == 400, text
+    assert reply["error"]["param"] == "prompt"
+    assert reply["error"]["message"] == "'prompt' must not be empty"
+
+
 async def test_whole_floats_are_integers_and_tokenize_answers_token_strs(
     harness: Harness, tokenizer: KVTokenizer
 ) -> None:
