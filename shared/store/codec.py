@@ -36,10 +36,12 @@ Byte order is the host's (little-endian on every supported platform).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hmac
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, ParamSpec
 
 import msgpack
 import torch
@@ -48,6 +50,8 @@ import zstandard
 from kvserve.kernels.reference import dequantize_kv, quantize_kv
 from kvserve.shared.store import quant
 from kvserve.shared.store.hashing import SCHEMA_VERSION, BlockHash, chain_hash
+
+P = ParamSpec("P")
 
 MAX_FRAME_BYTES: Final = 8 * 1024 * 1024
 MAX_TOKENS: Final = 4096  # upper bound on block_size a frame may carry
@@ -317,6 +321,23 @@ def _check_types(obj: object) -> dict[str, Any] | None:
     return obj
 
 
+def _never_raises(
+    decode: Callable[P, DecodedBlock | Miss],
+) -> Callable[P, DecodedBlock | Miss]:
+    """A safety net: an exception the checks did not foresee is a Miss, never an exception
+    into the caller."""
+
+    @functools.wraps(decode)
+    def safe(*args: P.args, **kwargs: P.kwargs) -> DecodedBlock | Miss:
+        try:
+            return decode(*args, **kwargs)
+        except Exception:  # the checks are meant to catch everything
+            return Miss("internal_error")
+
+    return safe
+
+
+@_never_raises
 def decode_block(
     data: bytes | bytearray | memoryview,
     expected: BlockMeta,
@@ -331,22 +352,10 @@ def decode_block(
 
     `root` is the chain's root: the frame's parent equals it for block 0. The key's hash already
     binds the root (through the chain), so a frame from another root cannot pass.
+
+    The checks in order, cheapest and most telling first: the frame's shape, its checksum,
+    whose block it is, the payload's size, then the key's hash.
     """
-    try:
-        return _decode(data, expected, key_hash, root, dequantize)
-    except Exception:  # a safety net: the checks above it are meant to catch everything
-        return Miss("internal_error")
-
-
-def _decode(
-    data: bytes | bytearray | memoryview,
-    expected: BlockMeta,
-    key_hash: BlockHash,
-    root: BlockHash,
-    dequantize: bool = True,
-) -> DecodedBlock | Miss:
-    """The checks in order, cheapest and most telling first: the frame's shape, its
-    checksum, whose block it is, the payload's size, then the key's hash."""
     f = _unpack(data, expected)
     if isinstance(f, Miss):
         return f

@@ -207,17 +207,20 @@ class DiskStore(BlockStore):
                 await asyncio.to_thread(self._save_pins, set(self._index.pins))
 
     async def pin(self, hashes: Sequence[BlockHash]) -> None:
-        await self._ensure_open()
-        async with self._lock:
-            for h in hashes:
-                self._index.pin(h)
-            await asyncio.to_thread(self._save_pins, set(self._index.pins))
+        await self._set_pins(hashes, True)
 
     async def unpin(self, hashes: Sequence[BlockHash]) -> None:
+        await self._set_pins(hashes, False)
+
+    async def _set_pins(self, hashes: Sequence[BlockHash], pinned: bool) -> None:
+        """Pin (or unpin) each hash in the index, then save the pin set."""
         await self._ensure_open()
         async with self._lock:
             for h in hashes:
-                self._index.unpin(h)
+                if pinned:
+                    self._index.pin(h)
+                else:
+                    self._index.unpin(h)
             await asyncio.to_thread(self._save_pins, set(self._index.pins))
 
     def lru_order(self) -> list[bytes]:
