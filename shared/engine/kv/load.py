@@ -78,23 +78,16 @@ class LoadedBatch:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
 class BatchLoader:
     """Verifies one load's fetched batches and writes them into the engine's cache blocks,
     from the loader threads; every write runs under `job` (none starts once it is stopped)."""
 
-    def __init__(
-        self,
-        meta: BlockMeta,
-        cache_dtype: torch.dtype,
-        root: BlockHash,
-        write_stacked: WriteStacked,
-        job: LoadJob,
-    ) -> None:
-        self.meta = meta
-        self.cache_dtype = cache_dtype
-        self.root = root
-        self.write_stacked = write_stacked
-        self.job = job
+    meta: BlockMeta
+    cache_dtype: torch.dtype
+    root: BlockHash  # the chain's root, which block 0's frame names as its parent
+    write_stacked: WriteStacked
+    job: LoadJob
 
     def write(
         self, hashes: list[BlockHash], frames: list[bytes | None], dst: list[int]
