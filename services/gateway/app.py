@@ -27,7 +27,6 @@ from kvserve.services.gateway.middleware import Handler, Middleware
 from kvserve.services.gateway.model_routes import ModelRoutes
 from kvserve.services.gateway.openapi import RouteDoc, build_openapi
 from kvserve.services.gateway.readiness import Readiness
-from kvserve.services.gateway.request_schemas import ApiFacts
 from kvserve.services.gateway.router import Router
 from kvserve.services.gateway.routing import RoutingService
 from kvserve.services.gateway.schema import ModelInfo
@@ -58,7 +57,9 @@ class Gateway:
             config, bus, model, self.metrics, keys, self.admission,
             Readiness(bus, config.retry_after_s), self.routing,
         )  # fmt: skip
-        facts = ApiFacts.of(model, keys.enabled, config.allow_client_cache_salt)
+        self.cache = CacheAdmin(self.context)  # its warm-up jobs are cancelled at cleanup
+        self.app.on_cleanup.append(self.cache.cancel_warmups)
+        facts = req.ApiFacts.of(model, keys.enabled, config.allow_client_cache_salt)
         self.routes = self._routes(facts)
         for r, handler in self.routes:
             self.app.router.add_route(r.method, r.path, handler)
@@ -86,10 +87,10 @@ class Gateway:
         self.app.on_startup.append(start)
         self.app.on_cleanup.append(stop)
 
-    def _routes(self, f: ApiFacts) -> list[tuple[RouteDoc, Handler]]:
+    def _routes(self, f: req.ApiFacts) -> list[tuple[RouteDoc, Handler]]:
+        """Each route's description and handler, in the document's order."""
         gen, models = CompletionRoutes(self.context), ModelRoutes(self.context)
-        cache, health = CacheAdmin(self.context), HealthRoutes(self.context)
-        self.app.on_cleanup.append(cache.cancel_warmups)
+        cache, health = self.cache, HealthRoutes(self.context)
         json_errors = (400, 401, 404, 413, 429, 503)
         model = {"model": req.model_schema(f)}
         return [
