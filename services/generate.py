@@ -10,9 +10,9 @@ import time
 from typing import TYPE_CHECKING
 
 from kvserve.services.cli_support import CliError
+from kvserve.services.engine_options import add_kernel_arguments
 from kvserve.shared.config import (
     DEFAULT_STORE,
-    KV_DTYPES,
     STORE_FORMATS,
     CacheConfig,
     EngineConfig,
@@ -23,6 +23,12 @@ from kvserve.shared.config import (
 if TYPE_CHECKING:
     from kvserve.shared.engine.engine import Engine
     from kvserve.shared.sampling_params import SamplingParams
+
+# The sampling options, each named for the SamplingParams field it sets (so an error's `param`
+# names its option); --stop, repeatable, sets `stop`.
+SAMPLING_OPTIONS = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "beam_width", "length_penalty"
+)  # fmt: skip
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,10 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     p.add_argument("--model", default=str(default_model_path()), help="GGUF file or HF dir")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
-    p.add_argument(
-        "--attention-backend", choices=("auto", "torch", "cpu", "triton"), default="auto"
-    )
+    add_kernel_arguments(p)
     p.add_argument(
         "--store",
         default="none",
@@ -96,17 +99,9 @@ def run(args: argparse.Namespace) -> int:
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
+    fields = {name: getattr(args, name) for name in SAMPLING_OPTIONS}
     try:
-        return SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            beam_width=args.beam_width,
-            length_penalty=args.length_penalty,
-            stop=tuple(args.stop),
-        )
+        return SamplingParams(**fields, stop=tuple(args.stop))
     except InvalidRequestError as e:
         raise CliError(f"--{e.param.replace('_', '-')}: {e}") from e
 

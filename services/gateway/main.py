@@ -21,6 +21,7 @@ from kvserve.services.cli_support import (
     run_service,
     stop_on_signals,
 )
+from kvserve.services.gateway.config import GatewayConfig
 from kvserve.services.gateway.router import POLICIES
 from kvserve.shared.config import default_model_path
 
@@ -97,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
     return run_service(args, "gateway", _serve)
 
 
+# The router's options, each named for the GatewayConfig field it sets (`kvserve gateway` only).
+ROUTER_OPTIONS = ("routing", "overlap_weight", "router_store_cost", "router_max_blocks")
+
+
 async def _serve(args: argparse.Namespace) -> None:
     from kvserve.services.gateway.schema import load_model_info
     from kvserve.shared.bus.redis import RedisBus
@@ -108,15 +113,8 @@ async def _serve(args: argparse.Namespace) -> None:
     # Every request in flight waits for its events on one connection; a burst of submits and
     # cancels takes one each while it runs (a bound, not a reservation).
     bus = RedisBus(args.bus, RedisBusConfig(max_connections=max(1024, 2 * args.max_queue)))
-    gateway, runner, port = await start_gateway(
-        args,
-        bus,
-        info,
-        routing=args.routing,
-        overlap_weight=args.overlap_weight,
-        router_store_cost=args.router_store_cost,
-        router_max_blocks=args.router_max_blocks,
-    )
+    routing = {name: getattr(args, name) for name in ROUTER_OPTIONS}
+    gateway, runner, port = await start_gateway(args, bus, info, **routing)
     log.info("ready", url=f"http://{args.host}:{port}", model=info.name)
     stop = stop_on_signals()
     await stop.wait()
@@ -135,21 +133,9 @@ async def start_gateway(
     router's GatewayConfig fields, `kvserve gateway`'s only), listening on --host/--port:
     (gateway, its aiohttp runner, the bound port). CliError if it cannot listen."""
     from aiohttp import web
-    from kvserve.services.gateway.app import Gateway, GatewayConfig
+    from kvserve.services.gateway.app import Gateway
 
-    gateway = Gateway(
-        GatewayConfig(
-            max_in_flight=args.max_queue,
-            max_body_bytes=args.max_body_bytes,
-            request_timeout_s=args.request_timeout,
-            api_keys=tuple(args.api_key),
-            allow_client_cache_salt=args.allow_client_cache_salt,
-            rate_limit=rate_limit(args.rate_limit),
-            **routing,
-        ),
-        bus,
-        info,
-    )
+    gateway = Gateway(gateway_config(args, **routing), bus, info)
     runner = web.AppRunner(gateway.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -163,6 +149,20 @@ async def start_gateway(
         args.port,
     )
     return gateway, runner, port
+
+
+def gateway_config(args: argparse.Namespace, **routing: Any) -> GatewayConfig:
+    """The GatewayConfig of the options `serve` and `gateway` share: the limits, then the API
+    keys; with `routing`, the router's fields."""
+    return GatewayConfig(
+        max_in_flight=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout,
+        rate_limit=rate_limit(args.rate_limit),
+        api_keys=tuple(args.api_key),
+        allow_client_cache_salt=args.allow_client_cache_salt,
+        **routing,
+    )
 
 
 def rate_limit(spec: str | None) -> float:

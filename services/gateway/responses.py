@@ -112,15 +112,20 @@ class ResponseBuilder:
 
     # ---- final body -----------------------------------------------------------------------
 
-    def final(self) -> dict[str, Any]:
+    def _body(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The fields every body and chunk starts with (`usage` follows where it goes)."""
         return {
             "id": self.id,
-            "object": self.object,
+            "object": kind,
             "created": self.created,
             "model": self.model,
-            "choices": [self._final_choice(c) for c in self.choices],
-            "usage": self.usage(),
+            "choices": choices,
         }
+
+    def final(self) -> dict[str, Any]:
+        body = self._body(self.object, [self._final_choice(c) for c in self.choices])
+        body["usage"] = self.usage()
+        return body
 
     def _final_choice(self, c: _Choice) -> dict[str, Any]:
         text = "".join(c.text)
@@ -176,13 +181,7 @@ class ResponseBuilder:
     # ---- stream chunks --------------------------------------------------------------------
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": self.chunk_object,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        chunk = self._body(self.chunk_object, choices)
         if self.plan.include_usage:
             chunk["usage"] = None
         return chunk
@@ -230,14 +229,10 @@ class ResponseBuilder:
         return self._chunk([choice])
 
     def usage_chunk(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": self.chunk_object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage(),
-        }
+        """The last chunk of a stream with `include_usage`: no choices, the whole usage."""
+        chunk = self._body(self.chunk_object, [])
+        chunk["usage"] = self.usage()
+        return chunk
 
 
 def sse(data: dict[str, Any]) -> bytes:

@@ -1,0 +1,22 @@
+"""GatewayConfig: the gateway's settings, frozen, given once to `Gateway` (app.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    max_in_flight: int = 256
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 600.0
+    api_keys: tuple[str, ...] = ()
+    allow_client_cache_salt: bool = False
+    retry_after_s: int = 1
+    rate_limit: float = 0.0  # requests per second per API key on POST /v1 (0: no limit)
+    max_warmup_jobs: int = 100  # finished warm-up jobs remembered for their status endpoint
+    # The router (services/gateway/router.py): a policy, or None (no routing: `kvserve serve`)
+    routing: str | None = None
+    overlap_weight: float = 1.0
+    router_store_cost: float = 0.2
+    router_max_blocks: int = 100_000
