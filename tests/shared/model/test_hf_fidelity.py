@@ -12,7 +12,7 @@ import pytest
 import torch
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.model.tiny_llama import save_tiny_llama
+from tests.shared.model.tiny_llama import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
