@@ -67,12 +67,17 @@ class PrefillAttention(Protocol):
 @dataclass(frozen=True)
 class AttentionBackend:
     """One implementation of each attention function; mypy checks each against the protocol of
-    its reference signature (parameter names, types, defaults)."""
+    its reference signature (parameter names, types, defaults).
+
+    `cpp_decode_step`: the K/V write and decode attention are the C++ kernels that
+    `kernels.cpu_decode_step` calls, so the model may run a pure decode step's layers as that
+    one call (where `cpu_decode_step.applies`) and get the layer-by-layer path's results."""
 
     name: str
     store_kv: StoreKV
     paged_decode_attention: PagedDecodeAttention
     prefill_attention: PrefillAttention
+    cpp_decode_step: bool = False
 
 
 def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
@@ -91,6 +96,7 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
             cpu_ops.store_kv,
             cpu_decode_attention.paged_decode_attention,
             cpu_prefill_attention.prefill_attention,
+            cpp_decode_step=True,
         )
     if name == "torch":
         return AttentionBackend(

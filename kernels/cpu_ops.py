@@ -39,6 +39,12 @@ def _applies(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether t [T, heads, d] holds each token's heads as one contiguous run (any token
+    stride): what the kernels that walk a token's heads take."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim of x [T, n], or None."""
     ext = _extension()
@@ -73,8 +79,7 @@ def rope_(
     if (
         ext is None
         or not _applies(qkv, cos, sin)
-        or qkv.stride(2) != 1
-        or qkv.stride(1) != qkv.shape[2]
+        or not _rows_contiguous(qkv)
         or positions.dtype != torch.int64
     ):
         return False
@@ -113,12 +118,7 @@ def store_kv(
     their slots) and int8 / fp8 ones (each row quantized as `reference.quantize_kv` does, bit
     for bit, its scale written beside); other caches go to the reference."""
     ext = _extension()
-    rows_contiguous = (
-        key.stride(2) == 1
-        and key.stride(1) == key.shape[2]
-        and value.stride(2) == 1
-        and value.stride(1) == value.shape[2]
-    )
+    rows_contiguous = _rows_contiguous(key) and _rows_contiguous(value)
     scales = (None, None) if k_scale is None else (k_scale, v_scale)
     if (
         ext is None

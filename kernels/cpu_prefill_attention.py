@@ -92,36 +92,15 @@ def prefill_attention(
         and query.shape[-1] in HEAD_DIMS
         and k_scale is None
         and (ext := _extension()) is not None
-    ):
-        return _cpp_prefill(ext, *args)
+    ):  # the C++ kernel
+        assert query.shape[1] % k_cache.shape[2] == 0
+        assert block_tables.dtype == cu_query_lens.dtype == context_lens.dtype == torch.int32
+        tensors = (t.contiguous() for t in args[:-1])
+        out: torch.Tensor = ext.prefill_attention(*tensors, float(scale))
+        return out
     if _FLASH is None or query.device.type != "cpu":
         return reference.prefill_attention(*args, k_scale, v_scale)
     return _flash_prefill(*args, k_scale, v_scale)
-
-
-def _cpp_prefill(
-    ext: Any,
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The C++ kernel (fp32, a head dim it is instantiated for)."""
-    assert query.shape[1] % k_cache.shape[2] == 0
-    assert block_tables.dtype == cu_query_lens.dtype == context_lens.dtype == torch.int32
-    out: torch.Tensor = ext.prefill_attention(
-        query.contiguous(),
-        k_cache.contiguous(),
-        v_cache.contiguous(),
-        block_tables.contiguous(),
-        cu_query_lens.contiguous(),
-        context_lens.contiguous(),
-        float(scale),
-    )
-    return out
 
 
 def _flash_prefill(

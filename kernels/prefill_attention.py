@@ -2,7 +2,8 @@
 
 Work split (FlashAttention-2): one program per (tile of BLOCK_M queries of one sequence, sequence,
 query head). The program streams the sequence's keys from the paged cache in tiles of BLOCK_N
-with an online softmax, so the [q_len, context] score matrix is never materialized.
+with the online softmax of `kernels.online_softmax`, so the [q_len, context] score matrix is
+never materialized.
 
 Invariants:
 - Query i of sequence b (0 <= i < q_len, q_len = cu_query_lens[b+1] - cu_query_lens[b]) sits at
@@ -25,7 +26,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from kvserve.kernels.paged_decode import LOG2E, MASK_CAUSAL, MASK_NONE, _attend_keys
+from kvserve.kernels.online_softmax import LOG2E, MASK_CAUSAL, MASK_NONE, attend_keys, dot_mode
 from kvserve.kernels.reference import check_attention_operands
 
 # ---------------------------------------------------------------------------------------------
@@ -95,13 +96,13 @@ def _prefill_attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i = attend_keys(
             acc, m_i, l_i, q, q_pos, 0, lo, table_ptr,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, d_mask, qk_scale,
             stride_cb, stride_ct, stride_ch, stride_xb, stride_xt, stride_xh,
             BLOCK_SIZE, BLOCK_N, MASK_NONE, QUANTIZED, UPCAST_DOT, DOT_PRECISION,
         )  # fmt: skip
-        acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i = attend_keys(
             acc, m_i, l_i, q, q_pos, lo, hi, table_ptr,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, d_mask, qk_scale,
             stride_cb, stride_ct, stride_ch, stride_xb, stride_xt, stride_xh,
@@ -170,7 +171,7 @@ def launch_prefill_attention(
     block_m, block_n = block_m or dm, block_n or dn
     for blk in (block_m, block_n):
         assert blk >= 16 and blk & (blk - 1) == 0, "tiles: powers of two >= 16"
-    upcast = not query.is_cuda  # the interpreter: see paged_decode._dot
+    upcast, precision = dot_mode(query)
     grid = (triton.cdiv(max_q_len, block_m), B, h)
     _prefill_attention_kernel[grid](
         out, query, k_cache, v_cache, ks, vs, block_tables, cu_query_lens, context_lens,
@@ -182,7 +183,7 @@ def launch_prefill_attention(
         GROUP=h // kvh, HEAD_DIM=d,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=bs,
         QUANTIZED=quantized, UPCAST_DOT=upcast,
-        DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

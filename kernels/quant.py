@@ -10,7 +10,8 @@ Invariants:
 - The rounding is done in float32 by the helpers below, so the final cast to int8/fp8 is exact on
   every backend: neither libdevice `rint` (missing under the interpreter) nor the interpreter's
   fp8 cast (which rounds ties away from zero and mishandles a mantissa carry) is relied upon.
-- `_quantize_rows` is shared with `store_kv`, which quantizes while it scatters into the cache.
+- `quantize_rows` is the rule itself, a device function: `quantize_kv` applies it to rows it
+  loads, `store_kv` to the rows it scatters into the cache.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
-def _quantize_rows(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
+def quantize_rows(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
     """x: [R, D] fp32 (masked lanes 0) -> (q [R, D] fp32 holding exact int8/e4m3 values,
     scale [R] fp32)."""
     amax = tl.max(tl.abs(x), axis=1)  # [R]
@@ -91,7 +92,7 @@ def _quantize_kernel(
 ):
     rows64, cols, r_mask, mask = _row_block(R, D, BLOCK_R, BLOCK_D)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    q, scale = _quantize_rows(x.to(tl.float32), QMAX, IS_FP8)
+    q, scale = quantize_rows(x.to(tl.float32), QMAX, IS_FP8)
     tl.store(q_ptr + rows64[:, None] * D + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + rows64, scale, mask=r_mask)
 

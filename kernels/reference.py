@@ -25,17 +25,23 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in QUANTIZED_DTYPES
 
 
-def check_cache_scales(
+def check_cache(
     k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+    v_cache: torch.Tensor,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     devices: set[torch.device],
 ) -> tuple[bool, torch.Tensor, torch.Tensor]:
-    """Launcher checks shared by the Triton kernels: a quantized cache needs fp32 scales of
-    shape [nb, bs, kvh] with equal strides; an unquantized one is fp32/bf16/fp16. Returns
-    (quantized, k_scale, v_scale) with the cache standing in for scales that are never read,
-    and asserts every tensor (those in `devices` plus the scales) is on one device."""
+    """Launcher checks shared by the Triton kernels: K and V caches of one shape, stride and
+    dtype, head_dim contiguous; a quantized cache needs fp32 scales of shape [nb, bs, kvh] with
+    equal strides; an unquantized one is fp32/bf16/fp16. Returns (quantized, k_scale, v_scale)
+    with the cache standing in for scales that are never read, and asserts every tensor (the
+    caches, the scales and those in `devices`) is on one device."""
     nb, bs, kvh, _ = k_cache.shape
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert v_cache.dtype == k_cache.dtype, "K and V caches must share a dtype"
+    assert k_cache.stride(3) == 1, "cache head_dim must be contiguous"
+    devices = devices | {k_cache.device, v_cache.device}
     quantized = is_quantized(k_cache.dtype)
     if quantized:
         assert k_scale is not None and v_scale is not None, "a quantized cache needs scales"
@@ -62,24 +68,22 @@ def check_attention_operands(
     *more: torch.Tensor,  # further operands that must be on the same device
 ) -> tuple[bool, torch.Tensor, torch.Tensor]:
     """Launcher checks shared by the Triton attention kernels: shapes, dtypes and the strides
-    the kernels assume, then `check_cache_scales` (whose result this returns)."""
+    the kernels assume, then `check_cache` (whose result this returns)."""
     _, h, d = query.shape
-    nb, bs, kvh = k_cache.shape[:3]
+    kvh = k_cache.shape[2]
     B = context_lens.shape[0]
-    assert k_cache.shape == (nb, bs, kvh, d), (
+    assert k_cache.dim() == 4 and k_cache.shape[3] == d, (
         f"k_cache {tuple(k_cache.shape)} vs query {query.shape}"
     )
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
-    assert v_cache.dtype == k_cache.dtype, "K and V caches must share a dtype"
     assert h % kvh == 0, f"num_heads {h} is not a multiple of num_kv_heads {kvh}"
     assert query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert query.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert query.stride(2) == 1, "head_dim must be contiguous"
     assert block_tables.dim() == 2 and block_tables.shape[0] == B
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     assert context_lens.shape == (B,) and context_lens.dtype == torch.int32
     assert context_lens.is_contiguous()
-    tensors = (query, k_cache, v_cache, block_tables, context_lens, *more)
-    return check_cache_scales(k_cache, k_scale, v_scale, {t.device for t in tensors})
+    tensors = (query, block_tables, context_lens, *more)
+    return check_cache(k_cache, v_cache, k_scale, v_scale, {t.device for t in tensors})
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

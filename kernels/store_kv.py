@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kvserve.kernels.quant import _quantize_rows, qmax_of
-from kvserve.kernels.reference import QUANTIZED_DTYPES, check_cache_scales
+from kvserve.kernels.quant import qmax_of, quantize_rows
+from kvserve.kernels.reference import QUANTIZED_DTYPES, check_cache
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -53,7 +53,7 @@ def _store_rows(
     x = tl.load(src[:, None] + dims[None, :], mask=mask, other=0.0)  # [BLOCK_R, BLOCK_D]
     dst = cache_ptr + block_id * stride_cb + offset * stride_co + head * stride_ch  # [BLOCK_R]
     if QUANTIZED:
-        q, scale = _quantize_rows(x.to(tl.float32), QMAX, IS_FP8)  # [BLOCK_R, BLOCK_D], [BLOCK_R]
+        q, scale = quantize_rows(x.to(tl.float32), QMAX, IS_FP8)  # [BLOCK_R, BLOCK_D], [BLOCK_R]
         tl.store(dst[:, None] + dims[None, :], q.to(cache_ptr.dtype.element_ty), mask=mask)
         s_dst = scale_ptr + block_id * stride_xb + offset * stride_xo + head * stride_xh
         tl.store(s_dst, scale, mask=r_mask)
@@ -116,33 +116,36 @@ def _store_kv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Launcher
+# Launcher and public function (signature of kernels.reference.store_kv): one, since nothing is
+# chosen before the launch
 # ---------------------------------------------------------------------------------------------
 
 
-def launch_store_kv(
+def store_kv(
     key: torch.Tensor,  # [T, kvh, d]
     value: torch.Tensor,  # [T, kvh, d]
     k_cache: torch.Tensor,  # [nb, bs, kvh, d]
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int64 (int32 accepted)
-    k_scale: torch.Tensor | None,  # [nb, bs, kvh] fp32 when quantized
-    v_scale: torch.Tensor | None,
+    slot_mapping: torch.Tensor,  # [T] int64
+    k_scale: torch.Tensor | None = None,  # [nb, bs, kvh]
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Check layouts, then one program per BLOCK_R (token, head) rows."""
+    """Write T tokens' K/V into the paged cache at `slot_mapping`, quantizing if needed.
+
+    Mutates `k_cache`, `v_cache` (and `k_scale`, `v_scale` for an int8/fp8 cache) in place.
+    Checks the layouts (slot_mapping may also be int32), then launches one program per BLOCK_R
+    (token, head) rows.
+    """
     T, kvh, d = key.shape
-    nb, bs = k_cache.shape[:2]
+    bs = k_cache.shape[1]
     assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
-    assert k_cache.shape == (nb, bs, kvh, d), f"k_cache {tuple(k_cache.shape)} vs key {key.shape}"
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
-    assert v_cache.dtype == k_cache.dtype, "K and V caches must share a dtype"
+    assert k_cache.shape[2:] == (kvh, d), f"k_cache {tuple(k_cache.shape)} vs key {key.shape}"
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
-    assert k_cache.stride(3) == 1, "cache head_dim must be contiguous"
     assert key.is_floating_point() and key.dtype not in QUANTIZED_DTYPES
     assert value.dtype == key.dtype
     assert slot_mapping.shape == (T,) and slot_mapping.dtype in (torch.int64, torch.int32)
-    devices = {key.device, value.device, k_cache.device, v_cache.device, slot_mapping.device}
-    quantized, ks, vs = check_cache_scales(k_cache, k_scale, v_scale, devices)
+    devices = {key.device, value.device, slot_mapping.device}
+    quantized, ks, vs = check_cache(k_cache, v_cache, k_scale, v_scale, devices)
     if T == 0:
         return
     num_rows = T * kvh
@@ -159,24 +162,3 @@ def launch_store_kv(
         IS_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Public function (signature of kernels.reference.store_kv)
-# ---------------------------------------------------------------------------------------------
-
-
-def store_kv(
-    key: torch.Tensor,  # [T, kvh, d]
-    value: torch.Tensor,  # [T, kvh, d]
-    k_cache: torch.Tensor,  # [nb, bs, kvh, d]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int64
-    k_scale: torch.Tensor | None = None,  # [nb, bs, kvh]
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """Write T tokens' K/V into the paged cache at `slot_mapping`, quantizing if needed.
-
-    Mutates `k_cache`, `v_cache` (and `k_scale`, `v_scale` for an int8/fp8 cache) in place.
-    """
-    launch_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -104,7 +104,8 @@ class StepTimer:
 
 def instrument(engine: Any, timer: StepTimer) -> None:
     """Wrap this engine's model parts, attention functions and step in `timer`'s clocks."""
-    from kvserve.shared.model.llama import Linear, RMSNorm
+    from kvserve.shared.model.linear import Linear
+    from kvserve.shared.model.llama import RMSNorm
 
     model = engine.runner.model
     model.decode_in_cpp = False  # every layer from Python, where the clocks are

@@ -11,13 +11,12 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from kvserve.shared.config import FETCH_MODEL_COMMAND, ModelConfig
 from kvserve.shared.model.gguf_file import gguf_model_config, open_gguf
-from kvserve.shared.model.quantized import QuantizedWeight, Weight
+from kvserve.shared.model.quantized import QuantizedWeight, Weight, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -112,31 +111,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep: frozenset[str]) -> LoadedWe
     for kind in sorted(expanded):
         log.info("GGUF tensor type %s has no quantized kernel: expanded to fp32", kind)
     return LoadedWeights(config, weights, fp.hexdigest())
-
-
-def dequantize(raw: np.ndarray, qtype: Any) -> np.ndarray:
-    """A GGUF tensor's data as float32 with its logical shape. Q4_1 and Q8_0 (the default
-    model's types) in torch's vectorized ops, with gguf's arithmetic (the same fp32
-    operations in the same order, so bit-identical, tested), several times faster than gguf's
-    numpy code. Every other type through `gguf.quants.dequantize`."""
-    import gguf
-
-    kind = gguf.GGMLQuantizationType
-    if qtype not in (kind.Q4_1, kind.Q8_0):
-        return gguf.quants.dequantize(raw, qtype).astype(np.float32)  # a copy, not a file view
-    type_size = gguf.GGML_QUANT_SIZES[qtype][1]  # bytes per block of 32
-    rows = raw.shape[:-1]
-    blocks = torch.from_numpy(raw.copy()).view(-1, type_size)  # raw: a read-only file view
-    d = blocks[:, :2].contiguous().view(torch.float16).float()  # [n, 1]
-    if qtype == kind.Q8_0:  # d (f16), then 32 int8 quants: q * d
-        q = blocks[:, 2:].contiguous().view(torch.int8).float()
-        out = q * d
-    else:  # d, m (f16), then 16 bytes: low nibbles are quants 0-15, high nibbles 16-31
-        m = blocks[:, 2:4].contiguous().view(torch.float16).float()
-        packed = blocks[:, 4:]
-        q = torch.cat((packed & 0x0F, packed >> 4), dim=1).float()
-        out = d * q + m
-    return out.reshape(*rows, -1).numpy()
 
 
 def _gguf_to_hf_name(name: str) -> str:

@@ -4,7 +4,9 @@ GGUF quantizes a weight [out, in] in blocks of consecutive inputs of one output 
 256 for the k-quants), so a weight is a byte matrix [out, in / block weights * block size]:
 selecting, permuting or concatenating output rows is the same operation on the byte rows, and
 the file's numbers never change.
-`dequantize` gives exactly the fp32 expansion the loader gives for the same tensor.
+`dequantize` expands a GGUF tensor's data to fp32: the loader expands the weights it does not
+keep in blocks with it, and `QuantizedWeight.dequantize` the ones it keeps, so both give the
+same fp32 for the same bytes.
 """
 
 from __future__ import annotations
@@ -12,9 +14,36 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from kvserve.kernels.cpu_qlinear import FORMATS
+
+
+def dequantize(raw: np.ndarray, qtype: Any) -> np.ndarray:
+    """A GGUF tensor's data as float32 with its logical shape. Q4_1 and Q8_0 (the default
+    model's types) in torch's vectorized ops, with gguf's arithmetic (the same fp32
+    operations in the same order, so bit-identical, tested), several times faster than gguf's
+    numpy code. Every other type through `gguf.quants.dequantize`."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType
+    if qtype not in (kind.Q4_1, kind.Q8_0):
+        return gguf.quants.dequantize(raw, qtype).astype(np.float32)  # a copy, not a file view
+    type_size = gguf.GGML_QUANT_SIZES[qtype][1]  # bytes per block of 32
+    rows = raw.shape[:-1]
+    blocks = torch.from_numpy(raw.copy()).view(-1, type_size)  # raw: a read-only file view
+    d = blocks[:, :2].contiguous().view(torch.float16).float()  # [n, 1]
+    if qtype == kind.Q8_0:  # d (f16), then 32 int8 quants: q * d
+        q = blocks[:, 2:].contiguous().view(torch.int8).float()
+        out = q * d
+    else:  # d, m (f16), then 16 bytes: low nibbles are quants 0-15, high nibbles 16-31
+        m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+        packed = blocks[:, 4:]
+        q = torch.cat((packed & 0x0F, packed >> 4), dim=1).float()
+        out = d * q + m
+    return out.reshape(*rows, -1).numpy()
 
 
 @dataclass(frozen=True)
@@ -40,9 +69,8 @@ class QuantizedWeight:
         return QuantizedWeight(self.fmt, self.blocks[index])
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [rows, in_features]: the loader's expansion of the same bytes, bit for bit."""
+        """fp32 [rows, in_features]: `dequantize` of the same bytes, as the loader expands them."""
         import gguf
-        from kvserve.shared.model.loader import dequantize
 
         qtype = gguf.GGMLQuantizationType[self.fmt.upper()]
         return torch.from_numpy(dequantize(self.blocks.numpy(), qtype))

@@ -1,6 +1,7 @@
-"""Paged caches for the Triton kernel tests (a helper module, not a test module).
+"""The kernel tests' cases (a helper module, not a test module): paged caches with their block
+tables, empty caches for the K/V write, the attention test matrix, and prefill batches.
 
-Importing it does not import triton, so the test modules set TRITON_INTERPRET first.
+Importing it does not import triton, so the Triton test modules set TRITON_INTERPRET first.
 """
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ class PagedKV:
         else:
             self.k_cache[dead] = float("nan")
             self.v_cache[dead] = float("nan")
+
+
+# A layer's cache as the K/V write takes it: k_cache, v_cache, k_scale, v_scale
+CacheTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def empty_cache(nb: int, bs: int, kvh: int, d: int, dtype: torch.dtype) -> CacheTensors:
+    """Zeroed K/V caches [nb, bs, kvh, d] (and zeroed scales [nb, bs, kvh] when quantized)."""
+    k = torch.zeros(nb, bs, kvh, d, device=DEVICE).to(dtype)
+    v = torch.zeros(nb, bs, kvh, d, device=DEVICE).to(dtype)
+    if is_quantized(dtype):
+        return (
+            k,
+            v,
+            torch.zeros(nb, bs, kvh, device=DEVICE),
+            torch.zeros(nb, bs, kvh, device=DEVICE),
+        )
+    return k, v, None, None
 
 
 def make_paged_kv(
@@ -108,9 +127,33 @@ MQA = (4, 1, 64, 32)
 GQA3 = (6, 3, 128, 16)  # three KV heads: not a power of two
 
 
+@dataclass(frozen=True)
+class AttentionCase:
+    """One cell of the attention test matrix: the dtypes, their tolerance and the layout."""
+
+    q_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    atol: float
+    rtol: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    def paged_kv(self, context_lens: list[int]) -> PagedKV:
+        """`make_paged_kv` of this layout and cache dtype."""
+        return make_paged_kv(
+            context_lens, self.num_kv_heads, self.head_dim, self.block_size, self.cache_dtype
+        )
+
+    def assert_close(self, got: torch.Tensor, want: torch.Tensor) -> None:
+        torch.testing.assert_close(got, want, atol=self.atol, rtol=self.rtol)
+
+
 def attention_cases() -> list[Any]:
     """Every layout for the unquantized caches; two layouts per quantized cache, between them
-    covering head_dim 64 and 128, block sizes 16 and 32, and MHA, GQA and MQA."""
+    covering head_dim 64 and 128, block sizes 16 and 32, and MHA, GQA and MQA. Parameters of
+    one AttentionCase each."""
     names = {FP32: "fp32", FP16: "fp16", BF16: "bf16", BF16_INT8: "bf16-int8",
              BF16_FP8: "bf16-fp8", FP32_INT8: "fp32-int8"}  # fmt: skip
     layouts = {MHA: "mha-d64-bs16", GQA: "gqa-d128-bs32", MQA: "mqa-d64-bs32",
@@ -118,4 +161,24 @@ def attention_cases() -> list[Any]:
     pairs = [(p, lay) for p in (FP32, FP16, BF16) for lay in layouts]
     pairs += [(BF16_INT8, GQA), (BF16_INT8, MHA), (BF16_FP8, GQA3), (BF16_FP8, MQA)]
     pairs += [(FP32_INT8, MQA)]
-    return [pytest.param(*p, *lay, id=f"{names[p]}-{layouts[lay]}") for p, lay in pairs]
+    return [
+        pytest.param(AttentionCase(*p, *lay), id=f"{names[p]}-{layouts[lay]}") for p, lay in pairs
+    ]
+
+
+def cu_query_lens(q_lens: list[int]) -> torch.Tensor:
+    """[B + 1] int32 offsets of each sequence's queries in a prefill batch (on the CPU)."""
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    return cu
+
+
+def prefill_batch(
+    chunks: list[tuple[int, int]], num_heads: int, kv: PagedKV, q_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query [T, h, d] ~ N(0, 1) on DEVICE, cu_query_lens [B + 1] int32 on DEVICE) for
+    (q_len, context_len) chunks over `kv`."""
+    cu = cu_query_lens([q for q, _ in chunks])
+    d = kv.k_cache.shape[-1]
+    query = torch.randn(int(cu[-1]), num_heads, d, device=DEVICE).to(q_dtype)
+    return query, cu.to(DEVICE)

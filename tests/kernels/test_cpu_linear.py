@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvserve.kernels import cpu_linear
-from kvserve.shared.model.llama import Linear
+from kvserve.shared.model.linear import Linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no C++ toolchain")
 

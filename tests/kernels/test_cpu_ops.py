@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kvserve.kernels import cpu_ops, reference
-from kvserve.shared.model import llama
+from kvserve.shared.model import llama, rope
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")
 
@@ -42,7 +42,7 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(rows: int, heads: tuple[int,
     qkv = torch.randn(rows, h + 2 * kvh, d)
     positions = torch.randint(0, 1000, (rows,))
     cos_t, sin_t = torch.randn(1000, d), torch.randn(1000, d)
-    want = llama.apply_rope(qkv[:, : h + kvh], cos_t[positions][:, None], sin_t[positions][:, None])
+    want = rope.apply_rope(qkv[:, : h + kvh], cos_t[positions][:, None], sin_t[positions][:, None])
     got = qkv.clone()
     assert cpu_ops.rope_(got, h + kvh, positions, cos_t, sin_t)
     torch.testing.assert_close(got[:, : h + kvh], want, atol=1e-5, rtol=1e-5)
@@ -93,7 +93,7 @@ def test_model_modules_agree_with_their_torch_code(monkeypatch: pytest.MonkeyPat
         "model.layers.0.mlp.up_proj.weight": torch.randn(inter, hidden) * 0.1,
         "model.layers.0.mlp.down_proj.weight": torch.randn(hidden, inter) * 0.1,
     }
-    mlp = llama.MLP(0, weights)
+    mlp = llama.MLP(llama.LayerWeights(weights, 0))
     x, delta = torch.randn(5, hidden), torch.randn(5, hidden)
     qkv = torch.randn(5, 6, 32)
     positions = torch.tensor([0, 3, 9, 2, 40])
@@ -102,7 +102,7 @@ def test_model_modules_agree_with_their_torch_code(monkeypatch: pytest.MonkeyPat
     def run() -> list[torch.Tensor]:
         residual = x.clone()
         added = norm.add(delta, residual)
-        rotated = llama.Rope(positions, *tables).apply_(qkv.clone(), 4).clone()
+        rotated = rope.Rope(positions, *tables).apply_(qkv.clone(), 4).clone()
         return [norm(x), added, residual, rotated, mlp(x)]
 
     fused = run()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvserve.kernels import cpu_prefill_attention, reference
 
-from tests.kernels.kernel_cases import attention_cases, make_paged_kv
+from tests.kernels.kernel_cases import AttentionCase, attention_cases, cu_query_lens
 
 
 def chunks_for(bs: int) -> list[tuple[int, int]]:
@@ -20,33 +20,21 @@ def chunks_for(bs: int) -> list[tuple[int, int]]:
     return [*short, (300, 300), (130, 700)]
 
 
-@pytest.mark.parametrize(
-    ("q_dtype", "cache_dtype", "atol", "rtol", "num_heads", "num_kv_heads", "head_dim", "bs"),
-    attention_cases(),
-)
-def test_matches_reference(
-    q_dtype: torch.dtype,
-    cache_dtype: torch.dtype,
-    atol: float,
-    rtol: float,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    bs: int,
-) -> None:
-    chunks = chunks_for(bs)
-    kv = make_paged_kv([c for _, c in chunks], num_kv_heads, head_dim, bs, cache_dtype)
+@pytest.mark.parametrize("case", attention_cases())
+def test_matches_reference(case: AttentionCase) -> None:
+    chunks = chunks_for(case.block_size)
+    kv = case.paged_kv([c for _, c in chunks])
     kv.poison_unused()
-    cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor([q for q, _ in chunks]).cumsum(0)
+    cu = cu_query_lens([q for q, _ in chunks])
     torch.manual_seed(1)
-    query = torch.randn(int(cu[-1]), num_heads, head_dim).to(q_dtype)
-    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, head_dim**-0.5)
+    query = torch.randn(int(cu[-1]), case.num_heads, case.head_dim).to(case.q_dtype)
+    scale = case.head_dim**-0.5
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, scale)
     want = reference.prefill_attention(*args, kv.k_scale, kv.v_scale)
     got = cpu_prefill_attention.prefill_attention(*args, kv.k_scale, kv.v_scale)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert not got.isnan().any()
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+    case.assert_close(got.float(), want.float())
 
 
 needs_kernel = pytest.mark.skipif(not cpu_prefill_attention.available(), reason="no C++ toolchain")
@@ -55,8 +43,7 @@ needs_kernel = pytest.mark.skipif(not cpu_prefill_attention.available(), reason=
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
             chunks: list[tuple[int, int]]) -> torch.Tensor:  # fmt: skip
     """The kernel over (q_len, context_len) chunks of sequences whose queries are stacked in q."""
-    cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor([n for n, _ in chunks]).cumsum(0)
+    cu = cu_query_lens([n for n, _ in chunks])
     ctx = torch.tensor([c for _, c in chunks], dtype=torch.int32)
     return cpu_prefill_attention.prefill_attention(q, k, v, tables, cu, ctx, q.shape[-1] ** -0.5)
 

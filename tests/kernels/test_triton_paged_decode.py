@@ -23,12 +23,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kvserve.kernels import reference as ref
-from kvserve.kernels.paged_decode import (
-    launch_paged_decode,
-    paged_decode_attention,
-)
+from kvserve.kernels.paged_decode import launch_paged_decode, paged_decode_attention
 
-from tests.kernels.kernel_cases import DEVICE, PagedKV, attention_cases, make_paged_kv
+from tests.kernels.kernel_cases import (
+    DEVICE,
+    AttentionCase,
+    PagedKV,
+    attention_cases,
+    make_paged_kv,
+)
 
 
 def context_lens_for(block_size: int) -> list[int]:
@@ -50,36 +53,15 @@ def run_both(
 
 
 @pytest.mark.parametrize("partition_size", [None, 32], ids=["one-partition", "split-k-32"])
-@pytest.mark.parametrize(
-    (
-        "q_dtype",
-        "cache_dtype",
-        "atol",
-        "rtol",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "block_size",
-    ),
-    attention_cases(),
-)
-def test_paged_decode_matches_reference(
-    q_dtype: torch.dtype,
-    cache_dtype: torch.dtype,
-    atol: float,
-    rtol: float,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    partition_size: int | None,
-) -> None:
-    lens = context_lens_for(block_size)
-    kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, cache_dtype)
-    query = torch.randn(len(lens), num_heads, head_dim, device=DEVICE).to(q_dtype)  # [B, h, d]
+@pytest.mark.parametrize("case", attention_cases())
+def test_paged_decode_matches_reference(case: AttentionCase, partition_size: int | None) -> None:
+    lens = context_lens_for(case.block_size)
+    kv = case.paged_kv(lens)
+    shape = (len(lens), case.num_heads, case.head_dim)
+    query = torch.randn(shape, device=DEVICE).to(case.q_dtype)  # [B, h, d]
     got, want = run_both(kv, query, partition_size)
-    assert got.shape == (len(lens), num_heads, head_dim) and got.dtype == q_dtype
-    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    assert got.shape == shape and got.dtype == case.q_dtype
+    case.assert_close(got, want)
 
 
 @pytest.mark.parametrize("partition_size", [None, 32], ids=["one-partition", "split-k-32"])

@@ -20,12 +20,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kvserve.kernels import reference as ref
-from kvserve.kernels.prefill_attention import (
-    launch_prefill_attention,
-    prefill_attention,
-)
+from kvserve.kernels.prefill_attention import launch_prefill_attention, prefill_attention
 
-from tests.kernels.kernel_cases import DEVICE, PagedKV, attention_cases, make_paged_kv
+from tests.kernels.kernel_cases import (
+    AttentionCase,
+    PagedKV,
+    attention_cases,
+    make_paged_kv,
+    prefill_batch,
+)
 
 
 def chunks_for(block_size: int) -> list[tuple[int, int]]:
@@ -34,18 +37,6 @@ def chunks_for(block_size: int) -> list[tuple[int, int]]:
     a long prefix, a chunk ending on a block boundary."""
     bs = block_size
     return [(1, 1), (bs, bs), (5, 2 * bs + 5), (37, 37), (0, 7), (1, 50), (20, 3 * bs)]
-
-
-def batch(
-    chunks: list[tuple[int, int]], num_heads: int, kv: PagedKV, q_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query [T, h, d], cu_query_lens [B + 1] int32) for the chunks."""
-    q_lens = torch.tensor([q for q, _ in chunks])
-    cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-    cu[1:] = q_lens.cumsum(0)
-    d = kv.k_cache.shape[-1]
-    query = torch.randn(int(cu[-1]), num_heads, d, device=DEVICE).to(q_dtype)
-    return query, cu.to(DEVICE)
 
 
 def run_both(
@@ -67,35 +58,14 @@ def run_both(
     return got, want
 
 
-@pytest.mark.parametrize(
-    (
-        "q_dtype",
-        "cache_dtype",
-        "atol",
-        "rtol",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "block_size",
-    ),
-    attention_cases(),
-)
-def test_prefill_matches_reference(
-    q_dtype: torch.dtype,
-    cache_dtype: torch.dtype,
-    atol: float,
-    rtol: float,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-) -> None:
-    chunks = chunks_for(block_size)
-    kv = make_paged_kv([c for _, c in chunks], num_kv_heads, head_dim, block_size, cache_dtype)
-    query, cu = batch(chunks, num_heads, kv, q_dtype)
+@pytest.mark.parametrize("case", attention_cases())
+def test_prefill_matches_reference(case: AttentionCase) -> None:
+    chunks = chunks_for(case.block_size)
+    kv = case.paged_kv([c for _, c in chunks])
+    query, cu = prefill_batch(chunks, case.num_heads, kv, case.q_dtype)
     got, want = run_both(kv, query, cu)
-    assert got.shape == query.shape and got.dtype == q_dtype
-    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    assert got.shape == query.shape and got.dtype == case.q_dtype
+    case.assert_close(got, want)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +75,7 @@ def test_prefill_tile_shapes(block_m: int, block_n: int) -> None:
     """Tiles smaller and larger than a page, and the diagonal band in every position."""
     chunks = [(70, 70), (33, 90), (1, 17), (16, 16)]
     kv = make_paged_kv([c for _, c in chunks], 2, 64, 16, torch.float32)
-    query, cu = batch(chunks, 4, kv, torch.float32)
+    query, cu = prefill_batch(chunks, 4, kv, torch.float32)
     got, want = run_both(kv, query, cu, block_m, block_n)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -116,7 +86,7 @@ def test_prefill_never_reads_past_a_sequence(cache_dtype: torch.dtype) -> None:
     chunks = [(9, 9), (4, 21), (16, 32)]
     kv = make_paged_kv([c for _, c in chunks], 2, 64, 16, cache_dtype)
     kv.poison_unused()
-    query, cu = batch(chunks, 4, kv, torch.float32)
+    query, cu = prefill_batch(chunks, 4, kv, torch.float32)
     got, want = run_both(kv, query, cu)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -124,6 +94,6 @@ def test_prefill_never_reads_past_a_sequence(cache_dtype: torch.dtype) -> None:
 
 def test_prefill_rejects_a_context_shorter_than_its_chunk() -> None:
     kv = make_paged_kv([4], 2, 64, 16, torch.float32)
-    query, cu = batch([(5, 4)], 4, kv, torch.float32)
+    query, cu = prefill_batch([(5, 4)], 4, kv, torch.float32)
     with pytest.raises(AssertionError):
         prefill_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, 1.0)

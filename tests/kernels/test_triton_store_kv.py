@@ -19,46 +19,27 @@ pytest.importorskip("triton")
 from kvserve.kernels import reference as ref
 from kvserve.kernels.store_kv import store_kv
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.kernels.kernel_cases import DEVICE, CacheTensors, empty_cache
+
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
 
 
-def empty_cache(
-    nb: int, bs: int, kvh: int, d: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Zeroed K/V caches [nb, bs, kvh, d] (and zeroed scales [nb, bs, kvh] when quantized)."""
-    k = torch.zeros(nb, bs, kvh, d, device=DEVICE).to(dtype)
-    v = torch.zeros(nb, bs, kvh, d, device=DEVICE).to(dtype)
-    if ref.is_quantized(dtype):
-        return (
-            k,
-            v,
-            torch.zeros(nb, bs, kvh, device=DEVICE),
-            torch.zeros(nb, bs, kvh, device=DEVICE),
-        )
-    return k, v, None, None
-
-
-def reference_store(
+def store_both(
     key: torch.Tensor,
     value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
     slots: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> None:
-    """reference.store_kv, except for fp8 caches: torch has no `index_copy_` for float8 on the
-    CPU, so the same quantize + scatter runs on byte views."""
-    if k_cache.dtype != torch.float8_e4m3fn:
-        ref.store_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
-        return
-    assert k_scale is not None and v_scale is not None
-    nb, bs, kvh, d = k_cache.shape
-    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        q, s = ref.quantize_kv(x, cache.dtype)
-        cache.view(torch.uint8).view(nb * bs, kvh, d).index_copy_(0, slots, q.view(torch.uint8))
-        scale.view(nb * bs, kvh).index_copy_(0, slots, s)
+    nb: int,
+    bs: int,
+    dtype: torch.dtype,
+) -> tuple[CacheTensors, CacheTensors]:
+    """key / value written at `slots` into zeroed caches of `nb` blocks of `bs` of `dtype`, by
+    the Triton kernel and by the reference: (got, want), each (k, v, k_scale, v_scale)."""
+    kvh, d = key.shape[1:]
+    got = empty_cache(nb, bs, kvh, d, dtype)
+    want = empty_cache(nb, bs, kvh, d, dtype)
+    store_kv(key, value, *got[:2], slots, *got[2:])
+    ref.store_kv(key, value, *want[:2], slots, *want[2:])
+    return got, want
 
 
 def assert_same(got: torch.Tensor | None, want: torch.Tensor | None) -> None:
@@ -84,11 +65,7 @@ def test_store_kv_matches_reference(
     key = torch.randn(T, num_kv_heads, head_dim, device=DEVICE).to(in_dtype)  # [T, kvh, d]
     value = torch.randn(T, num_kv_heads, head_dim, device=DEVICE).to(in_dtype)
     slots = torch.randperm(nb * block_size, device=DEVICE)[:T]  # [T] int64, distinct
-    got = empty_cache(nb, block_size, num_kv_heads, head_dim, cache_dtype)
-    want = empty_cache(nb, block_size, num_kv_heads, head_dim, cache_dtype)
-    store_kv(key, value, *got[:2], slots, *got[2:])
-    reference_store(key, value, *want[:2], slots, *want[2:])
-    for g, w in zip(got, want, strict=True):
+    for g, w in zip(*store_both(key, value, slots, nb, block_size, cache_dtype), strict=True):
         assert_same(g, w)
 
 
@@ -97,10 +74,7 @@ def test_store_kv_casts_fp32_input_into_bf16_cache() -> None:
     key = torch.randn(9, 2, 64, device=DEVICE)  # [T, kvh, d] fp32
     value = torch.randn(9, 2, 64, device=DEVICE)
     slots = torch.tensor([0, 1, 2, 17, 18, 40, 41, 42, 63], device=DEVICE)
-    got = empty_cache(4, 16, 2, 64, torch.bfloat16)
-    want = empty_cache(4, 16, 2, 64, torch.bfloat16)
-    store_kv(key, value, got[0], got[1], slots)
-    ref.store_kv(key, value, want[0], want[1], slots)
+    got, want = store_both(key, value, slots, 4, 16, torch.bfloat16)
     rtol = 0.0 if DEVICE == "cuda" else 2**-7
     torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=rtol, atol=0)
@@ -115,11 +89,7 @@ def test_store_kv_reads_strided_views_of_a_fused_projection(cache_dtype: torch.d
     value = qkv[:, (h + kvh) * d :].view(T, kvh, d)
     assert not key.is_contiguous()
     slots = torch.tensor([5, 6, 7, 8, 30, 31], device=DEVICE)
-    got = empty_cache(2, 16, kvh, d, cache_dtype)
-    want = empty_cache(2, 16, kvh, d, cache_dtype)
-    store_kv(key, value, *got[:2], slots, *got[2:])
-    reference_store(key, value, *want[:2], slots, *want[2:])
-    for g, w in zip(got, want, strict=True):
+    for g, w in zip(*store_both(key, value, slots, 2, 16, cache_dtype), strict=True):
         assert_same(g, w)
 
 

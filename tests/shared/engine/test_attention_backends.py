@@ -10,7 +10,7 @@ from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.model.tiny_llama import save_tiny_llama
+from tests.shared.model.tiny_llama import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ import torch
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.model.fidelity import teacher_forced
+from tests.shared.model.fidelity import teacher_forced
 
 
 @pytest.mark.slow  # ~33 s; bf16 matmuls are opt-in (2-core AVX2 machine)

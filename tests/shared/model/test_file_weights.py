@@ -20,8 +20,8 @@ from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.quantized import QuantizedWeight, Weight, expand
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.model.fidelity import teacher_forced
-from tests.model.k_quants import q4_k_blocks, q5_k_blocks, q6_k_blocks
+from tests.shared.model.fidelity import teacher_forced
+from tests.shared.model.k_quants import q4_k_blocks, q5_k_blocks, q6_k_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_qlinear.available(), reason="no C++ toolchain")
 ALL = frozenset(cpu_qlinear.FORMATS)

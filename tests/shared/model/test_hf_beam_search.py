@@ -3,27 +3,25 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from kvserve.shared.sampling_params import SamplingParams
+
+from tests.shared.model.fidelity import hf_generate
 
 BEAMS = 4
 MAX_NEW = 24
 
 
 def hf_beam(model, prompt: list[int], length_penalty: float) -> list[int]:  # type: ignore[no-untyped-def]
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
+    gen = hf_generate(
+        model,
+        prompt,
         num_beams=BEAMS,
         do_sample=False,
         max_new_tokens=MAX_NEW,
         length_penalty=length_penalty,
         early_stopping=False,
-        pad_token_id=0,
         eos_token_id=2,
     )
-    gen = out[0, len(prompt) :].tolist()
     while gen and gen[-1] == 0:  # HF pads a shorter best beam with pad_token_id
         gen.pop()
     return list(gen)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.model.tiny_llama import save_tiny_llama
+from tests.shared.model.fidelity import hf_generate
+from tests.shared.model.tiny_llama import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,16 +22,7 @@ GEN_TOKENS = 64
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    return list(out[0, len(prompt) :].tolist())
+    return hf_generate(model, prompt, max_new_tokens=n, do_sample=False, eos_token_id=None)
 
 
 def test_tokenizer_matches_hf(model_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]

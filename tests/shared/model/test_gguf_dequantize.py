@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from kvserve.shared.model.gguf_file import open_gguf
-from kvserve.shared.model.loader import dequantize
+from kvserve.shared.model.quantized import dequantize
 
 
 def test_every_tensor_of_the_default_model_matches_gguf_bit_for_bit(model_path: Path) -> None:

@@ -1,6 +1,9 @@
-"""Two engines' next-token distributions over the same token sequences, teacher-forced."""
+"""The model's outputs against a reference: Hugging Face `generate` on one prompt, and two
+engines' next-token distributions over the same token sequences, teacher-forced."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from kvserve.shared.engine.engine import Engine
@@ -22,3 +25,11 @@ def teacher_forced(
         agree += int((want.argmax(-1) == got.argmax(-1)).sum())
         total += want.shape[0]
     return torch.cat(kls).mean().item(), agree / total
+
+
+def hf_generate(model: Any, prompt: list[int], **options: Any) -> list[int]:
+    """The tokens HF `model.generate` adds to `prompt` (one sequence, no padding in the input,
+    pad id 0) with the generation `options`."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **options)
+    return list(out[0, len(prompt) :].tolist())
