@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from kvserve.services.bench.lib.process import free_port
+from kvserve.services.bench.lib.redis_server import answers
 from kvserve.shared.bus import RedisBus, RedisBusConfig
 from kvserve.shared.protocol import Cancel, GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
@@ -31,8 +33,6 @@ from kvserve.shared.store.base import open_store
 from kvserve.shared.store.codec import BlockMeta, DecodedBlock, decode_block, encode_block
 from kvserve.shared.store.hashing import BlockHash, block_hashes, root_hash
 from kvserve.shared.store.redis import RedisStore
-
-from tests.redis_servers import answers, free_port
 
 pytestmark = pytest.mark.redis
 

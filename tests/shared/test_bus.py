@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from kvserve.services.bench.lib.process import free_port
+from kvserve.services.bench.lib.redis_server import redis_answers
 from kvserve.shared.bus import Bus, BusUnavailableError, InProcessBus, RedisBus, RedisBusConfig
 from kvserve.shared.protocol import Cancel, ErrorInfo, GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
-
-from tests.redis_servers import free_port, redis_answers
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 
