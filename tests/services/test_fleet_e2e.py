@@ -51,12 +51,12 @@ class Fleet(harness.Fleet):
 
     def worker(self, name: str) -> ServerProcess:
         url = self.redis.url
-        return self.spawn(
+        return self.process(
             name, ("worker",), "--bus", url, "--store", url, "--store-format", "native",
             "--name", name, "--threads", "1",
             "--metrics-port", str(free_port()), "--num-blocks", str(NUM_BLOCKS),
             "--claim-idle", "3", "--drain-timeout", "5",
-        )  # fmt: skip
+        ).spawn()  # fmt: skip
 
     def router(self) -> dict[str, Any]:
         """The gateway's router stats (asked again while Redis, just back, refuses a call)."""
@@ -75,10 +75,10 @@ def fleet(model_path: Path) -> Iterator[Fleet]:
         pytest.skip("redis-server not installed")
     f = Fleet(model_path)
     try:
-        f.spawn(
+        f.process(
             "gateway", ("gateway", "--port", "0"), "--bus", f.redis.url,
             "--served-model-name", MODEL, "--routing", "cache-aware",
-        )  # fmt: skip
+        ).spawn()  # fmt: skip
         for n in WORKERS:
             f.worker(n)
         f.wait_ready()

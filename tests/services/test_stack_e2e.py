@@ -46,7 +46,7 @@ class Stack(harness.Fleet):
 
     def start(self, name: str, command: tuple[str, ...], *args: str) -> ServerProcess:
         env = {"KVSERVE_TRACE_FILE": str(self.traces / f"{name}.jsonl")}
-        return self.spawn(name, command, *args, env=env)
+        return self.process(name, command, *args, env=env).spawn()
 
     def worker(self, role: str, name: str) -> ServerProcess:
         url = self.redis.url
@@ -94,13 +94,13 @@ def stack(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.procs["gateway"].url + "/v1", api_key="x", max_retries=0)
+def http(stack: Stack) -> Http:
+    return Http(stack.procs["gateway"].url)
 
 
 @pytest.fixture(scope="module")
-def http(stack: Stack) -> Http:
-    return Http(stack.procs["gateway"].url)
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.procs["gateway"].url + "/v1", api_key="x", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from kvserve.services.bench.lib.process import (
 class Fleet:
     """Named processes `kvserve COMMAND [--model MODEL] ARGS`; `log_dir` keeps NAME.log of each.
 
-    `procs` holds the latest process of each name: `spawn` of a name in use replaces one that
+    `procs` holds the latest process of each name: `process` of a name in use replaces one that
     has ended (a restart keeps its log). `stop` ends every process, all at once."""
 
     def __init__(self, model: Path | str | None = None, log_dir: Path | None = None) -> None:
@@ -35,7 +35,7 @@ class Fleet:
         ready: Readiness | None = None,
         url: str = "",
     ) -> ServerProcess:
-        """The named process, registered, not spawned."""
+        """The named process, registered, not spawned (`.spawn()`, then `wait_ready`)."""
         model = ["--model", str(self.model)] if self.model is not None else []
         log = self.log_dir / f"{name}.log" if self.log_dir is not None else None
         p = kvserve_process(
@@ -43,17 +43,6 @@ class Fleet:
         )
         self.procs[name] = p
         return p
-
-    def spawn(
-        self,
-        name: str,
-        command: Sequence[str],
-        *args: str,
-        env: Mapping[str, str] | None = None,
-        ready: Readiness | None = None,
-    ) -> ServerProcess:
-        """The named process, registered and spawned (wait for it with `wait_ready`)."""
-        return self.process(name, command, *args, env=env, ready=ready).spawn()
 
     def __iter__(self) -> Iterator[ServerProcess]:
         return iter(list(self.procs.values()))

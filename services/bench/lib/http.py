@@ -39,16 +39,12 @@ class Http:
         self.headers = headers or {}
         self.timeout = timeout
 
-    def request(
-        self,
-        method: str,
-        path: str,
-        json_body: Any = None,
-        content: bytes | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> Reply:
+    def request(self, method: str, path: str, json_body: Any = None, **kw: Any) -> Reply:
+        """`json_body` sent as JSON, or `content=` bytes as they are (neither: no body);
+        `headers=` added to the client's."""
+        content: bytes | None = kw.get("content")
         data = content if json_body is None else json.dumps(json_body).encode()
-        hdrs = {**self.headers, **(headers or {})}
+        hdrs = {**self.headers, **kw.get("headers", {})}
         if json_body is not None:
             hdrs.setdefault("Content-Type", "application/json")
         req = urllib.request.Request(self.base_url + path, data, hdrs, method=method)

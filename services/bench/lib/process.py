@@ -167,15 +167,18 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServerProcess:
         """Return once the process is ready; StartError (the process killed) otherwise."""
-        if isinstance(self.ready, LogReady):
-            self._wait_event(timeout)
-        else:
-            self._wait_http(self.ready, timeout)
+        try:
+            if isinstance(self.ready, LogReady):
+                self._wait_event(timeout)
+            else:
+                self._wait_http(self.ready, timeout)
+        except StartError:
+            self.kill()
+            raise
         return self
 
     def _wait_event(self, timeout: float) -> None:
         if not self._ready.wait(timeout) or not self.url:
-            self.kill()
             raise StartError(f"{self.name} did not become ready:\n{self.tail(30)}")
 
     def _wait_http(self, ready: HttpReady, timeout: float) -> None:
@@ -276,6 +279,9 @@ class ServerProcess:
         return [e for e in map(parse_event, self.lines()) if e is not None]
 
     def tail(self, lines: int = 20) -> str:
+        """Its last output lines: from its log (stdout too) if it has one, else stderr's."""
+        if self.log is not None and self.log.exists():
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         return "".join(self.lines()[-lines:])
 
     def rss_mb(self) -> float:

@@ -106,8 +106,9 @@ class _Link:
 
 
 class FaultProxy:
-    """Forwards TCP connections from listen_host:listen_port to target_host:target_port, with
-    faults switched on and off at any time; see the module docstring for the invariants."""
+    """Forwards TCP connections from listen_host:listen_port (`listen`) to
+    target_host:target_port (`target`), with faults switched on and off at any time; see the
+    module docstring for the invariants."""
 
     def __init__(
         self,
@@ -116,10 +117,8 @@ class FaultProxy:
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
     ) -> None:
-        self.target_host = target_host
-        self.target_port = target_port
-        self.listen_host = listen_host
-        self.listen_port = listen_port
+        self.target = (target_host, target_port)
+        self.listen = (listen_host, listen_port)
         self._server: asyncio.Server | None = None
         self._port: int | None = None
         self._links: dict[_Link, asyncio.Task[None]] = {}
@@ -135,9 +134,7 @@ class FaultProxy:
     async def start(self) -> None:
         if self._server is not None:
             raise RuntimeError("FaultProxy already started")
-        self._server = await asyncio.start_server(
-            self._on_accept, self.listen_host, self.listen_port
-        )
+        self._server = await asyncio.start_server(self._on_accept, *self.listen)
         self._port = int(self._server.sockets[0].getsockname()[1])
 
     @property
@@ -239,9 +236,7 @@ class FaultProxy:
     async def _serve(self, link: _Link) -> None:
         try:
             await self._flowing.wait()  # in the black hole the target is not dialed
-            link.target_reader, link.target_writer = await asyncio.open_connection(
-                self.target_host, self.target_port
-            )
+            link.target_reader, link.target_writer = await asyncio.open_connection(*self.target)
             await self._forward(link, link.target_reader, link.target_writer)
             link.close()
         except* OSError:
@@ -303,7 +298,8 @@ class FaultProxy:
 
 
 class ThreadedFaultProxy:
-    """A `FaultProxy` on an event loop in a thread of its own, driven from synchronous code.
+    """A `FaultProxy` on an event loop in a thread of its own, driven from synchronous code
+    (`listen`: the proxy's listen host and port, as FaultProxy's).
 
     The thread and its loop live from `start()` to `close()`; every method runs its work on that
     loop and waits for it (at most `call_timeout_s`), so a fault is in force when the call
@@ -313,12 +309,11 @@ class ThreadedFaultProxy:
         self,
         target_host: str,
         target_port: int,
-        listen_host: str = "127.0.0.1",
-        listen_port: int = 0,
+        listen: tuple[str, int] = ("127.0.0.1", 0),
         *,
         call_timeout_s: float = 10.0,
     ) -> None:
-        self._proxy = FaultProxy(target_host, target_port, listen_host, listen_port)
+        self._proxy = FaultProxy(target_host, target_port, *listen)
         self._call_timeout_s = call_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

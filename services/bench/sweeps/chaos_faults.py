@@ -1,17 +1,10 @@
-"""The faults of `kvserve bench chaos` and one fault's run.
+"""The faults of `kvserve bench chaos` (what each does: sweeps/chaos.py, the command's
+--help) and one fault's run.
 
-Each fault (`inject`) starts, holds for `--fault-s` and returns what ends it:
-- redis-kill: SIGKILL, restarted empty after the fault window; redis-pause: SIGSTOP / SIGCONT;
-  redis-oom: maxmemory at what is used now with `noeviction`, restored after;
-- net-delay (50 ms each way per chunk), net-cut (every connection closed at once),
-  net-blackhole (nothing forwarded; stalled connections closed at the end);
-- worker-kill (fleet), prefill-kill, decode-kill (disagg): SIGKILL worker-1 / prefill-1 /
-  decode-1, restarted after the window; gateway-term (SIGTERM the gateway or the serve
-  process: it drains and exits; restarted after the window);
-- client-disconnect (8 streams dropped after their first chunk), burst (4 x --max-queue
-  requests at once).
-`run_fault`: `--calm-s` of load, the fault, `--recover-s` of load, then the load pauses until
-the server is idle, and blocks and RSS are read.
+`inject` starts a fault, holds it for `--fault-s` and returns what ends it (a restart, a
+signal, a setting put back). `run_fault`: `--calm-s` of load, the fault, `--recover-s` of
+load, then the load pauses until the server is idle, and blocks and RSS are read; a Rig is what
+they act on.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The load of `kvserve bench chaos`: `--rate` requests/s while `running`, cycling through
 streaming and non-streaming, greedy and sampled (temperature 1.0) /v1/completions of a shared
-system prompt + one of QUESTIONS, `--max-tokens` each, and what became of every request.
-
-A request's outcome: `ok` (finished; greedy ones compared with the fault-free reference:
-`wrong` if the text differs), `http_NNN` (an error status; Retry-After noted), `stream_error`
-(an error event), `refused` (no server listening), `disconnected` (the client dropped it on
-purpose), `lost` (no terminal answer within --timeout, or a stream cut without one)."""
+system prompt + one of QUESTIONS, `--max-tokens` each, and each request's `Outcome` (its kinds:
+sweeps/chaos.py). Only a streamed greedy answer is compared with the fault-free reference."""
 
 from __future__ import annotations
 

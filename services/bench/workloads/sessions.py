@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from kvserve.services.bench.workloads.tokens import check_vocab, random_tokens
 
@@ -51,6 +51,20 @@ class Workload(Protocol):
     def sessions(self, vocab_size: int, seed: int = 0) -> list[Session]: ...
 
 
+class SeededWorkload:
+    """A workload drawn from one random stream named for it and the seed (so two workloads never
+    share their tokens): `sessions` checks the vocabulary and hands the stream to `draw`."""
+
+    name: ClassVar[str]
+
+    def sessions(self, vocab_size: int, seed: int = 0) -> list[Session]:
+        check_vocab(vocab_size)
+        return self.draw(random.Random(f"{self.name}:{seed}"), vocab_size)
+
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
+        raise NotImplementedError
+
+
 def _uniform_len(rng: random.Random, length: int, ratio: float) -> int:
     lo = max(1, math.floor(length * (1 - ratio)))
     hi = max(lo, math.ceil(length * (1 + ratio)))
@@ -58,19 +72,21 @@ def _uniform_len(rng: random.Random, length: int, ratio: float) -> int:
 
 
 @dataclass(frozen=True)
-class RandomLengths:
-    """`num_requests` single requests of uniform random lengths around the given ones."""
+class RandomLengths(SeededWorkload):
+    """`num_requests` single requests, input and output lengths uniform within `range_ratio` of
+    the given ones (vLLM's random)."""
 
+    name: ClassVar[str] = "random"
     num_requests: int
     input_len: int
     output_len: int
     range_ratio: float = 0.0
 
-    def sessions(self, vocab_size: int, seed: int = 0) -> list[Session]:
-        check_vocab(vocab_size)
+    def __post_init__(self) -> None:
         if not 0 <= self.range_ratio < 1:
             raise ValueError(f"range ratio must be in [0, 1), got {self.range_ratio}")
-        rng = random.Random(f"random:{seed}")
+
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
         out = []
         for i in range(self.num_requests):
             n_in = _uniform_len(rng, self.input_len, self.range_ratio)
@@ -80,18 +96,17 @@ class RandomLengths:
 
 
 @dataclass(frozen=True)
-class SharedPrefix:
+class SharedPrefix(SeededWorkload):
     """`groups` x `prompts_per_group` requests: a group's prefix, then a question of its own."""
 
+    name: ClassVar[str] = "shared-prefix"
     groups: int
     prompts_per_group: int
     prefix_len: int
     question_len: int
     output_len: int
 
-    def sessions(self, vocab_size: int, seed: int = 0) -> list[Session]:
-        check_vocab(vocab_size)
-        rng = random.Random(f"shared-prefix:{seed}")
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
         out = []
         for g in range(self.groups):
             prefix = random_tokens(rng, self.prefix_len, vocab_size)
@@ -103,11 +118,12 @@ class SharedPrefix:
 
 
 @dataclass(frozen=True)
-class MultiRound:
+class MultiRound(SeededWorkload):
     """`users` conversations of `rounds` rounds after one shared system prompt; `context_len`:
     a context of each user's own (a document, a profile) after the system prompt in the first
     round, as in LMCache's multi-round QA benchmark."""
 
+    name: ClassVar[str] = "multi-round"
     users: int
     rounds: int
     system_len: int
@@ -115,9 +131,7 @@ class MultiRound:
     output_len: int
     context_len: int = 0
 
-    def sessions(self, vocab_size: int, seed: int = 0) -> list[Session]:
-        check_vocab(vocab_size)
-        rng = random.Random(f"multi-round:{seed}")
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
         system = random_tokens(rng, self.system_len, vocab_size)
         out = []
         for u in range(self.users):

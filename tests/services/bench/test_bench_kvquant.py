@@ -27,9 +27,8 @@ def test_bench_kvquant_tiny(capsys) -> None:  # type: ignore[no-untyped-def]
     assert 0 <= summary["agree_int8"] <= 1 and summary["kld_int8"] >= 0
 
 
-def test_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    for args in (
-        ["bench", "kvquant", "--budget", "lots"],
-        ["bench", "kvquant", "--gen-tokens", "0"],
-    ):
-        assert one_line_error(args, capsys).startswith("kvserve bench: error:")
+@pytest.mark.parametrize("option", [["--budget", "lots"], ["--gen-tokens", "0"]])
+def test_bad_arguments_are_one_line_errors(
+    option: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert one_line_error(["bench", "kvquant", *option], capsys).startswith("kvserve bench: error:")

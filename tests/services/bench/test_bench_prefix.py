@@ -46,10 +46,8 @@ def test_bench_prefix_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped
     assert (tmp_path / "ttft.png").stat().st_size > 0
 
 
-def test_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    for args in (
-        ["bench", "prefix", "--sweep", "0,abc"],
-        ["bench", "prefix", "--repeats", "0"],
-        ["bench", "prefix", "--parts", "nope"],
-    ):
-        assert one_line_error(args, capsys).startswith("kvserve bench: error:")
+@pytest.mark.parametrize("option", [["--sweep", "0,abc"], ["--repeats", "0"], ["--parts", "nope"]])
+def test_bad_arguments_are_one_line_errors(
+    option: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert one_line_error(["bench", "prefix", *option], capsys).startswith("kvserve bench: error:")

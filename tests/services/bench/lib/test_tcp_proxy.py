@@ -41,14 +41,9 @@ def proxy() -> Iterator[ThreadedFaultProxy]:
 
 def client(port: int, socket_timeout: float = 5.0) -> redis.Redis:
     """A client on one connection of its own, without retries: a failure is not papered over."""
+    timeouts = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
     return redis.Redis(
-        host="127.0.0.1",
-        port=port,
-        db=REDIS_DB,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=socket_timeout,
-        single_connection_client=True,
-        retry=NO_RETRY,
+        "127.0.0.1", port, REDIS_DB, single_connection_client=True, retry=NO_RETRY, **timeouts
     )
 
 
