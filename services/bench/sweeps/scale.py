@@ -32,6 +32,7 @@ from typing import Any
 from kvserve.services.bench.lib import arms
 from kvserve.services.bench.lib.flags import add_gguf, add_plot, add_report, comma_list
 from kvserve.services.bench.lib.http import gateway_stats
+from kvserve.services.bench.lib.llama_cpp import ArmSetupError
 from kvserve.services.bench.lib.plots import pyplot, save_figure
 from kvserve.services.bench.lib.process import StartError, free_port
 from kvserve.services.bench.sweeps import compare
@@ -142,7 +143,7 @@ def _flush(url: str) -> None:  # an empty store for the next arm
         with redis.Redis.from_url(url) as client:
             client.flushdb()
     except redis.RedisError as e:
-        raise arms.ArmSetupError(f"FLUSHDB on {url}: {e}") from None
+        raise ArmSetupError(f"FLUSHDB on {url}: {e}") from None
 
 
 def router_stats(base_url: str) -> dict[str, Any] | None:
