@@ -1,18 +1,21 @@
 """Shared fixtures: the default model is loaded once per test session (`weights`, `tokenizer`,
 `make_engine`); chat prompts; a module's system-prompt chats and their outputs without prefix
-caching (`prompts`, `cold`); throwaway Redis servers."""
+caching (`prompts`, `cold`); throwaway Redis servers (`redis_server`, `redis_cluster`: the
+harness's RedisServer and RedisCluster, kvserve.services.bench.lib)."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from kvserve.services.bench.lib.redis_cluster import RedisCluster
+from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_present
 from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_model_path
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.tokenizer import KVTokenizer
@@ -118,6 +121,28 @@ def cold(
     return [engine.generate([p], request.module.GREEDY)[0][0] for p in prompts]
 
 
-# Throwaway Redis servers (tests/redis_servers.py): `redis_server` (function scope, started,
-# killable) and `redis_cluster` (session scope, three masters) for every test directory.
-from tests.redis_servers import redis_cluster, redis_server  # noqa: E402, F401
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A started redis-server on a free port that the test may kill and restart; stopped after
+    the test."""
+    if not redis_binaries_present():
+        pytest.skip("redis-server not installed")
+    server = RedisServer(workdir=tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A three-master Redis Cluster, started once per session and stopped at its end; a test
+    that kills a node must restart it (`RedisCluster.restart` waits until the cluster is whole
+    again) before it ends."""
+    if not redis_binaries_present():
+        pytest.skip("redis-server / redis-cli not installed")
+    cluster = RedisCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -18,32 +18,26 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from kvserve.services.bench.lib.flags import add_model
+from kvserve.services.bench.lib.quality import agreement, text_metrics
+from kvserve.services.bench.workloads.text import PROMPTS, chat_prompts, reference_text
 from kvserve.services.cli_support import CliError
-from kvserve.shared.config import CacheConfig, EngineConfig, default_model_path
+from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.kv.cache import kv_bytes_per_token, resolve_kv_dtype
 from kvserve.shared.model.loader import load_weights
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
 
-PROMPTS = [
-    "Explain how a hash table works.",
-    "Write a short story about a lighthouse keeper.",
-    "What are the causes of the French Revolution?",
-    "Describe the water cycle for a ten-year-old.",
-    "Give three tips for learning a new programming language.",
-    "What is the difference between weather and climate?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How do vaccines train the immune system?",
-]
 DTYPES = ("int8", "fp8")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=str(default_model_path()))
+    add_model(p)
     p.add_argument("--text-tokens", type=int, default=2048)
     p.add_argument("--gen-tokens", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS))
@@ -56,46 +50,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def reference_text(tokenizer: KVTokenizer, n: int) -> list[int]:
-    """At least n tokens of English prose from Python's own help topics (not in the repo)."""
-    from pydoc_data.topics import topics
-
-    ids: list[int] = []
-    for key in sorted(topics):
-        ids += tokenizer.encode(topics[key])
-        if len(ids) >= n:
-            return ids[:n]
-    raise RuntimeError(f"pydoc topics hold fewer than {n} tokens")
-
-
-def text_metrics(ref: torch.Tensor, quant: torch.Tensor, ids: list[int]) -> dict[str, float]:
-    """ref/quant logits [T, V] over `ids`: perplexities and mean KLD of next-token dists."""
-    target = torch.tensor(ids[1:])
-    lp_ref = torch.log_softmax(ref[:-1], -1)
-    lp_q = torch.log_softmax(quant[:-1], -1)
-    nll_ref = -lp_ref.gather(1, target[:, None]).mean()
-    nll_q = -lp_q.gather(1, target[:, None]).mean()
-    kld = (lp_ref.exp() * (lp_ref - lp_q)).sum(-1).mean()
-    ppl_ref, ppl_q = float(nll_ref.exp()), float(nll_q.exp())
-    return {"ppl_ref": ppl_ref, "ppl": ppl_q, "ppl_delta": ppl_q / ppl_ref - 1, "kld": float(kld)}
-
-
-def agreement(engine: Engine, prompts: list[list[int]], refs: list[list[int]]) -> dict[str, float]:
-    """Teacher-forced top-1 agreement with the reference tokens, and free-running prefix."""
-    hits = total = 0
-    for prompt, ref in zip(prompts, refs, strict=True):
-        logits = engine.score(prompt + ref[:-1])[len(prompt) - 1 :]  # predicts ref[0..]
-        hits += int((logits.argmax(-1) == torch.tensor(ref)).sum())
-        total += len(ref)
-    params = SamplingParams(max_tokens=len(refs[0]), ignore_eos=True)
-    free = engine.generate(prompts, params)
-    same = []
-    for out, ref in zip(free, refs, strict=True):
-        n = next((i for i, (a, b) in enumerate(zip(out[0], ref, strict=True)) if a != b), len(ref))
-        same.append(n)
-    return {"agree": hits / total, "free_prefix_mean": sum(same) / len(same)}
-
-
 def parse_budget(text: str) -> int:
     from kvserve.shared.capacity import parse_size
 
@@ -105,13 +59,8 @@ def parse_budget(text: str) -> int:
         raise CliError(f"--budget: {e}") from e
 
 
-def run(args: argparse.Namespace) -> int:
-    for name in ("text_tokens", "gen_tokens", "num_prompts"):
-        if getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be >= 1")
-    budget = parse_budget(args.budget)
-    weights = load_weights(args.model)
-    tok = KVTokenizer.from_path(args.model)
+def _engines(args: argparse.Namespace, weights: Any, tok: KVTokenizer) -> Callable[..., Engine]:
+    """engine(kv_dtype, weights mode): fp32 weights on the loaded copy, else the file's blocks."""
 
     def engine(kv: str, mode: str = "fp32") -> Engine:
         cache = CacheConfig(kv_dtype=kv, num_blocks=1024)
@@ -120,48 +69,69 @@ def run(args: argparse.Namespace) -> int:
             return Engine(cfg, tokenizer=tok, weights=weights)
         return Engine(cfg, tokenizer=tok)  # loads the file's blocks
 
-    ids = reference_text(tok, args.text_tokens)
-    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    prompts = prompts[: args.num_prompts]
-    base = engine("auto")
-    ref_logits = base.score(ids)
-    params = SamplingParams(max_tokens=args.gen_tokens, ignore_eos=True)
-    refs = [c[0] for c in base.generate(prompts, params)]
+    return engine
+
+
+class Reference:
+    """The unquantized engine's logits over the text and its greedy tokens for the prompts."""
+
+    def __init__(self, base: Engine, ids: list[int], prompts: list[list[int]], n: int) -> None:
+        self.ids, self.prompts = ids, prompts
+        self.logits = base.score(ids)
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        self.refs = [c[0] for c in base.generate(prompts, params)]
+
+    def against(self, e: Engine) -> tuple[dict[str, float], dict[str, float]]:
+        """`e`'s text metrics and greedy agreement against the reference."""
+        m = text_metrics(self.logits, e.score(self.ids), self.ids)
+        return m, agreement(e, self.prompts, self.refs)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("text_tokens", "gen_tokens", "num_prompts"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1")
+    budget = parse_budget(args.budget)
+    weights = load_weights(args.model)
+    tok = KVTokenizer.from_path(args.model)
+    engine = _engines(args, weights, tok)
+    prompts = chat_prompts(tok, args.num_prompts)
+    ref = Reference(engine("auto"), reference_text(tok, args.text_tokens), prompts, args.gen_tokens)
     summary: dict[str, Any] = {
-        "text_tokens": len(ids),
+        "text_tokens": len(ref.ids),
         "gen_tokens": args.gen_tokens,
         "num_prompts": len(prompts),
         **_sizes(weights.config, budget),
         "budget_bytes": budget,
     }
     if args.compare == "weights":
-        e = engine("auto", "file")
-        m = text_metrics(ref_logits, e.score(ids), ids)
-        a = agreement(e, prompts, refs)
-        print(
-            f"file weights: perplexity {m['ppl']:.4f} vs {m['ppl_ref']:.4f} "
-            f"({m['ppl_delta']:+.3%}), KLD {m['kld']:.5f}, greedy agreement {a['agree']:.2%} "
-            f"(teacher-forced), identical free-running prefix "
-            f"{a['free_prefix_mean']:.0f}/{args.gen_tokens}"
-        )
-        summary |= {
-            "kld_file": m["kld"],
-            "ppl_delta_file": m["ppl_delta"],
-            "ppl_file": m["ppl"],
-            "ppl_fp32": m["ppl_ref"],
-            "agree_file": a["agree"],
-            "free_prefix_file": a["free_prefix_mean"],
-        }
-        print(json.dumps(summary))
-        return 0
-    for kv in DTYPES:
-        e = engine(kv)
-        m = text_metrics(ref_logits, e.score(ids), ids)
-        summary |= _quality(kv, m, agreement(e, prompts, refs), summary, args.gen_tokens)
-    for name, n in summary["tokens_in_budget"].items():
-        print(f"{name}: {summary['bytes_per_token'][name]} B/token, {n} tokens in {args.budget}")
+        summary |= _file_weights(*ref.against(engine("auto", "file")), args.gen_tokens)
+    else:
+        for kv in DTYPES:
+            summary |= _quality(kv, *ref.against(engine(kv)), summary, args.gen_tokens)
+        for name, n in summary["tokens_in_budget"].items():
+            size = summary["bytes_per_token"][name]
+            print(f"{name}: {size} B/token, {n} tokens in {args.budget}")
     print(json.dumps(summary))
     return 0
+
+
+def _file_weights(m: dict[str, float], a: dict[str, float], gen_tokens: int) -> dict[str, float]:
+    """The file's quantized weights against their fp32 expansion, as summary entries."""
+    print(
+        f"file weights: perplexity {m['ppl']:.4f} vs {m['ppl_ref']:.4f} "
+        f"({m['ppl_delta']:+.3%}), KLD {m['kld']:.5f}, greedy agreement {a['agree']:.2%} "
+        f"(teacher-forced), identical free-running prefix "
+        f"{a['free_prefix_mean']:.0f}/{gen_tokens}"
+    )
+    return {
+        "kld_file": m["kld"],
+        "ppl_delta_file": m["ppl_delta"],
+        "ppl_file": m["ppl"],
+        "ppl_fp32": m["ppl_ref"],
+        "agree_file": a["agree"],
+        "free_prefix_file": a["free_prefix_mean"],
+    }
 
 
 def _sizes(config: Any, budget: int) -> dict[str, dict[str, int]]:

@@ -1,5 +1,5 @@
 """`kvserve bench BENCHMARK [options]`: the benchmarks, one module each under
-kvserve.services.bench.
+kvserve.services.bench (the multi-server ones under kvserve.services.bench.sweeps).
 
 A benchmark module has `add_arguments(parser)` and `run(args) -> int`; it is imported only when
 chosen (`kvserve bench serve` is an HTTP client and must not pay for torch), so its options are
@@ -16,7 +16,7 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Benchmark:
-    module: str  # under kvserve.services.bench
+    module: str  # under kvserve.services.bench (the sweeps under .sweeps)
     help: str
 
 
@@ -30,10 +30,14 @@ BENCHMARKS: dict[str, Benchmark] = {
     "profile": Benchmark("profile", "where an engine step's time goes under a serve workload"),
     "startup": Benchmark("startup", "start-up time of generate and serve, part by part"),
     "compare": Benchmark(
-        "compare", "bench serve against kvserve, llama-server and HF, side by side"
+        "sweeps.compare", "bench serve against kvserve, llama-server and HF, side by side"
     ),
-    "scale": Benchmark("scale", "2 workers on 2 cores: shared KV store and cache-aware routing"),
-    "chaos": Benchmark("chaos", "faults under load: what a server and a fleet survive, per fault"),
+    "scale": Benchmark(
+        "sweeps.scale", "2 workers on 2 cores: shared KV store and cache-aware routing"
+    ),
+    "chaos": Benchmark(
+        "sweeps.chaos", "faults under load: what a server and a fleet survive, per fault"
+    ),
 }
 
 

@@ -22,30 +22,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.services.bench.engine import WorkloadSpec, make_requests, random_prompt
+from kvserve.services.bench.lib.engine_timing import first_token_s
+from kvserve.services.bench.lib.flags import add_model, add_seed, add_sizes, check_sizes
+from kvserve.services.bench.lib.plots import pyplot, save_figure
+from kvserve.services.bench.workloads.batch import WorkloadSpec, make_requests
+from kvserve.services.bench.workloads.tokens import random_tokens
 from kvserve.services.cli_support import CliError
-from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig, default_model_path
+from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
 
-FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+PARTS = ("ttft", "gsp", "w1", "sweep")
+SIZES = {"system-len": 2048, "question-len": 32, "repeats": 3, "gsp-groups": 8,
+         "gsp-per-group": 8, "gsp-prefix-len": 1024, "gsp-question-len": 64,
+         "gsp-output-len": 64}  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=str(default_model_path()))
-    p.add_argument("--system-len", type=int, default=2048)
-    p.add_argument("--question-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--gsp-groups", type=int, default=8)
-    p.add_argument("--gsp-per-group", type=int, default=8)
-    p.add_argument("--gsp-prefix-len", type=int, default=1024)
-    p.add_argument("--gsp-question-len", type=int, default=64)
-    p.add_argument("--gsp-output-len", type=int, default=64)
+    add_model(p)
+    add_sizes(p, SIZES)
     p.add_argument("--w1-requests", type=int, default=128, help="0 skips the overhead arm")
     p.add_argument("--sweep", default="0,512,1024,2048,3072,4096", help="cached prefix lengths")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed(p)
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--parts", default="ttft,gsp,w1,sweep", help="which measurements to run")
 
@@ -74,25 +74,26 @@ class Bench:
         self._ids += 1
         return f"b{self._ids}"
 
+    def tokens(self, rng: random.Random, n: int) -> list[int]:
+        return random_tokens(rng, n, self.vocab)
 
-def ttft(engine: Engine, rid: str, prompt: list[int]) -> float:
-    """Seconds from add_request to the first generated token (a 1-token request)."""
-    t0 = time.perf_counter()
-    engine.add_request(rid, prompt, FIRST_TOKEN)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - t0
+    def warm(self, engine: Engine, rng: random.Random) -> None:
+        """One short request first: the kernels warm before anything is timed."""
+        first_token_s(engine, self.rid(), self.tokens(rng, 64))
+
+    def ttft(self, engine: Engine, prompt: list[int]) -> float:
+        return first_token_s(engine, self.rid(), prompt)
 
 
 def system_prompt_ttft(b: Bench, rng: random.Random, args: argparse.Namespace) -> dict[str, Any]:
     engine = b.engine(caching=True)
     cold, warm = [], []
-    ttft(engine, b.rid(), random_prompt(rng, 64, b.vocab))  # warm up the kernels
+    b.warm(engine, rng)
     for _ in range(args.repeats):
-        system = random_prompt(rng, args.system_len, b.vocab)
-        q1, q2 = (random_prompt(rng, args.question_len, b.vocab) for _ in range(2))
-        cold.append(ttft(engine, b.rid(), system + q1))
-        warm.append(ttft(engine, b.rid(), system + q2))
+        system = b.tokens(rng, args.system_len)
+        q1, q2 = (b.tokens(rng, args.question_len) for _ in range(2))
+        cold.append(b.ttft(engine, system + q1))
+        warm.append(b.ttft(engine, system + q2))
     c, w = statistics.median(cold), statistics.median(warm)
     print(
         f"system prompt {args.system_len} + question {args.question_len}: TTFT cold "
@@ -127,9 +128,9 @@ def run_all_at_once(
 
 
 def shared_prefix(b: Bench, rng: random.Random, args: argparse.Namespace) -> dict[str, Any]:
-    prefixes = [random_prompt(rng, args.gsp_prefix_len, b.vocab) for _ in range(args.gsp_groups)]
+    prefixes = [b.tokens(rng, args.gsp_prefix_len) for _ in range(args.gsp_groups)]
     prompts = [
-        p + random_prompt(rng, args.gsp_question_len, b.vocab)
+        p + b.tokens(rng, args.gsp_question_len)
         for p in prefixes
         for _ in range(args.gsp_per_group)
     ]
@@ -137,21 +138,26 @@ def shared_prefix(b: Bench, rng: random.Random, args: argparse.Namespace) -> dic
     res = {}
     for caching in (True, False):
         engine = b.engine(caching)
-        ttft(engine, b.rid(), random_prompt(rng, 64, b.vocab))
+        b.warm(engine, rng)
         res[caching] = run_all_at_once(engine, prompts, params, [b.rid() for _ in prompts])
-        hit = engine.prefix_cache_stats
-        print(
-            f"shared-prefix {args.gsp_groups}x{args.gsp_per_group} caching "
-            f"{'on ' if caching else 'off'}: {res[caching]['tok_s']:.1f} tok/s, mean TTFT "
-            f"{res[caching]['mean_ttft_s']:.2f}s, wall {res[caching]['wall_s']:.1f}s, "
-            f"hits {hit['hits_tokens']}/{hit['queries_tokens']} tokens"
-        )
+        _print_gsp(args, caching, res[caching], engine.prefix_cache_stats)
     speedup = res[True]["tok_s"] / res[False]["tok_s"]
     print(
         f"shared-prefix throughput speedup {speedup:.2f}x, TTFT "
         f"{res[False]['mean_ttft_s'] / res[True]['mean_ttft_s']:.2f}x lower"
     )
     return {"gsp_on": res[True], "gsp_off": res[False], "gsp_speedup": speedup}
+
+
+def _print_gsp(
+    args: argparse.Namespace, caching: bool, res: dict[str, float], hit: dict[str, Any]
+) -> None:
+    print(
+        f"shared-prefix {args.gsp_groups}x{args.gsp_per_group} caching "
+        f"{'on ' if caching else 'off'}: {res['tok_s']:.1f} tok/s, mean TTFT "
+        f"{res['mean_ttft_s']:.2f}s, wall {res['wall_s']:.1f}s, "
+        f"hits {hit['hits_tokens']}/{hit['queries_tokens']} tokens"
+    )
 
 
 def zero_hit_overhead(b: Bench, args: argparse.Namespace) -> dict[str, Any]:
@@ -179,14 +185,14 @@ def zero_hit_overhead(b: Bench, args: argparse.Namespace) -> dict[str, Any]:
 def ttft_sweep(b: Bench, rng: random.Random, args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in args.sweep.split(",") if x]
     engine = b.engine(caching=True)
-    ttft(engine, b.rid(), random_prompt(rng, 64, b.vocab))
+    b.warm(engine, rng)
     warm, cold = [], []
     for n in lengths:
-        prefix = random_prompt(rng, n, b.vocab)
-        suffix = random_prompt(rng, args.question_len, b.vocab)
-        cold.append(ttft(engine, b.rid(), prefix + suffix))  # computes and caches the prefix
-        other = random_prompt(rng, args.question_len, b.vocab)
-        warm.append(ttft(engine, b.rid(), prefix + other))
+        prefix = b.tokens(rng, n)
+        suffix = b.tokens(rng, args.question_len)
+        cold.append(b.ttft(engine, prefix + suffix))  # computes and caches the prefix
+        other = b.tokens(rng, args.question_len)
+        warm.append(b.ttft(engine, prefix + other))
         print(
             f"cached prefix {n:5d} + {args.question_len}: TTFT warm {warm[-1]:.3f}s, "
             f"cold {cold[-1]:.3f}s"
@@ -195,12 +201,7 @@ def ttft_sweep(b: Bench, rng: random.Random, args: argparse.Namespace) -> dict[s
 
 
 def save_plot(path: Path, sweep: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     ax.plot(sweep["sweep_lengths"], sweep["sweep_cold_s"], "o-", label="cold (computed)")
     ax.plot(sweep["sweep_lengths"], sweep["sweep_warm_s"], "o-", label="warm (cached prefix)")
     ax.set_xlabel("prefix length (tokens), + 32-token suffix")
@@ -208,9 +209,7 @@ def save_plot(path: Path, sweep: dict[str, Any]) -> None:
     ax.set_title("kvserve TTFT vs cached prefix length (CPU, SmolLM2-135M fp32)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -219,22 +218,10 @@ def check_args(args: argparse.Namespace) -> None:
         sweep = [int(x) for x in args.sweep.split(",") if x]
     except ValueError as e:
         raise CliError(f"--sweep must be comma-separated integers, got {args.sweep!r}") from e
-    sizes = {
-        "--system-len": args.system_len,
-        "--question-len": args.question_len,
-        "--repeats": args.repeats,
-        "--gsp-groups": args.gsp_groups,
-        "--gsp-per-group": args.gsp_per_group,
-        "--gsp-prefix-len": args.gsp_prefix_len,
-        "--gsp-question-len": args.gsp_question_len,
-        "--gsp-output-len": args.gsp_output_len,
-    }
-    for name, value in sizes.items():
-        if value < 1:
-            raise CliError(f"{name} must be >= 1, got {value}")
+    check_sizes(args, list(SIZES))
     if args.w1_requests < 0 or any(n < 0 for n in sweep):
         raise CliError("--w1-requests and --sweep lengths must be >= 0")
-    unknown = set(args.parts.split(",")) - {"ttft", "gsp", "w1", "sweep"}
+    unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         raise CliError(f"--parts: unknown {sorted(unknown)}; choose from ttft,gsp,w1,sweep")
 

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvserve.services.bench.lib.engine_timing import timed_steps
+from kvserve.services.bench.lib.flags import add_model
 from kvserve.services.cli_support import CliError
 
 COMPONENTS = ("linear", "attention", "norm", "other model", "engine")
@@ -53,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for action in tmp._actions:
         if action.dest not in CLIENT_OPTIONS:
             g._add_action(action)
-    p.add_argument("--model", default=None, metavar="PATH", help="default: the default model")
+    add_model(p, resolved=False)
     p.add_argument("--store", default="memory://", help="prefix store URL, or none")
     p.add_argument("--store-format", default="native")
     p.add_argument("--out", default=None, metavar="DIR", help="write DIR/profile.json")
@@ -136,27 +138,39 @@ def _engine(args: argparse.Namespace) -> Any:
     return Engine(engine_config(args))
 
 
+class Arrivals:
+    """The requests of `sessions` in arrival order (at once when a session has none)."""
+
+    def __init__(self, sessions: list[Any]) -> None:
+        self.pending = sorted(
+            ((s.arrival_s or 0.0, i, s.turns[0]) for i, s in enumerate(sessions)),
+            key=lambda p: (p[0], p[1]),
+        )
+
+    def submit_due(self, engine: Any, now: float) -> None:
+        """Add every request whose arrival time has come."""
+        from kvserve.shared.sampling_params import SamplingParams
+
+        while self.pending and self.pending[0][0] <= now:
+            _, i, turn = self.pending.pop(0)
+            params = SamplingParams(max_tokens=turn.output_len, ignore_eos=True)
+            engine.add_request(f"profile-{i}", turn.tokens, params)
+
+    def next_at(self) -> float:
+        return self.pending[0][0]
+
+
 def run_workload(engine: Any, sessions: list[Any], timer: StepTimer) -> list[StepTiming]:
     """Submit each request at its arrival time (at once when it has none) and step until every
     request has finished; returns every step's timing."""
-    from kvserve.services.bench.engine import timed_steps
-    from kvserve.shared.sampling_params import SamplingParams
-
-    pending = sorted(
-        ((s.arrival_s or 0.0, i, s.turns[0]) for i, s in enumerate(sessions)),
-        key=lambda p: (p[0], p[1]),
-    )
+    arrivals = Arrivals(sessions)
     steps: list[StepTiming] = []
     t0 = time.perf_counter()
     with timed_steps(engine) as records:
-        while pending or engine.has_unfinished_requests():
-            now = time.perf_counter() - t0
-            while pending and pending[0][0] <= now:
-                _, i, turn = pending.pop(0)
-                params = SamplingParams(max_tokens=turn.output_len, ignore_eos=True)
-                engine.add_request(f"profile-{i}", turn.tokens, params)
+        while arrivals.pending or engine.has_unfinished_requests():
+            arrivals.submit_due(engine, time.perf_counter() - t0)
             if not engine.has_unfinished_requests():
-                time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))  # next arrival
+                time.sleep(max(0.0, arrivals.next_at() - (time.perf_counter() - t0)))
                 continue
             done = len(records)
             engine.step()
@@ -216,10 +230,8 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+def _check(args: argparse.Namespace) -> None:
     from kvserve.services.bench import serve
-    from kvserve.shared.sampling_params import SamplingParams
 
     client_defaults = {"base_url": "http://in-process", "vocab_size": None, "timeout": 1.0,
                        "warmup_requests": 0, "max_concurrency": None}  # fmt: skip
@@ -229,9 +241,17 @@ def run(args: argparse.Namespace) -> int:
             "--workload multi-round needs the server's answers; profile random, shared-prefix "
             "or mooncake"
         )
+    if args.threads is not None and args.threads < 1:
+        raise CliError("--threads must be >= 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from kvserve.services.bench import serve
+    from kvserve.shared.sampling_params import SamplingParams
+
+    _check(args)
     if args.threads is not None:
-        if args.threads < 1:
-            raise CliError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     engine = _engine(args)
     sessions = serve.build_workload(args, engine.model_config.vocab_size)

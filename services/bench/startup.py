@@ -20,26 +20,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvserve.services.bench.arms import _kvserve_exe, free_port
-from kvserve.services.bench.host import describe_cpu
+from kvserve.services.bench.lib.flags import add_model
+from kvserve.services.bench.lib.host import describe_cpu
+from kvserve.services.bench.lib.process import free_port, kvserve_command, kvserve_process
+from kvserve.services.bench.lib.readiness import answers_ok
 from kvserve.services.cli_support import CliError
-from kvserve.shared.config import default_model_path
 
 TARGETS_S = {"generate": 5.0, "serve": 10.0}
 ENGINE_PARTS = ("model_read", "tokenizer", "kernel_load", "weight_packing", "kv_cache", "store")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=str(default_model_path()), help="GGUF file or HF dir")
+    add_model(p, help="GGUF file or HF dir")
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
@@ -49,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def time_generate(args: argparse.Namespace) -> dict[str, float]:
-    cmd = [_kvserve_exe(), "generate", args.prompt, "--model", args.model]
+    cmd = [*kvserve_command(), "generate", args.prompt, "--model", args.model]
     cmd += ["--max-tokens", str(args.max_tokens), "--timings"]
     spawned = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
@@ -70,35 +68,27 @@ def time_generate(args: argparse.Namespace) -> dict[str, float]:
     return {**parts, "total": ended - spawned}
 
 
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def time_serve(args: argparse.Namespace, log: Path) -> dict[str, float]:
+    """Spawn to /ready answering 200 (polled every 10 ms), and when /health first answered;
+    the engine's parts from its ready event."""
     port = free_port()
-    cmd = [_kvserve_exe(), "serve", "--port", str(port), "--model", args.model]
     base = f"http://127.0.0.1:{port}"
-    with log.open("w") as out:
-        spawned = time.time()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    log.unlink(missing_ok=True)
+    server = kvserve_process(["serve"], ["--port", str(port), "--model", args.model], log=log)
+    spawned = time.time()
+    server.spawn()
     listening = None
     try:
-        while not _ready(base + "/ready"):
-            if listening is None and _ready(base + "/health"):
+        while not answers_ok(base + "/ready", timeout=1):
+            if listening is None and answers_ok(base + "/health", timeout=1):
                 listening = time.time() - spawned
-            if proc.poll() is not None or time.time() - spawned > args.timeout:
+            if not server.running or time.time() - spawned > args.timeout:
                 raise RuntimeError(f"kvserve serve did not get ready; log {log}")
             time.sleep(0.01)
         ready = time.time() - spawned
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
-    engine = next(e for e in events if e.get("event") == "ready")["startup_s"]
+        server.stop(grace=60)
+    engine = next(e for e in server.events() if e.get("event") == "ready")["startup_s"]
     return {
         "listening": listening if listening is not None else ready,
         **{k: engine[k] for k in ENGINE_PARTS if k in engine},

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 from kvserve.services import stack
-from kvserve.services.bench import hf_shim
-from kvserve.services.bench.arms import llama_server_cmd
+from kvserve.services.bench.lib import hf_shim
+from kvserve.services.bench.lib.llama_cpp import llama_server_cmd
+from kvserve.services.bench.lib.process import free_port
 from kvserve.services.bench.main import BENCHMARKS
 from kvserve.services.bench.main import load as load_benchmark
 from kvserve.services.cli import SUBCOMMANDS, build_parser
@@ -29,8 +30,6 @@ from kvserve.services.gateway.schema import ModelInfo
 from kvserve.services.workers.metrics import serve_worker_metrics
 from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.model.tokenizer import KVTokenizer
-
-from tests.redis_servers import free_port
 
 LOOPBACK = "127.0.0.1"
 BUS = "redis://127.0.0.1:6379/0"

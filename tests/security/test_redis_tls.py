@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from kvserve.services.bench.lib.process import free_port
+from kvserve.services.bench.lib.redis_server import answers
 from kvserve.shared.bus.redis import RedisBus
 from kvserve.shared.bus.redis_layout import RedisBusConfig
 from kvserve.shared.protocol import Cancel, GenerateRequest, TokenEvent
@@ -32,8 +34,6 @@ from kvserve.shared.store.backends import open_store
 from kvserve.shared.store.codec import BlockMeta, DecodedBlock, decode_block, encode_block
 from kvserve.shared.store.hashing import BlockHash, block_hashes, root_hash
 from kvserve.shared.store.redis import RedisStore
-
-from tests.redis_servers import answers, free_port
 
 pytestmark = pytest.mark.redis
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from kvserve.services.bench.lib.redis_server import redis_answers
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.shared.config import StoreConfig
 from kvserve.shared.model.tokenizer import KVTokenizer
@@ -26,7 +27,6 @@ from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import BlockHash, block_hashes
 from kvserve.shared.store.redis import RedisStore
 
-from tests.redis_servers import redis_answers
 from tests.shared.engine.helpers import run_one
 
 pytestmark = pytest.mark.redis

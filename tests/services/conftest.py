@@ -1,5 +1,6 @@
-"""Fixtures of the service tests: `start_server(*args)` starts `kvserve serve` (module scope);
-`services_engine` is the default model in this process (64 blocks), shared by the modules."""
+"""Fixtures of the service tests: `start_server(*args)` starts `kvserve serve` (module scope,
+the shared harness's ServerProcess, ready at its `ready` log event); `services_engine` is the
+default model in this process (64 blocks), shared by the modules."""
 
 from __future__ import annotations
 
@@ -8,19 +9,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvserve.services.bench.lib.process import ServerProcess, kvserve_process
 
-from tests.services.kvserve_process import ServeProcess
+SERVE = ("serve", "--port", "0")
 
 
 @pytest.fixture(scope="module")
-def start_server(model_path: Path) -> Iterator[Callable[..., ServeProcess]]:
-    """start_server(*args, env=...) -> a ready ServeProcess, stopped at module end."""
-    started: list[ServeProcess] = []
+def start_server(model_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """start_server(*args, env=...) -> a ready ServerProcess, stopped at module end."""
+    started: list[ServerProcess] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> ServeProcess:
-        p = ServeProcess(["--model", str(model_path), *args], env)
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        p = kvserve_process(SERVE, ["--model", str(model_path), *args], env=env)
         started.append(p)
-        return p.wait_ready()
+        return p.spawn().wait_ready()
 
     yield start
     for p in started:

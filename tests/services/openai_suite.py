@@ -18,10 +18,10 @@ from typing import Any
 
 import openai
 import pytest
+from kvserve.services.bench.lib.http import Http
+from kvserve.services.bench.lib.readiness import poll_until
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
-
-from tests.services.kvserve_process import Http, poll_until
 
 MODEL = "kvtest-smol"
 NUM_BLOCKS = 256  # 4096 tokens of KV cache per engine: less than the model's 8192-token context

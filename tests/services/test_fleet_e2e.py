@@ -18,12 +18,15 @@ from typing import Any
 import openai
 import pytest
 import redis
+from kvserve.services.bench.lib import fleet as harness
+from kvserve.services.bench.lib.http import Http
+from kvserve.services.bench.lib.process import STOP_GRACE_S, ServerProcess, free_port
+from kvserve.services.bench.lib.readiness import poll_until
+from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_present
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.protocol import GenerateRequest, decode, encode
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.redis_servers import RedisServer, free_port, redis_binaries_present
-from tests.services.kvserve_process import Http, ServeProcess, poll_until
 from tests.services.openai_suite import MODEL, NUM_BLOCKS
 
 pytestmark = pytest.mark.redis
@@ -38,26 +41,22 @@ SYSTEM = (
 DEAD_S = 20.0
 
 
-class Fleet:
+class Fleet(harness.Fleet):
+    """The gateway and workers (the harness's Fleet) on a redis-server of their own."""
+
     def __init__(self, model_path: Path) -> None:
+        super().__init__(model_path)
         self.redis = RedisServer()
         self.redis.start()
-        self.model_path = model_path
-        self.procs: dict[str, ServeProcess] = {}
 
-    def start(self, name: str, command: tuple[str, ...], *args: str) -> ServeProcess:
-        p = ServeProcess(["--model", str(self.model_path), *args], None, command)
-        self.procs[name] = p
-        return p
-
-    def worker(self, name: str) -> ServeProcess:
+    def worker(self, name: str) -> ServerProcess:
         url = self.redis.url
-        return self.start(
+        return self.process(
             name, ("worker",), "--bus", url, "--store", url, "--store-format", "native",
             "--name", name, "--threads", "1",
             "--metrics-port", str(free_port()), "--num-blocks", str(NUM_BLOCKS),
             "--claim-idle", "3", "--drain-timeout", "5",
-        )  # fmt: skip
+        ).spawn()  # fmt: skip
 
     def router(self) -> dict[str, Any]:
         """The gateway's router stats (asked again while Redis, just back, refuses a call)."""
@@ -65,9 +64,8 @@ class Fleet:
         reply = poll_until(lambda: (r := http.get("/v1/cache/stats")).status_code == 200 and r)
         return dict(reply.json()["router"])
 
-    def stop(self) -> None:
-        for p in self.procs.values():
-            p.stop()
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        super().stop(grace)
         self.redis.stop()
 
 
@@ -77,12 +75,13 @@ def fleet(model_path: Path) -> Iterator[Fleet]:
         pytest.skip("redis-server not installed")
     f = Fleet(model_path)
     try:
-        gw = f.start(
+        f.process(
             "gateway", ("gateway", "--port", "0"), "--bus", f.redis.url,
             "--served-model-name", MODEL, "--routing", "cache-aware",
-        )  # fmt: skip
-        for p in [gw, *(f.worker(n) for n in WORKERS)]:
-            p.wait_ready()
+        ).spawn()  # fmt: skip
+        for n in WORKERS:
+            f.worker(n)
+        f.wait_ready()
         poll_until(lambda: set(f.router()["workers"]) == set(WORKERS), timeout=30)
         yield f
     finally:

@@ -25,10 +25,13 @@ from typing import Any
 
 import pytest
 import schemathesis
+from kvserve.services.bench.lib.http import Http
+from kvserve.services.bench.lib.process import ServerProcess
+from kvserve.services.bench.lib.readiness import poll_until
 from schemathesis import Case, HookContext
 from schemathesis.schemas import BaseSchema
 
-from tests.services.kvserve_process import Http, ServeProcess, idle, poll_until
+from tests.services.server_state import idle
 
 KEY = "fuzz-key"
 MAX_NEW_TOKENS = 2  # per generated completion
@@ -40,7 +43,7 @@ GENERATION = ("/v1/completions", CHAT)
 
 
 @pytest.fixture(scope="module")
-def server(start_server: Callable[..., ServeProcess]) -> ServeProcess:
+def server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     return start_server(
         "--store", "memory://",
         "--api-key", KEY,
@@ -58,7 +61,7 @@ def node_id_for_schemathesis(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture(scope="module")
-def http(server: ServeProcess) -> Http:
+def http(server: ServerProcess) -> Http:
     return Http(server.url, {"Authorization": f"Bearer {KEY}"})
 
 
@@ -106,7 +109,7 @@ def small_generations(http: Http, max_model_len: int) -> Callable[[HookContext, 
     return hook
 
 
-def load_schema(server: ServeProcess, http: Http, generation: dict[str, Any]) -> BaseSchema:
+def load_schema(server: ServerProcess, http: Http, generation: dict[str, Any]) -> BaseSchema:
     config = schemathesis.Config.from_dict(
         {
             "auth": {"openapi": {"bearer": {"bearer": KEY}}},
@@ -121,17 +124,17 @@ def load_schema(server: ServeProcess, http: Http, generation: dict[str, Any]) ->
 
 
 @pytest.fixture
-def short_schema(server: ServeProcess, http: Http) -> BaseSchema:
+def short_schema(server: ServerProcess, http: Http) -> BaseSchema:
     return load_schema(server, http, {"max-examples": SHORT_EXAMPLES, "deterministic": True})
 
 
 @pytest.fixture
-def seeded_schema(server: ServeProcess, http: Http) -> BaseSchema:
+def seeded_schema(server: ServerProcess, http: Http) -> BaseSchema:
     return load_schema(server, http, {"max-examples": SEEDED_EXAMPLES, "deterministic": True})
 
 
 @pytest.fixture
-def random_schema(server: ServeProcess, http: Http) -> BaseSchema:
+def random_schema(server: ServerProcess, http: Http) -> BaseSchema:
     return load_schema(server, http, {"max-examples": RANDOM_EXAMPLES})
 
 

@@ -16,11 +16,14 @@ from typing import Any
 
 import openai
 import pytest
+from kvserve.services.bench.lib.http import Http
+from kvserve.services.bench.lib.process import ServerProcess
+from kvserve.services.bench.lib.readiness import poll_until
 from kvserve.services.gateway.prefixes import prefix_ids
 from kvserve.shared.model.tokenizer import KVTokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services.kvserve_process import Http, ServeProcess, idle, poll_until
+from tests.services.server_state import idle
 
 MODEL = "kvtest-admin"
 BLOCK = 16
@@ -31,7 +34,7 @@ RATE = 5  # requests per second per key on the store-less server
 
 
 @pytest.fixture(scope="module")
-def store_server(start_server) -> ServeProcess:
+def store_server(start_server) -> ServerProcess:
     return start_server(
         "--store", "memory://", "--served-model-name", MODEL, "--num-blocks", "256",
         "--api-key", STORE_KEYS[0], "--api-key", STORE_KEYS[1],
@@ -39,7 +42,7 @@ def store_server(start_server) -> ServeProcess:
 
 
 @pytest.fixture(scope="module")
-def bare_server(start_server) -> ServeProcess:
+def bare_server(start_server) -> ServerProcess:
     return start_server(
         "--store", "none", "--served-model-name", MODEL, "--num-blocks", "256",
         "--api-key", LIMIT_KEYS[0], "--api-key", LIMIT_KEYS[1],
@@ -47,11 +50,11 @@ def bare_server(start_server) -> ServeProcess:
     )  # fmt: skip
 
 
-def http_for(server: ServeProcess, key: str) -> Http:
+def http_for(server: ServerProcess, key: str) -> Http:
     return Http(server.url, {"Authorization": f"Bearer {key}"})
 
 
-def client_for(server: ServeProcess, key: str) -> openai.OpenAI:
+def client_for(server: ServerProcess, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
@@ -77,7 +80,7 @@ def chat_cached(client: openai.OpenAI, system: str, question: str) -> int:
 
 
 def test_warmup_job_then_chat_reports_cached(
-    store_server: ServeProcess, tokenizer: KVTokenizer
+    store_server: ServerProcess, tokenizer: KVTokenizer
 ) -> None:
     http = http_for(store_server, STORE_KEYS[0])
     system = f"[{uuid.uuid4().hex}] " + "You are a terse assistant for warm-up tests. " * 8
@@ -105,7 +108,7 @@ def test_warmup_job_then_chat_reports_cached(
     assert "kvserve:store_errors" in families
 
 
-def test_warmup_cli_against_the_server(store_server: ServeProcess, tmp_path: Path) -> None:
+def test_warmup_cli_against_the_server(store_server: ServerProcess, tmp_path: Path) -> None:
     jobs = tmp_path / "prefixes.jsonl"
     tag = uuid.uuid4().hex
     jobs.write_text(
@@ -132,7 +135,7 @@ def test_warmup_cli_against_the_server(store_server: ServeProcess, tmp_path: Pat
     assert again["status"] == "completed" and again["skipped"] == 2 and again["published"] == 0
 
 
-def test_warmup_bad_bodies(store_server: ServeProcess) -> None:
+def test_warmup_bad_bodies(store_server: ServerProcess) -> None:
     http = http_for(store_server, STORE_KEYS[0])
     bad: list[Any] = [
         {},
@@ -164,7 +167,7 @@ def test_warmup_bad_bodies(store_server: ServeProcess) -> None:
 # ---- flush -----------------------------------------------------------------------------------
 
 
-def test_flush_drops_the_prefix_cache(bare_server: ServeProcess) -> None:
+def test_flush_drops_the_prefix_cache(bare_server: ServerProcess) -> None:
     http = http_for(bare_server, LIMIT_KEYS[0])
     client = client_for(bare_server, LIMIT_KEYS[0])
     prompt = f"[{uuid.uuid4().hex}] " + "A preamble that the flush must forget. " * 8
@@ -189,7 +192,7 @@ def test_flush_drops_the_prefix_cache(bare_server: ServeProcess) -> None:
 # ---- rate limit ------------------------------------------------------------------------------
 
 
-def test_rate_limit_429_per_key(bare_server: ServeProcess) -> None:
+def test_rate_limit_429_per_key(bare_server: ServerProcess) -> None:
     http = http_for(bare_server, LIMIT_KEYS[1])
     statuses = []
     limited = None
@@ -220,7 +223,7 @@ def test_rate_limit_429_per_key(bare_server: ServeProcess) -> None:
 # ---- top-k logprobs --------------------------------------------------------------------------
 
 
-def test_top_logprobs_openai_shapes(store_server: ServeProcess) -> None:
+def test_top_logprobs_openai_shapes(store_server: ServerProcess) -> None:
     # The server without a rate limit: these 4 requests can finish within a second.
     client = client_for(store_server, STORE_KEYS[0])
     r = client.chat.completions.create(

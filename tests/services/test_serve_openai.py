@@ -17,17 +17,13 @@ from typing import Any
 
 import openai
 import pytest
+from kvserve.services.bench.lib.http import Http
+from kvserve.services.bench.lib.process import ServerProcess
+from kvserve.services.bench.lib.readiness import poll_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services.kvserve_process import (
-    Http,
-    ServeProcess,
-    cache_totals,
-    idle,
-    poll_until,
-    read_spans,
-)
 from tests.services.openai_suite import ERROR_KEYS, MODEL, NUM_BLOCKS, OpenAIApiSuite
+from tests.services.server_state import cache_totals, idle, read_spans
 
 KEYS = ("key-one", "key-two")
 MAX_QUEUE = 2
@@ -40,7 +36,7 @@ def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(start_server, trace_file: Path) -> ServeProcess:
+def server(start_server, trace_file: Path) -> ServerProcess:
     return start_server(
         "--store", "memory://",
         "--served-model-name", MODEL,
@@ -53,21 +49,21 @@ def server(start_server, trace_file: Path) -> ServeProcess:
     )  # fmt: skip
 
 
-def make_client(server: ServeProcess, key: str = KEYS[0]) -> openai.OpenAI:
+def make_client(server: ServerProcess, key: str = KEYS[0]) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
-def make_http(server: ServeProcess, key: str | None = KEYS[0]) -> Http:
+def make_http(server: ServerProcess, key: str | None = KEYS[0]) -> Http:
     return Http(server.url, {"Authorization": f"Bearer {key}"} if key else {})
 
 
 @pytest.fixture(scope="module")
-def client(server: ServeProcess) -> openai.OpenAI:
+def client(server: ServerProcess) -> openai.OpenAI:
     return make_client(server)
 
 
 @pytest.fixture(scope="module")
-def http(server: ServeProcess) -> Http:
+def http(server: ServerProcess) -> Http:
     return make_http(server)
 
 
@@ -84,7 +80,9 @@ class TestOpenAIApi(OpenAIApiSuite):
 # ---- this process's own ----------------------------------------------------------------------
 
 
-def test_client_gone_during_non_stream_request_cancels_it(server: ServeProcess, http: Http) -> None:
+def test_client_gone_during_non_stream_request_cancels_it(
+    server: ServerProcess, http: Http
+) -> None:
     poll_until(lambda: idle(http))
     host, port = server.url.removeprefix("http://").split(":")
     body = json.dumps(
@@ -175,7 +173,7 @@ def test_metrics_names(http: Http, client: openai.OpenAI) -> None:
 
 
 def test_trace_spans_gateway_to_worker_and_logs(
-    client: openai.OpenAI, trace_file: Path, server: ServeProcess
+    client: openai.OpenAI, trace_file: Path, server: ServerProcess
 ) -> None:
     r = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
@@ -264,7 +262,7 @@ def test_usage_splits_cached_tokens_by_tier(client: openai.OpenAI, trace_file: P
         assert tiers_of(attrs) == [cached, 0, 0]
 
 
-def quiet(server: ServeProcess) -> bool:
+def quiet(server: ServerProcess) -> bool:
     """Nothing in flight at the gateway (every queue slot is free)."""
     return bool(make_http(server).get("/v1/cache/stats").json()["gateway"]["in_flight"] == 0)
 
@@ -294,7 +292,7 @@ def test_bad_serve_arguments_are_one_line_errors() -> None:
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
 
 
-def test_api_keys(server: ServeProcess) -> None:
+def test_api_keys(server: ServerProcess) -> None:
     for key in (None, "wrong"):
         r = make_http(server, key).get("/v1/models")
         assert r.status_code == 401 and set(r.json()["error"]) == ERROR_KEYS
@@ -306,7 +304,7 @@ def test_api_keys(server: ServeProcess) -> None:
         assert [m.id for m in make_client(server, key).models.list().data]
 
 
-def test_each_key_has_its_own_cache_partition(server: ServeProcess) -> None:
+def test_each_key_has_its_own_cache_partition(server: ServerProcess) -> None:
     prompt = f"[{uuid.uuid4().hex}] " + "A long shared preamble about caching. " * 10
 
     def cached(key: str) -> int:
@@ -324,7 +322,7 @@ def test_each_key_has_its_own_cache_partition(server: ServeProcess) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
-def test_body_limit_413(server: ServeProcess) -> None:
+def test_body_limit_413(server: ServerProcess) -> None:
     r = make_http(server).post("/v1/completions", json={"prompt": "x" * (BODY_LIMIT + 10)})
     assert r.status_code == 413
     err = r.json()["error"]
@@ -335,7 +333,7 @@ def test_body_limit_413(server: ServeProcess) -> None:
     assert ok.choices[0].text is not None
 
 
-def test_full_queue_answers_503_with_retry_after(server: ServeProcess) -> None:
+def test_full_queue_answers_503_with_retry_after(server: ServerProcess) -> None:
     poll_until(lambda: quiet(server))
     c = make_client(server)
     streams = [long_stream(c) for _ in range(MAX_QUEUE)]
@@ -353,7 +351,7 @@ def test_full_queue_answers_503_with_retry_after(server: ServeProcess) -> None:
     assert ok.choices
 
 
-def test_sigterm_drains_running_requests(server: ServeProcess) -> None:
+def test_sigterm_drains_running_requests(server: ServerProcess) -> None:
     """Runs last in this module: the server stops."""
     poll_until(lambda: quiet(server))
     c = make_client(server)

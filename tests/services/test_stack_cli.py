@@ -12,9 +12,10 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-
-from tests.redis_servers import RedisServer, free_port, redis_binaries_present
-from tests.services.kvserve_process import Http, poll_until
+from kvserve.services.bench.lib.http import Http
+from kvserve.services.bench.lib.process import free_port
+from kvserve.services.bench.lib.readiness import poll_until
+from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_present
 
 # slow: ~25-40 s for a path test_stack_e2e.py already covers process by process.
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

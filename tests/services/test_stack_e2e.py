@@ -17,34 +17,38 @@ from typing import Any
 
 import openai
 import pytest
+from kvserve.services.bench.lib import fleet as harness
+from kvserve.services.bench.lib.http import Http
+from kvserve.services.bench.lib.process import STOP_GRACE_S, ServerProcess, free_port
+from kvserve.services.bench.lib.readiness import poll_until
+from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_present
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.redis_servers import RedisServer, free_port, redis_binaries_present
-from tests.services.kvserve_process import Http, ServeProcess, poll_until, read_spans
 from tests.services.openai_suite import MODEL, NUM_BLOCKS, OpenAIApiSuite
+from tests.services.server_state import read_spans
 
 pytestmark = pytest.mark.redis
 
 WORKER_FLAGS = ("--num-blocks", str(NUM_BLOCKS), "--claim-idle", "3", "--drain-timeout", "5")
 
 
-class Stack:
+class Stack(harness.Fleet):
+    """The gateway, prefill and decode workers (the harness's Fleet) on a redis-server of their
+    own, each process writing its spans to traces/NAME.jsonl."""
+
     def __init__(self, model_path: Path, traces: Path) -> None:
+        super().__init__(model_path)
         self.redis = RedisServer()
         self.redis.start()
-        self.model_path = model_path
         self.traces = traces
-        self.procs: dict[str, ServeProcess] = {}
 
-    def start(self, name: str, command: tuple[str, ...], *args: str) -> ServeProcess:
+    def start(self, name: str, command: tuple[str, ...], *args: str) -> ServerProcess:
         env = {"KVSERVE_TRACE_FILE": str(self.traces / f"{name}.jsonl")}
-        p = ServeProcess(["--model", str(self.model_path), *args], env, command)
-        self.procs[name] = p
-        return p
+        return self.process(name, command, *args, env=env).spawn()
 
-    def worker(self, role: str, name: str) -> ServeProcess:
+    def worker(self, role: str, name: str) -> ServerProcess:
         url = self.redis.url
         return self.start(
             name,
@@ -62,9 +66,8 @@ class Stack:
             *WORKER_FLAGS,
         )  # fmt: skip  (native frames: the suite compares texts with recomputation)
 
-    def stop(self) -> None:
-        for p in self.procs.values():
-            p.stop()
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        super().stop(grace)
         self.redis.stop()
 
 
@@ -79,10 +82,10 @@ def stack(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             "--served-model-name", MODEL,
         )  # fmt: skip
         # Two decode workers from the start (they load in parallel): one is killed last.
-        workers = [s.worker("prefill", "prefill-0")]
-        workers += [s.worker("decode", f"decode-{i}") for i in range(2)]
-        for p in [gw, *workers]:
-            p.wait_ready()
+        s.worker("prefill", "prefill-0")
+        for i in range(2):
+            s.worker("decode", f"decode-{i}")
+        s.wait_ready()
         http = Http(gw.url)
         poll_until(lambda: http.get("/ready").status_code == 200, timeout=30)
         yield s
@@ -91,13 +94,13 @@ def stack(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.procs["gateway"].url + "/v1", api_key="x", max_retries=0)
+def http(stack: Stack) -> Http:
+    return Http(stack.procs["gateway"].url)
 
 
 @pytest.fixture(scope="module")
-def http(stack: Stack) -> Http:
-    return Http(stack.procs["gateway"].url)
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.procs["gateway"].url + "/v1", api_key="x", max_retries=0)
 
 
 @pytest.fixture(scope="module")

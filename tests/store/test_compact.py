@@ -10,8 +10,8 @@ import msgpack
 import pytest
 import torch
 import zstandard
-from kvserve.services.bench import store_quality as sq
-from kvserve.services.bench.kvquant import PROMPTS, reference_text
+from kvserve.services.bench.lib import store_quality as sq
+from kvserve.services.bench.workloads.text import PROMPTS, reference_text
 from kvserve.shared.store import quant
 from kvserve.shared.store.codec import (
     MISS_REASONS,

@@ -250,6 +250,14 @@ class KVCacheManager:
         if self.fetches is not None:
             self.fetches.cancel(request_id)
 
+    def flush(self) -> bool:
+        """Wait until every block queued for the store is written (True without a store)."""
+        return self.connector.flush() if self.connector is not None else True
+
+    def cached_block(self, h: BlockHash) -> BlockId | None:
+        """The device block that holds `h` in the prefix index (None: not cached)."""
+        return self.pool.index.block_of(h) if self.pool.index is not None else None
+
     @property
     def last_fetch(self) -> FetchResult | None:
         """The latest finished store lookup (benchmarks)."""

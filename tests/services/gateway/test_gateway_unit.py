@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from kvserve.services.bench.lib.process import free_port
 from kvserve.services.gateway.admission import Admission
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys, key_salt
@@ -25,8 +26,6 @@ from kvserve.shared.bus.redis import RedisBus
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.protocol import ErrorInfo, TokenEvent
 from kvserve.shared.store.hashing import validate_cache_salt
-
-from tests.redis_servers import free_port
 
 Script = Callable[[WorkerPort, Delivery], Awaitable[None]]
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from kvserve.services.bench.lib.process import free_port
+from kvserve.services.bench.lib.redis_server import redis_answers
 from kvserve.shared.bus.base import Bus, BusUnavailableError
 from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.bus.redis import RedisBus
 from kvserve.shared.bus.redis_layout import RedisBusConfig
 from kvserve.shared.protocol import Cancel, ErrorInfo, GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
-
-from tests.redis_servers import free_port, redis_answers
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 

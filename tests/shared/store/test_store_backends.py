@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from kvserve.services.bench.lib.process import free_port
+from kvserve.services.bench.lib.redis_cluster import RedisCluster
+from kvserve.services.bench.lib.redis_server import RedisServer, redis_answers
 from kvserve.shared.store.backends import open_store, parse_size
 from kvserve.shared.store.base import BlockStore, Presence
 from kvserve.shared.store.breaker import CircuitBreaker
@@ -26,8 +29,6 @@ from kvserve.shared.store.redis import RedisStore
 from kvserve.shared.store.redis_cluster import RedisClusterStore
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-
-from tests.redis_servers import RedisCluster, RedisServer, free_port, redis_answers
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/15"
 

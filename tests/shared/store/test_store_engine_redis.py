@@ -13,12 +13,13 @@ import uuid
 
 import pytest
 import redis
+from kvserve.services.bench.lib.redis_cluster import RedisCluster
+from kvserve.services.bench.lib.redis_server import RedisServer
 from kvserve.shared.config import StoreConfig
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.base import block_key
 from kvserve.shared.store.hashing import block_hashes
 
-from tests.redis_servers import RedisCluster, RedisServer
 from tests.shared.engine.helpers import run_one
 
 pytestmark = pytest.mark.redis

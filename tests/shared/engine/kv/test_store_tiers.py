@@ -158,11 +158,10 @@ def test_open_breaker_is_a_lookup_outcome() -> None:
     """A connector over a Redis store whose breaker is open: the lookup sends nothing and is
     counted `breaker_open`, not `absent`."""
     import torch
+    from kvserve.services.bench.lib.process import free_port
     from kvserve.shared.engine.kv.connector import StoreConnector
     from kvserve.shared.store.breaker import CircuitBreaker
     from kvserve.shared.store.redis import RedisStore
-
-    from tests.redis_servers import free_port
 
     breaker = CircuitBreaker(failure_threshold=1, cooldown_s=3600.0)
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: only a short circuit answers

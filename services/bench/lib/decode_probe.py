@@ -1,0 +1,111 @@
+"""The engine's steady-state decode step, measured: `decode_step` runs `batch` sequences of
+`context`-token random prompts past their prefill and times pure decode steps, each followed
+(outside it) by the machine measurements it is to be divided by, so that both see the machine
+in the same state. Where the steps' layers ran as the one C++ call (kernels/cpu_decode_step.py),
+that call's time by part as well."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from kvserve.kernels import cpu_decode_step
+from kvserve.services.bench.lib.engine_timing import StepRecord, timed_steps
+from kvserve.services.bench.workloads.tokens import random_tokens
+from kvserve.shared.engine.engine import Engine
+from kvserve.shared.engine.outputs import RequestOutput
+from kvserve.shared.sampling_params import SamplingParams
+
+PROBE_BATCHES = (1, 8, 32)
+PROBE_WARMUP_STEPS = 1
+
+Paired = Mapping[str, Callable[[], object]]  # measurements timed beside each step, by name
+
+
+@dataclass(frozen=True)
+class DecodeProbe:
+    batch: int
+    step_ms: float  # median over the timed steps
+    mean_context: float  # KV tokens each sequence reads per step, averaged over the timed steps
+    # The paired measurements by name, each timed once after every timed step.
+    paired_s: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # Means over the timed steps of the layers' one C++ call by part (None: the steps did not
+    # take it), in ms.
+    layers_ms: cpu_decode_step.LayerSeconds | None = None
+
+
+def probe_max_tokens(batch: int, context: int, steps: int, step_budget: int) -> int:
+    """Enough tokens that no probe sequence finishes before the timed decode steps end: early
+    sequences decode while the later ones are still prefilling."""
+    prefill_steps = -(-batch * context // step_budget)
+    return 2 * prefill_steps + PROBE_WARMUP_STEPS + steps + 2
+
+
+def _count_tokens(outputs: list[RequestOutput], emitted: dict[str, int]) -> None:
+    for out in outputs:
+        if out.request_id in emitted:
+            emitted[out.request_id] += sum(len(c.token_ids) for c in out.completions)
+
+
+def _start_decoding(
+    engine: Engine, batch: int, context: int, steps: int, seed: int
+) -> dict[str, int]:
+    """`batch` probe requests of `context`-token random prompts, prefilled and past a few
+    untimed decode steps; their tokens emitted so far, by request id."""
+    rng = random.Random(seed)
+    budget = engine.scheduler.config.max_num_batched_tokens
+    params = SamplingParams(
+        max_tokens=probe_max_tokens(batch, context, steps, budget), ignore_eos=True
+    )
+    emitted = {f"probe-b{batch}-{i}": 0 for i in range(batch)}
+    vocab = engine.model_config.vocab_size
+    for rid in emitted:
+        engine.add_request(rid, random_tokens(rng, context, vocab), params)
+    while min(emitted.values()) == 0:
+        _count_tokens(engine.step(), emitted)
+    for _ in range(PROBE_WARMUP_STEPS):
+        _count_tokens(engine.step(), emitted)
+    return emitted
+
+
+def _timed_decode(
+    engine: Engine, emitted: dict[str, int], context: int, steps: int, paired: Paired
+) -> tuple[list[StepRecord], list[float], dict[str, tuple[float, ...]]]:
+    """`steps` timed steps, each followed by every paired measurement: the records, the mean
+    context of each step, and the paired seconds by name."""
+    contexts: list[float] = []
+    paired_s: dict[str, list[float]] = {name: [] for name in paired}
+    with timed_steps(engine) as records:
+        for _ in range(steps):
+            contexts.append(context + statistics.fmean(emitted.values()))
+            _count_tokens(engine.step(), emitted)
+            for name, measure in paired.items():
+                t0 = time.perf_counter()
+                measure()
+                paired_s[name].append(time.perf_counter() - t0)
+    return records, contexts, {name: tuple(ts) for name, ts in paired_s.items()}
+
+
+def decode_step(
+    engine: Engine, batch: int, context: int, steps: int, seed: int, paired: Paired | None = None
+) -> DecodeProbe:
+    """Median time of `steps` pure decode steps of `batch` sequences whose prompts are
+    `context` tokens, after every prompt is prefilled and a few untimed decode steps.
+    `paired` (machine measurements the step is compared with) are timed after each timed step,
+    outside it, so that both see the machine in the same state."""
+    emitted = _start_decoding(engine, batch, context, steps, seed)
+    cpu_decode_step.timing(True)
+    records, contexts, times = _timed_decode(engine, emitted, context, steps, paired or {})
+    layers = cpu_decode_step.timing(False)
+    for rid in emitted:
+        engine.abort_request(rid)
+    if any(r.num_seqs != batch or not r.decode_only for r in records):
+        raise RuntimeError(f"decode probe at batch {batch} ran steps that were not pure decode")
+    ms = statistics.median(r.seconds for r in records) * 1e3
+    layers_ms = None
+    if layers is not None and sum(layers) > 0:
+        layers_ms = cpu_decode_step.LayerSeconds(*(t * 1e3 / len(records) for t in layers))
+    return DecodeProbe(batch, ms, statistics.fmean(contexts), times, layers_ms)

@@ -1,0 +1,97 @@
+"""Timing an in-process Engine from outside: every step with the batch its scheduler produced
+(`timed_steps`), a request's first token (`first_token_s`), an arm's wall time and tokens
+(`ArmResult`). The engine's code is untouched: only bound methods of one engine are wrapped,
+and only while a block runs."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvserve.shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # no torch at import: `kvserve bench profile --help` stays fast
+    from kvserve.shared.engine.engine import Engine
+    from kvserve.shared.engine.outputs import RequestOutput
+    from kvserve.shared.engine.scheduler import Batch
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    seconds: float
+    num_seqs: int
+    num_tokens: int
+    num_prefill_seqs: int  # sequences with a prompt chunk of more than one token
+
+    @classmethod
+    def of(cls, batch: Batch, seconds: float) -> StepRecord:
+        prefills = sum(1 for s in batch.scheduled if s.num_new_tokens > 1)
+        return cls(seconds, len(batch.scheduled), batch.num_tokens, prefills)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_prefill_seqs == 0
+
+
+@contextlib.contextmanager
+def timed_steps(engine: Engine) -> Iterator[list[StepRecord]]:
+    """Within the block every `engine.step()` is timed with perf_counter and recorded with the
+    Batch its scheduler produced (a step that scheduled nothing is not recorded). Only the two
+    bound methods are replaced, and put back after; the engine's code is untouched."""
+    records: list[StepRecord] = []
+    scheduler = engine.scheduler
+    schedule, step = scheduler.schedule, engine.step
+    last: list[Batch] = []
+
+    def capture() -> Batch:
+        batch = schedule()
+        last.append(batch)
+        return batch
+
+    def timed() -> list[RequestOutput]:
+        last.clear()
+        t0 = time.perf_counter()
+        outputs = step()
+        seconds = time.perf_counter() - t0
+        if last and last[-1]:
+            records.append(StepRecord.of(last[-1], seconds))
+        return outputs
+
+    scheduler.schedule = capture  # type: ignore[method-assign]
+    engine.step = timed  # type: ignore[method-assign]
+    try:
+        yield records
+    finally:
+        scheduler.schedule = schedule  # type: ignore[method-assign]
+        engine.step = step  # type: ignore[method-assign]
+
+
+def first_token_s(engine: Any, rid: str, ids: list[int]) -> float:
+    """Seconds from add_request to the step that produced the first token of a 1-token
+    request, stepped until the engine has nothing left to do."""
+    t0 = time.perf_counter()
+    engine.add_request(rid, ids, FIRST_TOKEN)
+    ttft = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if ttft is None and out.completions[0].token_ids:
+                ttft = time.perf_counter() - t0
+    assert ttft is not None
+    return ttft
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    name: str
+    wall_s: float
+    useful_tokens: int  # tokens the requests asked for
+    generated_tokens: int  # tokens computed, waste included
+
+    @property
+    def tok_s(self) -> float:
+        return self.useful_tokens / self.wall_s

@@ -1,0 +1,165 @@
+"""`kvserve bench chaos`: what kvserve survives. A steady load against a real server while
+faults are injected one at a time, and per fault what became of every request.
+
+Targets (`--targets`): `serve` (`kvserve serve --store redis://...`), `fleet` (`kvserve
+gateway` + 2 `kvserve worker`s on the Redis bus and shared store) and `disagg` (`kvserve
+gateway` + 2 `kvserve prefill` + 2 `kvserve decode`), the last two started here one process
+each so that one can be killed. Redis is a redis-server of the tool's own behind a FaultProxy
+(lib/tcp_proxy.py): every byte between kvserve and Redis crosses it. Stores use the native format,
+so that a greedy answer is the same whichever tier served its prefix.
+
+Load: `--rate` requests/s, cycling through streaming and non-streaming, greedy and sampled
+(temperature 1.0) /v1/completions of a shared system prompt + one of QUESTIONS, `--max-tokens`
+each. Before any fault, every question's greedy answer is taken once (the fault-free reference).
+
+Faults (`--faults`), each: `--calm-s` of load, the fault for `--fault-s`, `--recover-s` of load,
+then the load pauses until the server is idle, and blocks and RSS are read:
+- redis-kill: SIGKILL, restarted empty after the fault window; redis-pause: SIGSTOP / SIGCONT;
+  redis-oom: maxmemory at what is used now with `noeviction`, restored after;
+- net-delay (50 ms each way per chunk), net-cut (every connection closed at once),
+  net-blackhole (nothing forwarded; stalled connections closed at the end);
+- worker-kill (fleet), prefill-kill, decode-kill (disagg): SIGKILL worker-1 / prefill-1 /
+  decode-1, restarted after the window; gateway-term (SIGTERM the gateway or the serve
+  process: it drains and exits; restarted after the window);
+- client-disconnect (8 streams dropped after their first chunk), burst (4 x --max-queue requests
+  at once).
+
+`--soak-min N` first runs the load without faults for N minutes; after each minute the load
+pauses until the server is idle and it reads the KV blocks in use, the servers' RSS, their open
+file descriptors, Redis's connected clients and the error lines logged; it reports them per
+minute and their least-squares slopes (`--faults none`: the soak alone).
+
+A request's outcome: `ok` (finished; greedy ones compared with the reference: `wrong` if the
+text differs), `http_NNN` (an error status; Retry-After noted), `stream_error` (an error event),
+`refused` (no server listening), `disconnected` (the client dropped it on purpose), `lost` (no
+terminal answer within --timeout, or a stream cut without one). Per fault, for requests sent
+from its start to the end of its recovery: sent, ok, wrong, lost, failed by kind, p99 TTFT
+against the calm period's, seconds until the store took writes again after Redis came back, KV
+blocks in use when idle after the fault against before the run (0 leaked), RSS growth.
+Prints a table per target; the last line printed is one JSON object; `--out DIR` keeps the
+servers' logs, requests.jsonl and chaos.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvserve.services.bench.lib.redis_server import RedisServer
+from kvserve.services.bench.lib.tcp_proxy import ThreadedFaultProxy
+from kvserve.services.bench.sweeps.chaos_faults import FAULTS, KILLS, Rig, run_fault
+from kvserve.services.bench.sweeps.chaos_load import Load
+from kvserve.services.bench.sweeps.chaos_report import FaultReport, soak_table, table
+from kvserve.services.bench.sweeps.chaos_soak import run_soak
+from kvserve.services.bench.sweeps.chaos_target import TARGETS, Target, idle
+from kvserve.services.cli_support import CliError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma list of {TARGETS}")
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma list of {FAULTS}, or none")
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    p.add_argument("--calm-s", type=float, default=15.0)
+    p.add_argument("--fault-s", type=float, default=10.0)
+    p.add_argument("--recover-s", type=float, default=15.0)
+    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--max-queue", type=int, default=8, help="the gateway's bound (burst fault)")
+    p.add_argument("--timeout", type=float, default=120.0, help="a request's, seconds")
+    p.add_argument("--model", default=None, help="GGUF (default: the default model)")
+    p.add_argument("--out", type=Path, default=Path("bench-chaos"))
+    p.add_argument("--soak-min", type=int, default=0,
+                   help="first a soak: this many minutes of load without faults")  # fmt: skip
+
+
+def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    targets = [t for t in args.targets.split(",") if t]
+    faults = [f for f in args.faults.split(",") if f and f != "none"]
+    if not targets or set(targets) - set(TARGETS):
+        raise CliError(f"--targets must be a comma list of {', '.join(TARGETS)}")
+    if (not faults and args.faults != "none") or set(faults) - set(FAULTS):
+        raise CliError(f"--faults must be a comma list of {', '.join(FAULTS)}")
+    if min(args.rate, args.fault_s, args.recover_s, args.timeout) <= 0 or args.calm_s < 0:
+        raise CliError("--rate, --fault-s, --recover-s and --timeout must be > 0, --calm-s >= 0")
+    if args.soak_min < 0:
+        raise CliError("--soak-min must be >= 0")
+    if args.max_tokens < 1 or args.max_queue < 1:
+        raise CliError("--max-tokens and --max-queue must be >= 1")
+    return targets, faults
+
+
+async def _faults(rig: Rig, faults: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The soak (with --soak-min), then each fault of this topology in turn, under load."""
+    kind, load = rig.target.kind, rig.load
+    base = await idle(rig.target)
+    reports: list[FaultReport] = []
+    result: dict[str, Any] = {"target": kind, "faults": reports}
+    sender = asyncio.create_task(load.run())
+    try:
+        if args.soak_min:
+            result["soak"] = await run_soak(rig, args)
+        for fault in faults:
+            if fault in KILLS and KILLS[fault] not in rig.target.procs:
+                continue  # no such process in this topology
+            print(f"[{kind}] {fault} ...", flush=True)
+            reports.append(await run_fault(rig, fault, args, base))
+            print(f"[{kind}] {fault}: {asdict(reports[-1])}", flush=True)
+    finally:
+        sender.cancel()
+    return result
+
+
+async def _load_target(
+    parts: tuple[RedisServer, ThreadedFaultProxy, Target],
+    faults: list[str],
+    args: argparse.Namespace,
+    out: Path,
+) -> dict[str, Any]:
+    """The reference answers, then the faults; every request a line of out/requests.jsonl."""
+    import aiohttp
+
+    redis_server, proxy, target = parts
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+        load = Load(target.base_url, target.kind, args, http)
+        await load.references()
+        result = await _faults(Rig(redis_server, proxy, target, load), faults, args)
+        with (out / "requests.jsonl").open("w") as f:
+            for o in load.outcomes:
+                f.write(json.dumps(asdict(o)) + "\n")
+    return result
+
+
+async def run_target(kind: str, faults: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """One topology on a Redis of its own behind the fault proxy, started, loaded, stopped."""
+    out = args.out / kind
+    out.mkdir(parents=True, exist_ok=True)
+    redis_server = RedisServer(maxmemory="2gb", log=out / "redis.log")
+    redis_server.start()
+    proxy = ThreadedFaultProxy("127.0.0.1", redis_server.port)
+    proxy.start()
+    target = Target(kind, f"redis://127.0.0.1:{proxy.port}/0", args, out)
+    try:
+        await asyncio.to_thread(target.start)
+        result = await _load_target((redis_server, proxy, target), faults, args, out)
+    finally:
+        await asyncio.to_thread(target.stop)
+        proxy.close()
+        redis_server.stop()
+    result["faults"] = [asdict(r) for r in result["faults"]]
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    targets, faults = _check(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for kind in targets:
+        result = asyncio.run(run_target(kind, faults, args))
+        print(soak_table(result) + "\n" + table(result), flush=True)
+        results.append(result)
+    (args.out / "chaos.json").write_text(json.dumps(results, indent=1))
+    print(json.dumps(results))
+    return 0

@@ -1,0 +1,1 @@
+"""The benchmarks' workloads: prompts as token ids, deterministic under a seed."""

@@ -1,0 +1,145 @@
+"""The workloads of `kvserve bench serve`: prompts as token ids (workloads/tokens.py),
+deterministic under a seed.
+
+A workload is a list of `Session`s. A session is one or more turns sent one after another; a
+turn's prompt is its own tokens, or, for a session that carries its history (`multi-round`),
+every earlier turn's tokens and answers followed by its own. Single requests are sessions of one
+turn. Each workload is a frozen spec whose `sessions(vocab_size, seed)` draws them:
+
+- `random` (`RandomLengths`): uniform input / output lengths in [len * (1 - r), len * (1 + r)]
+  (vLLM's random).
+- `shared-prefix` (`SharedPrefix`): G groups x P prompts, a per-group prefix plus a distinct
+  question, fixed output length, shuffled (SGLang's generated-shared-prefix).
+- `multi-round` (`MultiRound`): U users x R rounds, one system prompt shared by all users, each
+  round appends the previous answer and a new question (LMCache's multi-round QA); a user's
+  rounds are sequential.
+- `mooncake`: the Mooncake FAST'25 trace replayed (workloads/mooncake.py).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from kvserve.services.bench.workloads.tokens import check_vocab, random_tokens
+
+WORKLOADS = ("random", "shared-prefix", "multi-round", "mooncake")
+
+
+@dataclass
+class Turn:
+    tokens: list[int]  # appended to the history, then sent
+    output_len: int
+
+
+@dataclass
+class Session:
+    turns: list[Turn]
+    carry_history: bool = False  # multi-round: the prompt is the whole conversation so far
+    arrival_s: float | None = None  # trace replay: seconds after the start
+    tag: str = ""  # e.g. "g3" (shared-prefix group), "u2" (user), "t17" (trace line)
+    hash_ids: list[int] = field(default_factory=list)  # mooncake: the (scaled) blocks
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.turns)
+
+
+class Workload(Protocol):
+    def sessions(self, vocab_size: int, seed: int = 0) -> list[Session]: ...
+
+
+class SeededWorkload:
+    """A workload drawn from one random stream named for it and the seed (so two workloads never
+    share their tokens): `sessions` checks the vocabulary and hands the stream to `draw`."""
+
+    name: ClassVar[str]
+
+    def sessions(self, vocab_size: int, seed: int = 0) -> list[Session]:
+        check_vocab(vocab_size)
+        return self.draw(random.Random(f"{self.name}:{seed}"), vocab_size)
+
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
+        raise NotImplementedError
+
+
+def _uniform_len(rng: random.Random, length: int, ratio: float) -> int:
+    lo = max(1, math.floor(length * (1 - ratio)))
+    hi = max(lo, math.ceil(length * (1 + ratio)))
+    return rng.randint(lo, hi)
+
+
+@dataclass(frozen=True)
+class RandomLengths(SeededWorkload):
+    """`num_requests` single requests, input and output lengths uniform within `range_ratio` of
+    the given ones (vLLM's random)."""
+
+    name: ClassVar[str] = "random"
+    num_requests: int
+    input_len: int
+    output_len: int
+    range_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"range ratio must be in [0, 1), got {self.range_ratio}")
+
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
+        out = []
+        for i in range(self.num_requests):
+            n_in = _uniform_len(rng, self.input_len, self.range_ratio)
+            n_out = _uniform_len(rng, self.output_len, self.range_ratio)
+            out.append(Session([Turn(random_tokens(rng, n_in, vocab_size), n_out)], tag=f"r{i}"))
+        return out
+
+
+@dataclass(frozen=True)
+class SharedPrefix(SeededWorkload):
+    """`groups` x `prompts_per_group` requests: a group's prefix, then a question of its own."""
+
+    name: ClassVar[str] = "shared-prefix"
+    groups: int
+    prompts_per_group: int
+    prefix_len: int
+    question_len: int
+    output_len: int
+
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
+        out = []
+        for g in range(self.groups):
+            prefix = random_tokens(rng, self.prefix_len, vocab_size)
+            for _ in range(self.prompts_per_group):
+                question = random_tokens(rng, self.question_len, vocab_size)
+                out.append(Session([Turn(prefix + question, self.output_len)], tag=f"g{g}"))
+        rng.shuffle(out)
+        return out
+
+
+@dataclass(frozen=True)
+class MultiRound(SeededWorkload):
+    """`users` conversations of `rounds` rounds after one shared system prompt; `context_len`:
+    a context of each user's own (a document, a profile) after the system prompt in the first
+    round, as in LMCache's multi-round QA benchmark."""
+
+    name: ClassVar[str] = "multi-round"
+    users: int
+    rounds: int
+    system_len: int
+    question_len: int
+    output_len: int
+    context_len: int = 0
+
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
+        system = random_tokens(rng, self.system_len, vocab_size)
+        out = []
+        for u in range(self.users):
+            turns = [
+                Turn(random_tokens(rng, self.question_len, vocab_size), self.output_len)
+                for _ in range(self.rounds)
+            ]
+            context = random_tokens(rng, self.context_len, vocab_size)
+            turns[0] = Turn(system + context + turns[0].tokens, self.output_len)
+            out.append(Session(turns, carry_history=True, tag=f"u{u}"))
+        return out

@@ -1,0 +1,100 @@
+"""`kvserve bench compare`: medians and ranges over repeats, the report of a saved run, and one
+real run of the kvserve arm (a `kvserve serve` process driven by `kvserve bench serve`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvserve.services.bench.sweeps.compare import KEYS, aggregate, failed_run
+from kvserve.services.cli import main
+
+
+def summary(tok_s: float, ttft: float) -> dict[str, float]:
+    return {k: ttft for k in KEYS} | {"output_tok_s": tok_s}
+
+
+def test_aggregate_takes_medians_and_ranges() -> None:
+    row = aggregate({"runs": [summary(10, 3), summary(30, 1), summary(20, 2)]})
+    assert row["repeats"] == 3
+    assert row["output_tok_s"] == 20 and row["range"]["output_tok_s"] == [10, 30]
+    assert row["ttft_median_s"] == 2 and row["range"]["ttft_p99_s"] == [1, 3]
+    failed = aggregate({"error": "could not build", "runs": [summary(1, 1)]})
+    assert failed == {"error": "could not build", "repeats_done": 1}
+
+
+def test_a_run_with_failed_requests_does_not_count() -> None:
+    assert failed_run({"failed": 0, "num_requests": 64}) is None
+    why = failed_run({"failed": 64, "num_requests": 64, "errors": ["HTTP 500: boom"]})
+    assert why == "64 of 64 requests failed, e.g. HTTP 500: boom"
+
+
+def test_report_prints_and_plots_a_saved_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = {
+        "kvserve": {"runs": [summary(40, 5), summary(44, 4)]},
+        "llama-server": {"runs": [summary(8, 50)]},
+        "hf": {"error": "transformers shim did not start"},
+    }
+    (tmp_path / "compare.json").write_text(json.dumps({"raw": raw}))
+    plot = tmp_path / "compare.png"
+    argv = ["bench", "compare", "--workload", "shared-prefix", "--out", str(tmp_path)]
+    assert main([*argv, "--report", "--plot", str(plot)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(lines[-1])
+    assert rows["kvserve"]["output_tok_s"] == 42 and rows["llama-server"]["repeats"] == 1
+    assert "not run: transformers shim did not start" in "\n".join(lines)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_arm_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "compare", "--workload", "random", "--arms", "kvserve,vllm"]
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    assert "unknown arms: vllm" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~25 s: starts `kvserve serve` twice
+def test_kvserve_arm_runs_its_repeats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "bench", "compare", "--workload", "random", "--num-requests", "3", "--input-len", "24",
+        "--output-len", "3", "--arms", "kvserve", "--repeats", "2", "--warmup-requests", "1",
+        "--threads", "1", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    row = rows["kvserve"]
+    assert row["repeats"] == 2 and row["output_tok_s"] > 0
+    for r in range(2):
+        records = (tmp_path / "kvserve" / f"repeat-{r}" / "requests.jsonl").read_text().splitlines()
+        assert len(records) == 3
+        assert all(json.loads(line)["output_tokens"] == 3 for line in records)
+
+
+@pytest.mark.redis
+def test_each_arm_is_saved_as_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first arm fails for real (its own redis-server refuses a bad maxmemory); the run is
+    then stopped during the second, as a user would stop a long run: the first arm's result is
+    already in compare.json."""
+    from kvserve.services.bench.sweeps import compare
+
+    real_run_arm = compare.run_arm
+    calls: list[str] = []
+
+    def run_arm_then_stop(arm: str, *args: object) -> dict[str, object]:
+        calls.append(arm)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_run_arm(arm, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compare, "run_arm", run_arm_then_stop)
+    argv = ["bench", "compare", "--workload", "random", "--arms", "kvserve-disagg,kvserve"]
+    argv += ["--redis-maxmemory", "lots", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(argv) == 130  # the command line's answer to Ctrl-C
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert list(saved["arms"]) == ["kvserve-disagg"]
+    assert "redis-server exited" in saved["arms"]["kvserve-disagg"]["error"]
+    assert "could not run" in capsys.readouterr().out

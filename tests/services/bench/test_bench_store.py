@@ -1,0 +1,58 @@
+"""`kvserve bench store` end to end at tiny sizes against the local Redis: it runs and its last
+line is the JSON summary with the keys the issue names (speed is measured, not asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvserve.services import cli
+
+from tests.services.bench.cli_output import one_line_error
+
+
+@pytest.mark.redis
+@pytest.mark.slow  # ~21 s; a benchmark's smoke run (2-core AVX2 machine)
+def test_bench_store_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    args = ["bench", "store", "--formats", "fp16,int8", "--text-tokens", "48"]
+    args += ["--plot", str(tmp_path / "store.png")]
+    args += ["--gen-tokens", "8", "--num-prompts", "1", "--prefix-tokens", "64"]
+    args += ["--repeats", "1", "--blocks", "8", "--batch", "4"]
+    assert cli.main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["bytes_per_token"]) == {"fp16", "int8"}
+    assert summary["ratio_int8_vs_fp16"] < 0.55
+    assert summary["ttft_breakdown"][0]["cached_tokens"] == 64
+    for key in ("ttft_store_s", "ttft_recompute_s", "speedup", "get_mb_per_s", "put_mb_per_s"):
+        assert summary[key] > 0
+    assert (tmp_path / "store.png").stat().st_size > 0
+
+
+def test_bench_store_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    for args in (
+        ["bench", "store", "--parts", "nope"],
+        ["bench", "store", "--formats", "int3"],
+        ["bench", "store", "--repeats", "0"],
+        ["bench", "store", "--breakeven-lengths", "16,abc"],
+        ["bench", "store", "--breakeven-formats", "int3"],
+    ):
+        assert "--" in one_line_error(args, capsys)
+
+
+@pytest.mark.redis
+def test_bench_store_breakeven_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One block and four blocks, int8: every TTFT measured, the rule's choice named, the ratio
+    to the faster choice computed from them, the plot written."""
+    args = ["bench", "store", "--parts", "breakeven", "--breakeven-formats", "int8"]
+    args += ["--breakeven-lengths", "16,64", "--repeats", "1"]
+    args += ["--breakeven-plot", str(tmp_path / "breakeven.png")]
+    assert cli.main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = summary["breakeven"]
+    assert [(r["format"], r["prefix_tokens"]) for r in rows] == [("int8", 16), ("int8", 64)]
+    for r in rows:
+        best = min(r["ttft_load_s"], r["ttft_recompute_s"])
+        assert r["rule_over_best"] == pytest.approx(r["ttft_rule_s"] / best)
+        assert r["rule_chose"] in ("load", "recompute")
+    assert summary["breakeven_rule_worst"] == max(r["rule_over_best"] for r in rows)
+    assert (tmp_path / "breakeven.png").stat().st_size > 0
