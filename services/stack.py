@@ -88,7 +88,9 @@ def worker_store(args: argparse.Namespace) -> str:
 
 def commands(args: argparse.Namespace) -> list[list[str]]:
     """The gateway's command line, then each worker's (worker_roles' order)."""
-    base = [sys.executable, "-m", "kvserve.services.cli"]
+    # -P: the working directory stays off sys.path (a checkout's top-level kernels/ folder
+    # would shadow the installed package of that name).
+    base = [sys.executable, "-P", "-m", "kvserve.services.cli"]
     threads = str(worker_threads(args))
     out = [
         [*base, "gateway", "--bus", args.redis, "--host", args.host, "--port", str(args.port),

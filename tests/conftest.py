@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,17 @@ from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig, de
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.tokenizer import KVTokenizer
 
+
+def _repository_root_last() -> None:
+    """The repository root at the end of sys.path only (for the `tests.` helpers): before the
+    installed packages, its top-level folders (kernels/, shared/, services/: the sources, which
+    are imported as kvserve.*) would shadow packages of the same name; transformers imports one
+    called `kernels`. `python -m pytest` puts the working directory first."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root] + [str(root)]
+
+
+_repository_root_last()
 torch.set_num_threads(2)
 if not torch.cuda.is_available():  # Triton kernels run under the interpreter on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")

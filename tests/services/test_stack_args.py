@@ -21,10 +21,10 @@ def _commands(*flags: str) -> list[list[str]]:
 
 
 def _args(command: list[str], subcommand: str) -> list[str]:
-    """The command line after `python -m kvserve.services.cli SUBCOMMAND`."""
-    assert command[:3] == [sys.executable, "-m", "kvserve.services.cli"]
-    assert command[3] == subcommand
-    return command[4:]
+    """The command line after `python -P -m kvserve.services.cli SUBCOMMAND`."""
+    assert command[:4] == [sys.executable, "-P", "-m", "kvserve.services.cli"]
+    assert command[4] == subcommand
+    return command[5:]
 
 
 def test_the_gateway_gets_the_request_timeout() -> None:
@@ -103,12 +103,12 @@ def test_aggregated_workers_on_local_stores() -> None:
 
 def test_disaggregated_by_default() -> None:
     _, *workers = _commands()
-    assert [w[3] for w in workers] == ["prefill", "prefill", "decode"]
+    assert [w[4] for w in workers] == ["prefill", "prefill", "decode"]
     assert all("--name" not in w for w in workers)  # each keeps its role-host-pid name
     assert [w[w.index("--metrics-port") + 1] for w in workers] == ["9100", "9101", "9102"]
     assert all(w[w.index("--store") + 1] == REDIS for w in workers)
     _, *workers = _commands("--prefill", "1", "--decode", "2")
-    assert [w[3] for w in workers] == ["prefill", "decode", "decode"]
+    assert [w[4] for w in workers] == ["prefill", "decode", "decode"]
 
 
 @pytest.mark.parametrize("topology", [[], ["--workers", "3"]])

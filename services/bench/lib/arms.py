@@ -134,7 +134,9 @@ def llama_server(port: int, settings: ArmSettings, slots: int = SLOTS) -> ArmSer
 
 def hf_server(port: int, settings: ArmSettings) -> ArmServer:
     """Transformers behind the shim, not started."""
-    cmd = [sys.executable, "-m", "kvserve.services.bench.lib.hf_shim"]
+    # -P: a checkout's top-level kernels/ folder, in the working directory, would shadow the
+    # installed `kernels` package that transformers imports.
+    cmd = [sys.executable, "-P", "-m", "kvserve.services.bench.lib.hf_shim"]
     cmd += ["--model", str(settings.model), "--port", str(port), "--threads", str(settings.threads)]
     process = ServerProcess(
         "hf", cmd, ready=HttpReady("/health"), url=f"http://127.0.0.1:{port}",

@@ -82,7 +82,8 @@ def kvserve_command() -> list[str]:
     if beside.exists():
         return [str(beside)]
     found = shutil.which("kvserve")
-    return [found] if found else [sys.executable, "-m", "kvserve.services.cli"]
+    # -P: the working directory stays off sys.path (see stack.commands).
+    return [found] if found else [sys.executable, "-P", "-m", "kvserve.services.cli"]
 
 
 def parse_event(line: str) -> dict[str, Any] | None:
