@@ -12,7 +12,7 @@ Each query row takes a block VW tokens at a time (the machine's vector width, cs
 into one vector of scores (a transpose-reduce, not VW horizontal sums), a vectorized exp for
 the online softmax, then the VW V rows accumulated. While it works on one block it prefetches
 the sequence's next block (whose address the hardware prefetcher cannot guess: blocks are
-scattered), a slice per query row. Figures: docs/benchmarks.md (CPU attention kernels).
+scattered), a slice per query row. Figures: docs/benchmarks.md (CPU kernels).
 
 Shared prefixes are read once (cascade attention, as FlashInfer and vLLM do it on GPUs):
 sequences whose block tables start with the same physical blocks (prefix-cache hits, n > 1

@@ -15,7 +15,7 @@ other rows share the call: a sequence's result is bit-identical alone or in any 
 
 With AVX-512 it is faster than oneDNN's prepacked GEMM at decode batch sizes and as fast at
 prefill sizes, so it takes every input; with AVX2 oneDNN is faster above MAX_ROWS rows, so
-those go to oneDNN there (`max_rows()`; figures in docs/benchmarks.md, linear layers).
+those go to oneDNN there (`max_rows()`; figures in docs/benchmarks.md, engine decision records).
 `available()` is False where the kernel cannot be built: the caller uses oneDNN.
 """
 

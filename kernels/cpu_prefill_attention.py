@@ -11,7 +11,7 @@ Tiles above the diagonal are never visited; the diagonal tile is masked per row.
 arithmetic depends only on its own query, its position and the keys: a token's result does not
 depend on how its prompt was chunked or what else is in the batch. Work items go longest first
 to whichever thread is free (a static split would hand one thread the late, expensive tiles of
-a long prompt). Figures: docs/benchmarks.md (CPU attention kernels).
+a long prompt). Figures: docs/benchmarks.md (CPU kernels).
 
 Other dtypes (bf16 models), other head dims and a machine without a compiler take torch's flash
 kernel, called so that it does no wasted work: a chunk of L new tokens after P cached ones is
