@@ -108,11 +108,12 @@ def test_listening_commands_default_to_loopback(command: str) -> None:
 def test_stack_starts_every_process_on_loopback(topology: list[str]) -> None:
     """`kvserve stack`'s child command lines, parsed as the children parse them."""
     gateway, *workers = stack.commands(parse([*LISTENING["stack"], *topology]))
-    prefix = [sys.executable, "-m", "kvserve.services.cli"]
-    assert gateway[:3] == prefix and parse(gateway[3:]).host == LOOPBACK
+    prefix = [sys.executable, "-P", "-m", "kvserve.services.cli"]
+    n = len(prefix)
+    assert gateway[:n] == prefix and parse(gateway[n:]).host == LOOPBACK
     assert workers
     for worker in workers:
-        assert worker[:3] == prefix and parse(worker[3:]).metrics_host == LOOPBACK
+        assert worker[:n] == prefix and parse(worker[n:]).metrics_host == LOOPBACK
 
 
 def test_benchmark_servers_bind_loopback() -> None:
