@@ -29,7 +29,6 @@ from kvserve.shared.engine.kv.manager import KVIdentity
 from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.block_data import KVTail
-from kvserve.shared.store.hashing import block_hashes
 
 
 @dataclass(frozen=True)
@@ -188,12 +187,12 @@ class AsyncEngine:
     ) -> tuple[int, int, int]:
         """The prompt's full blocks before its last token, and how many of them the device
         cache holds and the host tier continues with (looked up on the engine thread)."""
-        eng, bs = self.engine, self.engine.block_size
+        kv = self.engine.kv
+        head = list(prompt[:-1])  # the last token is always computed
 
         def lookup() -> tuple[int, int, int]:
-            n = (len(prompt) - 1) // bs  # the last token is always computed
-            hashes = block_hashes(eng.root_hash(cache_salt), list(prompt[: n * bs]), bs)
-            return n, *eng.kv.local_prefix(hashes)
+            hashes = kv.prefix_hashes(head, cache_salt)
+            return len(hashes), *kv.local_prefix(hashes)
 
         result: tuple[int, int, int] = await self.call(lookup)
         return result

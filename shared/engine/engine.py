@@ -142,7 +142,7 @@ class Engine:
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                 f"exceeds the context window of {self.max_model_len} tokens",
             )
-        if -(-total // self.block_size) > self.kv.stats()["num_blocks"]:
+        if -(-total // self.block_size) > self.kv.num_blocks:
             raise InvalidRequestError(
                 "max_tokens", f"a sequence of {total} tokens cannot fit in the KV cache"
             )

@@ -102,6 +102,11 @@ class Sequence:
             )
         return self.block_hashes[:num_blocks]
 
+    def matchable_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of the full blocks before the last token: the most a prefix match can
+        attach, since the last token is always computed (its logits are needed)."""
+        return self.full_block_hashes((self.num_tokens - 1) // block_size, block_size)
+
     def blocks_needed(self, num_tokens: int, block_size: int) -> int:
         """Blocks the table must hold to cover `num_tokens` tokens, beyond those it has."""
         return max(0, -(-num_tokens // block_size) - len(self.block_table))

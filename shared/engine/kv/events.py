@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 from kvserve.shared.store.hashing import BlockHash
 
-TIERS = ("device", "host", "store")
-
 
 @dataclass(frozen=True)
 class TierEvent:

@@ -25,7 +25,6 @@ from kvserve.shared.engine.kv.connector import FetchResult, StoreConnector
 from kvserve.shared.engine.kv.load import LoadJob
 from kvserve.shared.engine.kv.tiers import Tiers
 from kvserve.shared.engine.sequence import BlockId, Sequence
-from kvserve.shared.store.hashing import BlockHash
 
 log = logging.getLogger("kvserve.engine")
 
@@ -56,17 +55,13 @@ class StoreFetches:
         self._draining: list[tuple[LoadJob, list[BlockId]]] = []
         self.last: FetchResult | None = None  # the latest finished fetch (benchmarks)
 
-    def _prompt_hashes(self, seq: Sequence) -> list[BlockHash]:
-        """The hashes of the full blocks before the prompt's last token (always computed)."""
-        return seq.full_block_hashes((seq.num_tokens - 1) // self.block_size, self.block_size)
-
     def start(self, seq: Sequence, recompute_s_per_block: float) -> bool:
         """Ask the store for the full prompt blocks that neither the device cache nor the host
         tier holds (they must continue the locally held run). False when there is nothing to
         ask for."""
         if self.tiers.pool.index is None or seq.root_hash is None:
             return False
-        hashes = self._prompt_hashes(seq)
+        hashes = seq.matchable_block_hashes(self.block_size)
         start = sum(self.tiers.local_prefix(hashes))
         if start >= len(hashes):
             return False
@@ -131,7 +126,7 @@ class StoreFetches:
         prefix no longer leads into the stored run, or no block is free."""
         assert f.seq.root_hash is not None
         tiers = self.tiers
-        hashes = self._prompt_hashes(f.seq)
+        hashes = f.seq.matchable_block_hashes(self.block_size)
         held = tiers.hold_prefix(hashes)
         n = min(f.start + res.present - len(held), tiers.pool.num_free)
         dst = tiers.allocate(n) if len(held) >= f.start and n > 0 else None
@@ -154,7 +149,7 @@ class StoreFetches:
         if f.job is None:
             return
         f.job.stop()
-        hashes = self._prompt_hashes(f.seq)
+        hashes = f.seq.matchable_block_hashes(self.block_size)
         index = self.tiers.pool.index
         parent = f.held[-1] if f.held else None
         first = len(f.held)

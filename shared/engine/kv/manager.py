@@ -100,6 +100,11 @@ class KVCacheManager:
         self.prefill_s_per_token = 1 / 300
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks in the device cache, used or free."""
+        return self.pool.num_blocks
+
+    @property
     def caching(self) -> bool:
         return self.pool.index is not None
 
@@ -142,8 +147,8 @@ class KVCacheManager:
         (its logits are needed), so at most (num_tokens - 1) // block_size blocks match."""
         if not self.caching:
             return
-        limit = (seq.num_tokens - 1) // self.block_size
-        hashes = seq.full_block_hashes(limit, self.block_size)
+        hashes = seq.matchable_block_hashes(self.block_size)
+        limit = len(hashes)
         blocks = self.pool.match_prefix(hashes)
         loaded = sum(h in seq.loaded_from_store for h in hashes[: len(blocks)])
         seq.loaded_from_store = set()
