@@ -164,6 +164,30 @@ class StoreConfig:
         return "int8" if scheme in REMOTE_STORE_SCHEMES else "native"
 
 
+SIM_PAYLOADS = ("auto", "true", "small")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulated engine (DESIGN.md section 2.2): the forward pass replaced by the time the
+    cost profile `profile` (a shipped profile's name, `cpu`, or a file) gives, run
+    `time_scale` times slower than modelled. `payload`: the KV cache's tensors in the
+    modelled model's true geometry ("true": store frames of the true size, transfers real) or
+    a small one ("small": transfer times modelled from the true size); "auto": true when the
+    modelled cache fits in `true_payload_max_bytes`."""
+
+    profile: str
+    time_scale: float = 1.0
+    payload: str = "auto"
+    true_payload_max_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        if not (self.time_scale > 0 and self.time_scale < float("inf")):
+            raise ValueError(f"time_scale must be a positive number, got {self.time_scale}")
+        if self.payload not in SIM_PAYLOADS:
+            raise ValueError(f"payload must be one of {SIM_PAYLOADS}, got {self.payload!r}")
+
+
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 MATMUL_DTYPES = ("auto", *MODEL_DTYPES)
 # The linear layers' weights: the GGUF file's own blocks (file; auto: where a kernel serves them,
@@ -185,6 +209,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     device: str = "cpu"
     num_threads: int | None = None
+    simulate: SimConfig | None = None  # a simulated engine: no model, the profile's timing
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:

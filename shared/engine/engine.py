@@ -26,11 +26,16 @@ from kvserve.shared.engine.outputs import Emitted, RequestOutput
 from kvserve.shared.engine.request import Request, SequenceFactory
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
+from kvserve.shared.engine.sim.model import SimulatedModel, fill_like_kv, load_simulated
+from kvserve.shared.engine.sim.runner import SimulatedRunner, word_vocabulary
+from kvserve.shared.engine.sim.store import ModelledTransfers
 from kvserve.shared.engine.startup import build_kv_manager, load_model
 from kvserve.shared.engine.step_threads import StepThreads
 from kvserve.shared.model.loader import LoadedWeights
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
+from kvserve.shared.store.backends import open_store
+from kvserve.shared.store.base import BlockStore
 from kvserve.shared.store.block_data import KVTail
 from kvserve.shared.store.hashing import BlockHash, InvalidSaltError, validate_cache_salt
 
@@ -45,24 +50,23 @@ class Engine:
         tokenizer: KVTokenizer | None = None,
         weights: LoadedWeights | None = None,
     ) -> None:
-        """`weights` and `tokenizer` may be passed in to share one load between engines."""
+        """`weights` and `tokenizer` may be passed in to share one load between engines.
+        With `config.simulate` the engine is simulated (DESIGN.md section 2.2): no weights, the
+        forward pass replaced by the cost profile's time; `self.config` then holds the
+        profile's KV capacity and scheduler limits."""
         self.config = config
         # Seconds each part of start-up took (kvserve bench startup reports them).
         self.startup_s: dict[str, float] = {}
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config, self.startup_s, weights, tokenizer)
-        self.tokenizer = loaded.tokenizer
-        self.model_fingerprint = loaded.fingerprint
-        self.model_config: ModelConfig = loaded.weights.config
-        self.max_model_len = self.model_config.max_position_embeddings
-        identity = (self.model_fingerprint, self.tokenizer.fingerprint)
-        self.kv = build_kv_manager(config, self.model_config, identity, self.startup_s)
+        self.simulated: SimulatedModel | None = None
+        self.runner: ModelRunner | SimulatedRunner
+        if config.simulate is None:
+            self._load_model(config, tokenizer, weights)
+        else:
+            self._load_simulated(config, tokenizer)
+        config = self.config
         self.block_size = self.kv.block_size
-        backend = get_backend(config.attention_backend, config.device)
-        on_cpu = torch.device(config.device).type == "cpu"
-        self.step_threads = StepThreads(torch.get_num_threads(), enabled=on_cpu)
-        self.runner = ModelRunner(loaded.model, self.kv.cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids
@@ -81,6 +85,44 @@ class Engine:
         # Called with every step's outputs, whoever drives the step (AsyncEngine sets it, so
         # that steps taken inside an engine call, such as a warm-up, still deliver).
         self.on_outputs: OutputHook | None = None
+
+    def _load_model(
+        self, config: EngineConfig, tokenizer: KVTokenizer | None, weights: LoadedWeights | None
+    ) -> None:
+        loaded = load_model(config, self.startup_s, weights, tokenizer)
+        self.tokenizer = loaded.tokenizer
+        self.model_fingerprint = loaded.fingerprint
+        self.model_config: ModelConfig = loaded.weights.config
+        self.max_model_len = self.model_config.max_position_embeddings
+        identity = (self.model_fingerprint, self.tokenizer.fingerprint)
+        self.kv = build_kv_manager(config, self.model_config, identity, self.startup_s)
+        backend = get_backend(config.attention_backend, config.device)
+        on_cpu = torch.device(config.device).type == "cpu"
+        self.step_threads = StepThreads(torch.get_num_threads(), enabled=on_cpu)
+        self.runner = ModelRunner(loaded.model, self.kv.cache, backend)
+
+    def _load_simulated(self, config: EngineConfig, tokenizer: KVTokenizer | None) -> None:
+        """A simulated engine: the profile's engine settings, a KV cache of its payload, the
+        store's transfers modelled when the payload is small, a SimulatedRunner."""
+        sim = self.simulated = load_simulated(config, tokenizer)
+        self.config = config = sim.engine_config
+        self.tokenizer = sim.tokenizer
+        self.model_fingerprint = sim.fingerprint
+        self.model_config = sim.config
+        self.max_model_len = sim.config.max_position_embeddings
+        identity = (self.model_fingerprint, self.tokenizer.fingerprint)
+        scale = sim.time_scale
+
+        def backend(url: str) -> BlockStore:
+            store = open_store(url)
+            return store if sim.true_payload else ModelledTransfers(store, sim.profile.store, scale)
+
+        self.kv = build_kv_manager(config, sim.config, identity, self.startup_s, backend)
+        if sim.true_payload:
+            fill_like_kv(self.kv.cache)
+        self.step_threads = StepThreads(torch.get_num_threads(), enabled=False)
+        words = word_vocabulary(sim.tokenizer)
+        self.runner = SimulatedRunner(sim.profile, self.kv.cache, words, scale)
 
     def close(self) -> None:
         """Write out queued blocks and close the store. The engine is unusable afterwards."""
@@ -271,6 +313,8 @@ class Engine:
         """Logits [T, vocab] (float32) at every position of `token_ids`, computed in one pass
         outside the scheduler (for perplexity and fidelity checks); changes no request."""
         self.validate(token_ids, SamplingParams(max_tokens=1))
+        if not isinstance(self.runner, ModelRunner):
+            raise RuntimeError("a simulated engine computes no logits to score with")
         seq = Sequence(
             SeqId(-1), "score", 0, list(token_ids), len(token_ids), SamplingParams(), arrival=-1
         )

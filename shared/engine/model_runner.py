@@ -17,10 +17,25 @@ from kvserve.shared.model.llama import LlamaModel
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Logits [len(sampling_seqs), vocab] (float32), row i for sampling_seqs[i]."""
+    """Logits [len(sampling_seqs), columns] (float32), row i for sampling_seqs[i]. Column j
+    stands for token j, or for token `columns[j]` when `columns` is given (a simulated step's
+    logits cover a few words only)."""
 
     sampling_seqs: list[Sequence]
     logits: torch.Tensor
+    columns: torch.Tensor | None = None
+
+    def token_id(self, column: int) -> int:
+        return column if self.columns is None else int(self.columns[column])
+
+    def by_token_id(self) -> torch.Tensor:
+        """The logits with column j standing for token j (-inf where `columns` has none)."""
+        if self.columns is None:
+            return self.logits
+        width = int(self.columns.max()) + 1
+        out = torch.full((self.logits.shape[0], width), float("-inf"), dtype=self.logits.dtype)
+        out[:, self.columns] = self.logits
+        return out
 
 
 class ModelRunner:

@@ -49,11 +49,11 @@ class OutputProcessor:
         seqs = out.sampling_seqs
         beam = [i for i, q in enumerate(seqs) if self.requests[q.request_id].beam]
         if beam:
-            touched = self._beam_step(seqs, out.logits, beam)
+            touched = self._beam_step(seqs, out.by_token_id(), beam)
             keep = [i for i in range(len(seqs)) if i not in set(beam)]
-            touched += self._sample([seqs[i] for i in keep], out.logits[keep])
+            touched += self._sample([seqs[i] for i in keep], out.logits[keep], out)
         else:
-            touched = self._sample(seqs, out.logits)
+            touched = self._sample(seqs, out.logits, out)
         return [self._output(self.requests[r]) for r in touched if r in self.requests]
 
     def beam_group(self, params: SamplingParams, seq: Sequence) -> BeamGroup:
@@ -70,9 +70,10 @@ class OutputProcessor:
 
     # ---- sampling ---------------------------------------------------------------------------
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[str]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, out: StepOutput) -> list[str]:
         """Sample one token per sequence; a sequence with pending forks samples once per
-        sibling from the same row and forks the siblings, sharing its blocks."""
+        sibling from the same row and forks the siblings, sharing its blocks. `out` says which
+        token each column of `logits` stands for."""
         row_idx: list[int] = []
         targets: list[tuple[Sequence, int]] = []  # (sequence, sibling index or -1 for itself)
         for i, seq in enumerate(seqs):
@@ -84,7 +85,10 @@ class OutputProcessor:
         rows = [self._sample_row(seq, j) for seq, j in targets]
         if len(row_idx) != len(seqs):
             logits = logits[torch.tensor(row_idx)]
-        tokens, logprobs, tops = self.sampler.sample(logits, rows)
+        columns, logprobs, tops = self.sampler.sample(logits, rows)
+        tokens = [out.token_id(c) for c in columns]
+        if out.columns is not None:
+            tops = [None if t is None else {out.token_id(c): p for c, p in t.items()} for t in tops]
         touched: dict[str, None] = {}
         # Fork every sibling before any token is appended: a parent that stops on its first
         # token frees its blocks, which the siblings must already share.

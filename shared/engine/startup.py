@@ -12,7 +12,7 @@ import contextlib
 import functools
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,8 @@ from kvserve.shared.model.llama import LlamaModel
 from kvserve.shared.model.loader import LoadedWeights, load_weights
 from kvserve.shared.model.quantized import QuantizedWeight
 from kvserve.shared.model.tokenizer import KVTokenizer
+from kvserve.shared.store.backends import open_store
+from kvserve.shared.store.base import BlockStore
 from kvserve.shared.store.codec import BlockMeta
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,9 +101,10 @@ def build_kv_manager(
     model: ModelConfig,
     identity: tuple[str, str],
     startup_s: dict[str, float],
+    open_backend: Callable[[str], BlockStore] = open_store,
 ) -> KVCacheManager:
     """The KV cache (its memory reserved) and the tiers behind it; `identity` is the model's
-    and the tokenizer's fingerprints."""
+    and the tokenizer's fingerprints, `open_backend` opens the store's URL."""
     cc, phase = config.cache, functools.partial(timed, startup_s)
     kv_dtype = resolve_kv_dtype(cc.kv_dtype, DTYPES[config.dtype])
     num_blocks = cc.num_blocks or max(
@@ -120,4 +123,5 @@ def build_kv_manager(
             KVIdentity(meta, tokenizer_fp),
             enable_caching=cc.enable_prefix_caching,
             store=config.store,
+            open_backend=open_backend,
         )

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from kvserve.shared.engine.kv.host_tier import HostTier
 from kvserve.shared.engine.kv.tiers import Tiers
 from kvserve.shared.engine.sequence import BlockId, Sequence
 from kvserve.shared.store.backends import open_store
+from kvserve.shared.store.base import BlockStore
 from kvserve.shared.store.block_data import BlockData, KVTail
 from kvserve.shared.store.codec import BlockMeta
 from kvserve.shared.store.hashing import BlockHash, block_hashes, root_hash
@@ -74,8 +76,10 @@ class KVCacheManager:
         *,
         enable_caching: bool = True,
         store: StoreConfig | None = None,
+        open_backend: Callable[[str], BlockStore] = open_store,
     ) -> None:
-        """`store` with a URL (and caching on) adds the host tier and the store connector."""
+        """`store` with a URL (and caching on) adds the host tier and the store connector
+        over the backend `open_backend` opens for the URL."""
         self.cache = cache
         self.identity = identity
         self.block_size = cache.block_size
@@ -88,7 +92,7 @@ class KVCacheManager:
         self.fetches: StoreFetches | None = None
         if url and store is not None:
             self.connector = StoreConnector(
-                open_store(store_url(url)),
+                open_backend(store_url(url)),
                 identity.meta,
                 store.frame_format,
                 cache.dtype,
