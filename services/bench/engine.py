@@ -233,7 +233,7 @@ def _pairs(
     """The engine's own linear kernels, and by probe batch the measurements paired with each
     step: a bandwidth sample and those kernels alone (batch 1 and 8), the bare chain (32)."""
     ones = torch.ones((args.bandwidth_mib << 20) // FP32_BYTES)
-    kernels = KernelChain.of_model(engine.runner.model)
+    kernels = KernelChain.of_model(engine.model_runner.model)
     hidden = chain.weights[0].shape[1]
     pairs: dict[int, Paired] = {
         b: {

@@ -109,7 +109,7 @@ def instrument(engine: Any, timer: StepTimer) -> None:
     from kvserve.shared.model.linear import Linear
     from kvserve.shared.model.llama import RMSNorm
 
-    model = engine.runner.model
+    model = engine.model_runner.model
     model.decode_in_cpp = False  # every layer from Python, where the clocks are
     for module in model.modules():
         if isinstance(module, Linear):
@@ -118,8 +118,8 @@ def instrument(engine: Any, timer: StepTimer) -> None:
             module.forward = timer.wrap("norm", module.forward)  # type: ignore[method-assign]
     model.forward = timer.wrap("forward", model.forward)
     model.compute_logits = timer.wrap("logits", model.compute_logits)
-    b = engine.runner.backend
-    engine.runner.backend = replace(
+    b = engine.model_runner.backend
+    engine.model_runner.backend = replace(
         b,
         store_kv=timer.wrap("store_kv", b.store_kv),
         prefill_attention=timer.wrap("prefill_attention", b.prefill_attention),

@@ -124,6 +124,13 @@ class Engine:
         words = word_vocabulary(sim.tokenizer)
         self.runner = SimulatedRunner(sim.profile, self.kv.cache, words, scale)
 
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The runner of the real model (RuntimeError in a simulated engine, which has none)."""
+        if not isinstance(self.runner, ModelRunner):
+            raise RuntimeError("a simulated engine runs no model")
+        return self.runner
+
     def close(self) -> None:
         """Write out queued blocks and close the store. The engine is unusable afterwards."""
         self.kv.close()
@@ -313,8 +320,7 @@ class Engine:
         """Logits [T, vocab] (float32) at every position of `token_ids`, computed in one pass
         outside the scheduler (for perplexity and fidelity checks); changes no request."""
         self.validate(token_ids, SamplingParams(max_tokens=1))
-        if not isinstance(self.runner, ModelRunner):
-            raise RuntimeError("a simulated engine computes no logits to score with")
+        runner = self.model_runner
         seq = Sequence(
             SeqId(-1), "score", 0, list(token_ids), len(token_ids), SamplingParams(), arrival=-1
         )
@@ -324,8 +330,8 @@ class Engine:
         seq.block_table = blocks
         try:
             batch = Batch(scheduled=[ScheduledSeq(seq, len(token_ids))])
-            _, hidden = self.runner.forward(batch)
-            return self.runner.model.compute_logits(hidden)
+            _, hidden = runner.forward(batch)
+            return runner.model.compute_logits(hidden)
         finally:
             self.kv.free_blocks(blocks)
 

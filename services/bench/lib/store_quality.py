@@ -116,13 +116,14 @@ def blockwise_logits(
         raise RuntimeError("not enough free KV blocks for this sequence")
     seq.block_table = blocks
     parent = engine.root_hash()
+    runner = engine.model_runner
     out = []
     try:
         for i, start in enumerate(range(0, len(token_ids), bs)):
             tokens = list(token_ids[start : start + bs])
             seq.num_computed_tokens = start
-            _, hidden = engine.runner.forward(Batch(scheduled=[ScheduledSeq(seq, len(tokens))]))
-            out.append(engine.runner.model.compute_logits(hidden))
+            _, hidden = runner.forward(Batch(scheduled=[ScheduledSeq(seq, len(tokens))]))
+            out.append(runner.model.compute_logits(hidden))
             if round_trip is not None and len(tokens) == bs:
                 k, v = _read_block(engine, blocks[i])
                 k2, v2 = round_trip(i, tokens, parent, k, v)
