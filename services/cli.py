@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "decode": "worker_commands:register_decode",
     "worker": "worker_commands:register_worker",
     "stack": "stack",
+    "sim-fleet": "sim_fleet",
 }
 
 

@@ -13,6 +13,7 @@ from kvserve.shared.config import (
     MATMUL_DTYPES,
     MODEL_DTYPES,
     POPULATE_MODES,
+    SIM_PAYLOADS,
     WEIGHT_MODES,
 )
 
@@ -68,6 +69,34 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=None)
 
 
+def add_sim_arguments(p: argparse.ArgumentParser) -> None:
+    """A simulated engine's options (DESIGN.md section 2.2)."""
+    g = p.add_argument_group("simulation")
+    g.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        default=None,
+        help="simulate the engine: the forward pass replaced by the time the cost profile gives "
+        "(gpu: a published GPU profile; cpu: this machine's `kvserve bench calibrate`; or a "
+        "file); KV capacity and scheduler limits come from the profile, the tokenizer from "
+        "--model",
+    )
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="a simulated engine runs this many times slower than modelled (to fit many on "
+        "few cores)",
+    )
+    g.add_argument(
+        "--sim-payload",
+        choices=SIM_PAYLOADS,
+        default="auto",
+        help="the KV cache in the modelled model's true geometry (true) or a small one with "
+        "modelled store transfers (small); auto: true when it fits in 4 GiB",
+    )
+
+
 def check_engine_arguments(args: argparse.Namespace) -> None:
     """Refuse bad engine options before anything starts (logging included)."""
     from kvserve.shared.config import EngineConfig
@@ -77,6 +106,30 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
         EngineConfig(dtype=args.dtype, matmul_dtype=args.matmul_dtype, weights=args.weights)
     except ValueError as e:
         raise CliError(str(e)) from e
+    check_sim_arguments(args)
+
+
+def check_sim_arguments(args: argparse.Namespace) -> None:
+    """A profile that cannot be used, or a bad time scale, is a one-line error."""
+    from kvserve.shared.engine.sim.profile import CostProfile, ProfileError
+
+    if getattr(args, "simulate", None) is None:
+        return
+    if not 0 < args.time_scale < float("inf"):
+        raise CliError(f"--time-scale must be a positive number, got {args.time_scale}")
+    try:
+        CostProfile.load(args.simulate)
+    except ProfileError as e:
+        raise CliError(str(e)) from None
+
+
+def sim_config(args: argparse.Namespace) -> Any:
+    """The SimConfig of --simulate, --time-scale and --sim-payload (None: a real engine)."""
+    from kvserve.shared.config import SimConfig
+
+    if getattr(args, "simulate", None) is None:
+        return None
+    return SimConfig(args.simulate, time_scale=args.time_scale, payload=args.sim_payload)
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -106,6 +159,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                 max_num_seqs=args.max_num_seqs,
             ),
             store=StoreConfig(url=store, format=args.store_format),
+            simulate=sim_config(args),
         )
     except ValueError as e:
         raise CliError(str(e)) from e

@@ -11,8 +11,10 @@ Redis (the bus, and the prefix store unless `--worker-store local`):
 
 Every worker gets `--store-format` and the next metrics port from `--metrics-port` on. The
 workers share the machine's cores: each gets `--threads-per-worker` torch threads (default: the
-cores divided among them, at least one), so that they do not oversubscribe the cores. Ctrl-C /
-SIGTERM stops them all (SIGTERM, then SIGKILL after a grace)."""
+cores divided among them, at least one), so that they do not oversubscribe the cores. With
+`--simulate PROFILE` the workers are simulated (DESIGN.md section 2.2), all of them in one
+`kvserve sim-fleet` process, named as the real ones would be. Ctrl-C / SIGTERM stops them all
+(SIGTERM, then SIGKILL after a grace)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ import sys
 import time
 
 from kvserve.services.cli_support import CliError
+from kvserve.services.engine_options import check_sim_arguments
 from kvserve.services.gateway.router import POLICIES
-from kvserve.shared.config import STORE_FORMATS, default_model_path
+from kvserve.shared.config import SIM_PAYLOADS, STORE_FORMATS, default_model_path
 
 DEFAULT_PREFILL = 2
 DEFAULT_DECODE = 1
@@ -63,6 +66,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="torch threads of each worker (default: cores // workers, at least 1)",
     )
+    g = p.add_argument_group("simulation")
+    g.add_argument("--simulate", metavar="PROFILE", default=None,
+                   help="simulated workers (one sim-fleet process) on this cost profile: gpu, "
+                        "cpu or a file")  # fmt: skip
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="simulated workers run this many times slower than modelled")  # fmt: skip
+    g.add_argument("--sim-payload", choices=SIM_PAYLOADS, default="auto")
     p.set_defaults(handler=run)
 
 
@@ -97,6 +107,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
          "--model", args.model, "--request-timeout", str(args.request_timeout),
          "--routing", args.routing],
     ]  # fmt: skip
+    if args.simulate is not None:
+        return [*out, sim_fleet_command(args, base)]
     for i, (role, name) in enumerate(worker_roles(args)):
         metrics = str(args.metrics_port + i) if args.metrics_port else "0"
         command = [*base, role, "--bus", args.redis, "--store", worker_store(args),
@@ -104,6 +116,21 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
                    "--metrics-port", metrics, "--threads", threads]  # fmt: skip
         out.append(command if name is None else [*command, "--name", name])
     return out
+
+
+def sim_fleet_command(args: argparse.Namespace, base: list[str]) -> list[str]:
+    """The one process of every simulated worker, named as the real workers would be
+    (aggregated workers `worker-{i}`; prefill and decode `worker-prefill-{i}`, ...)."""
+    roles = [role for role, _ in worker_roles(args)]
+    counts = (
+        ["--workers", str(len(roles))]
+        if args.workers >= 1
+        else ["--prefill", str(roles.count("prefill")), "--decode", str(roles.count("decode"))]
+    )
+    return [*base, "sim-fleet", "--bus", args.redis, "--store", worker_store(args),
+            "--store-format", args.store_format, "--model", args.model, "--profile",
+            args.simulate, "--time-scale", str(args.time_scale), "--sim-payload",
+            args.sim_payload, "--name-prefix", "worker", *counts]  # fmt: skip
 
 
 def banner(args: argparse.Namespace) -> str:
@@ -115,9 +142,10 @@ def banner(args: argparse.Namespace) -> str:
     else:
         topology = "disaggregated"
         workers = f"{roles.count('prefill')} prefill, {roles.count('decode')} decode worker(s)"
+    sim = f" simulated on profile {args.simulate}" if args.simulate is not None else ""
     return (
         f"kvserve stack ({topology}): gateway on http://{args.host}:{args.port}/v1 "
-        f"({args.routing} routing), {workers}, bus {args.redis}; Ctrl-C stops"
+        f"({args.routing} routing), {workers}{sim}, bus {args.redis}; Ctrl-C stops"
     )
 
 
@@ -156,6 +184,7 @@ def _check(args: argparse.Namespace) -> None:
         raise CliError("--grace must be >= 0")
     if args.threads_per_worker is not None and args.threads_per_worker < 1:
         raise CliError("--threads-per-worker must be >= 1")
+    check_sim_arguments(args)
 
 
 def _check_topology(args: argparse.Namespace) -> None:

@@ -33,6 +33,7 @@ from kvserve.services.cli_support import (
 )
 from kvserve.services.engine_options import (
     add_engine_arguments,
+    add_sim_arguments,
     check_engine_arguments,
     engine_config,
     load_engine,
@@ -79,6 +80,7 @@ def _register(sub: argparse._SubParsersAction, role: str) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
     p.add_argument("--model", default=str(default_model_path()), help="GGUF file or HF dir")
     add_engine_arguments(p)
+    add_sim_arguments(p)
     p.set_defaults(handler=lambda args: run(args, role))
 
 
@@ -113,15 +115,18 @@ def _start_metrics(args: argparse.Namespace, name: str, worker: Any) -> str:
         raise CliError(f"cannot serve metrics on port {args.metrics_port}: {e}") from e
 
 
-def _make_worker(args: argparse.Namespace, role: str, name: str, engine: Any) -> tuple[Any, Any]:
-    """The role's worker on its Redis consumer group, and the bus it reads (to close).
-    Aggregated and prefill workers share the `prefill` stream (a gateway's unrouted work)."""
+def make_worker(
+    args: argparse.Namespace, role: str, name: str, engine: Any, redis: Any = None
+) -> tuple[Any, Any]:
+    """The role's worker on its Redis consumer group, and the bus it reads (to close), on a
+    client of its own or `redis` (many workers in one process share one). Aggregated and
+    prefill workers share the `prefill` stream (a gateway's unrouted work)."""
     from kvserve.shared.bus.redis import RedisBus
     from kvserve.shared.bus.redis_layout import RedisBusConfig
 
     stream = "decode" if role == "decode" else "prefill"
     cfg = RedisBusConfig(request_stream=stream, group=stream, claim_idle_s=args.claim_idle)
-    bus = RedisBus(args.bus, cfg)
+    bus = RedisBus(args.bus, cfg, redis)
     worker: Any
     if role == "worker":
         from kvserve.services.workers.engine_worker import EngineWorker
@@ -150,9 +155,11 @@ async def _work(args: argparse.Namespace, role: str) -> None:
     engine = await asyncio.to_thread(load_engine, engine_config(args))
     if engine.store_url is None:
         raise CliError("--store: the engine has no prefix store")
-    worker, bus = _make_worker(args, role, name, engine)
+    worker, bus = make_worker(args, role, name, engine)
     metrics_url = _start_metrics(args, name, worker)
     await worker.start()
+    if engine.simulation is not None:
+        log.info("simulated", worker=name, simulation=engine.simulation)
     log.info("ready", role=role, worker=name, url=metrics_url or f"bus:{name}")
     await stop.wait()
     log.info("shutting down", drain_timeout_s=args.drain_timeout)

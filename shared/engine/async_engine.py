@@ -166,6 +166,12 @@ class AsyncEngine:
         return kv.store_config.url if kv.has_store and kv.store_config is not None else None
 
     @property
+    def simulation(self) -> str | None:
+        """What a simulated engine models, in one line (None: a real engine)."""
+        sim = self.engine.simulated
+        return sim.describe() if sim is not None else None
+
+    @property
     def startup_s(self) -> dict[str, float]:
         return dict(self.engine.startup_s)
 
