@@ -38,6 +38,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "chaos": Benchmark(
         "sweeps.chaos", "faults under load: what a server and a fleet survive, per fault"
     ),
+    "fleet": Benchmark(
+        "sweeps.fleet", "routing arms on N real or simulated workers, a QPS sweep; --validate"
+    ),
 }
 
 

@@ -1,0 +1,291 @@
+"""`kvserve bench fleet`: what KV-cache-aware routing buys a fleet, arm against arm, at the scale
+a fleet runs at: N engine workers behind the real gateway and router, on a redis-server the
+harness starts, driven by `kvserve bench serve` at each QPS of a sweep.
+
+Arms (the gateway's `--routing`): `random`, `round-robin`, `least-load`, `session` (sticky by
+the request's user, vLLM production-stack's baseline) and `cache-aware` (default weights);
+`cache-aware@W:C` is cache-aware with overlap weight W and store cost C (a weight sweep lists
+several). Workloads (bench serve's, with their shape flags): `multi-tenant`, `multi-round`,
+`agentic`, `mooncake`. Workers are real (`kvserve worker`) or, with `--simulate PROFILE`,
+simulated in one `kvserve sim-fleet` process at `--time-scale S`: the client then runs S times
+slower and reports modelled time (bench serve --slowdown S).
+
+Every arm x worker count x QPS is a fresh deployment (empty caches and store). Per run: TTFT
+p50 / p90 / p99, TPOT, output tok/s, hit rate, reused fraction of the reusable tokens, queue
+depth, the router's prediction error, decision time, KV events per second and lag, Redis
+commands and bytes per second, the gateway's CPU per request. `--validate` runs the workload
+with real and with simulated workers at each worker count and prints each metric's relative
+error. The last line is one JSON object: each arm's runs under its name, and for --validate
+the errors under keys ending in `_err`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from kvserve.services.bench.lib.flags import add_gguf
+from kvserve.services.bench.lib.process import StartError, kvserve_command
+from kvserve.services.bench.sweeps import fleet_report as report
+from kvserve.services.bench.sweeps.fleet_deploy import (
+    Counters,
+    Deployment,
+    Observer,
+    Routing,
+    Workers,
+)
+from kvserve.services.cli_support import CliError
+
+POLICY_ARMS = ("random", "round-robin", "least-load", "session", "cache-aware")
+WORKLOADS = ("multi-tenant", "multi-round", "agentic", "mooncake")
+# Each workload's shape flags (bench serve's names) with the fleet's defaults.
+SHAPES: dict[str, dict[str, Any]] = {
+    "multi-tenant": {"tenants": 32, "users-per-tenant": 4, "queries-per-user": 4,
+                     "context-len": 4096, "question-len": 128, "output-len": 128},
+    "multi-round": {"users": 32, "rounds": 6, "system-len": 1024, "user-context-len": 2048,
+                    "question-len": 128, "output-len": 128},
+    "agentic": {"agents": 32, "turns": 12, "system-len": 2048, "task-len": 512,
+                "tool-output-len": 512, "output-len": 128},
+    "mooncake": {"trace": "/work/shared/data/mooncake/conversation_trace.jsonl",
+                 "window": "0:400", "scale": 1, "max-context": 8192},
+}  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    arms = ", ".join(POLICY_ARMS)
+    p.add_argument("--workload", choices=WORKLOADS, default="multi-tenant")
+    p.add_argument("--arms", default=",".join(POLICY_ARMS), help=f"{arms}, cache-aware@W:C")
+    p.add_argument("--workers", default="2", help="worker counts, comma-separated")
+    p.add_argument("--qps", default="1", help="modelled requests/s, comma-separated")
+    p.add_argument("--simulate", metavar="PROFILE", default=None, help=SIMULATE_HELP)
+    p.add_argument("--time-scale", type=float, default=1.0, help=TIME_SCALE_HELP)
+    p.add_argument("--validate", action="store_true", help=VALIDATE_HELP)
+    p.add_argument("--worker-threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--store-format", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="wall seconds per request")
+    p.add_argument("--out", default="bench-fleet", metavar="DIR", help="every run's files")
+    p.add_argument("--plot", default=None, metavar="PREFIX", help=PLOT_HELP)
+    add_gguf(p)
+    seen: set[str] = set()
+    for workload, shape in SHAPES.items():
+        g = p.add_argument_group(f"{workload} (bench serve's shape flags)")
+        for flag, default in shape.items():
+            if flag in seen:
+                continue
+            seen.add(flag)
+            defaults = ", ".join(f"{s[flag]} ({w})" for w, s in SHAPES.items() if flag in s)
+            g.add_argument(f"--{flag}", type=type(default), default=None, help=defaults)
+
+
+SIMULATE_HELP = "simulated workers on this cost profile (gpu, cpu or a file)"
+TIME_SCALE_HELP = "simulated workers run this many times slower than modelled"
+VALIDATE_HELP = "run real and simulated (--simulate) workers alike; print each metric's error"
+THREADS_HELP = "torch threads of each real worker (default: cores // workers)"
+PLOT_HELP = "write PREFIX_<N>w_ttft_vs_qps.png (and PREFIX_throughput_vs_workers.png)"
+
+
+def parse_arm(name: str) -> Routing:
+    """An arm's routing: a policy, or `cache-aware@W:C`; CliError for anything else."""
+    if name in POLICY_ARMS:
+        return Routing(name)
+    policy, _, weights = name.partition("@")
+    w, _, c = weights.partition(":")
+    try:
+        routing = Routing(policy, float(w), float(c or 0.2))
+    except ValueError:
+        routing = None
+    if policy != "cache-aware" or routing is None or routing.overlap_weight < 0:
+        raise CliError(f"--arms: {name!r} is not one of {POLICY_ARMS} or cache-aware@W:C")
+    if not 0 <= routing.store_cost <= 1:
+        raise CliError(f"--arms: {name!r}: the store cost C must be in [0, 1]")
+    return routing
+
+
+def _numbers(text: str, flag: str, kind: type) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CliError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise CliError(f"{flag} must be positive numbers, got {text!r}")
+    return values
+
+
+def validate(args: argparse.Namespace) -> tuple[dict[str, Routing], list[int], list[float]]:
+    arms = {name: parse_arm(name) for name in args.arms.split(",") if name}
+    workers = _numbers(args.workers, "--workers", int)
+    qps = _numbers(args.qps, "--qps", float)
+    if not arms:
+        raise CliError("--arms names no arm")
+    if args.validate and args.simulate is None:
+        raise CliError("--validate compares real workers with simulated ones: give --simulate")
+    if not args.time_scale > 0:
+        raise CliError("--time-scale must be > 0")
+    if args.simulate is not None:
+        from kvserve.shared.engine.sim.profile import CostProfile, ProfileError
+
+        try:
+            CostProfile.load(args.simulate)
+        except ProfileError as e:
+            raise CliError(str(e)) from None
+    return arms, workers, qps
+
+
+def shape_flags(args: argparse.Namespace) -> list[str]:
+    """bench serve's flags for the workload's shape (the fleet's defaults where not given)."""
+    out = ["--workload", args.workload]
+    for flag, default in SHAPES[args.workload].items():
+        value = getattr(args, flag.replace("-", "_"))
+        out += [f"--{flag}", str(default if value is None else value)]
+    return out
+
+
+# ---- one run ------------------------------------------------------------------------------------
+
+
+def bench_serve(
+    args: argparse.Namespace, url: str, qps: float, slowdown: float, run_dir: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`kvserve bench serve` against the gateway: its summary and request rows (RuntimeError
+    when it fails)."""
+    cmd = [*kvserve_command(), "bench", "serve", "--base-url", url, *shape_flags(args),
+           "--request-rate", str(qps), "--slowdown", str(slowdown), "--send-user",
+           "--seed", str(args.seed), "--timeout", str(args.timeout), "--no-plots",
+           "--out", str(run_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    (run_dir / "bench-serve.txt").write_text(proc.stdout + proc.stderr)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-10:])
+        raise RuntimeError(f"bench serve exited with {proc.returncode}:\n{tail}")
+    summary: dict[str, Any] = json.loads(lines[-1])
+    requests = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+    return summary, requests
+
+
+def run_once(
+    args: argparse.Namespace, routing: Routing, workers: Workers, qps: float, run_dir: Path
+) -> dict[str, Any]:
+    """One fresh deployment under one QPS: its row, or {"error": why}."""
+    from kvserve.shared.config import default_model_path
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = Path(args.gguf or default_model_path())
+    deployment = Deployment(model, routing, workers, run_dir)
+    slowdown = workers.time_scale if workers.simulated else 1.0
+    try:
+        deployment.start()
+    except StartError as e:
+        return {"qps": qps, "error": str(e)}
+    try:
+        before = Counters.read(deployment)
+        observer = Observer(deployment.url).start()
+        summary, requests = bench_serve(args, deployment.url, qps, slowdown, run_dir)
+        depth = observer.stop()
+        after = Counters.read(deployment)
+        router = deployment.router()
+    except RuntimeError as e:
+        return {"qps": qps, "error": str(e)}
+    finally:
+        deployment.stop()
+    rates = before.rates(after, len(requests), slowdown)
+    extra = {"qps": qps, "workers": workers.count, **depth, **rates}
+    return report.row(summary, requests, router, extra)
+
+
+def _workers(args: argparse.Namespace, n: int, simulated: bool) -> Workers:
+    threads = args.worker_threads or max(1, (os.cpu_count() or 1) // n)
+    if simulated:
+        return Workers(n, args.simulate, args.time_scale, store_format=args.store_format)
+    return Workers(n, threads=threads, store_format=args.store_format)
+
+
+def sweep(
+    args: argparse.Namespace, arms: dict[str, Routing], n: int, qps: list[float], simulated: bool
+) -> dict[str, list[dict[str, Any]]]:
+    """Every arm at every QPS on `n` workers: {arm: [row per QPS]}; saved after each run."""
+    out = Path(args.out)
+    kind = "sim" if simulated else "real"
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for arm, routing in arms.items():
+        for q in qps:
+            run_dir = out / f"{kind}-{n}w" / arm / f"qps-{q:g}"
+            r = run_once(args, routing, _workers(args, n, simulated), q, run_dir)
+            rows.setdefault(arm, []).append(r)
+            note = r["error"].splitlines()[0] if "error" in r else _brief(r)
+            print(f"[{kind} {n}w {arm} qps {q:g}] {note}", flush=True)
+            (out / f"{kind}-{n}w.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def _brief(r: dict[str, Any]) -> str:
+    p90 = r.get("ttft_p90_s")
+    return (
+        f"{r.get('output_tok_s') or 0:.1f} tok/s, p90 TTFT "
+        f"{'-' if p90 is None else f'{p90:.3f} s'}, hit {r.get('hit_rate') or 0:.2f}"
+    )
+
+
+# ---- entry --------------------------------------------------------------------------------------
+
+
+def _validate_runs(
+    args: argparse.Namespace, arms: dict[str, Routing], workers: list[int], qps: list[float]
+) -> dict[str, Any]:
+    """Real and simulated runs of the first arm at the first QPS per worker count."""
+    arm, routing = next(iter(arms.items()))
+    results: dict[str, Any] = {}
+    for n in workers:
+        real = sweep(args, {arm: routing}, n, qps[:1], simulated=False)[arm][0]
+        sim = sweep(args, {arm: routing}, n, qps[:1], simulated=True)[arm][0]
+        if "error" in real or "error" in sim:
+            results[str(n)] = {"real": real, "sim": sim, "errors": {"within_targets": False}}
+            continue
+        results[str(n)] = {"real": real, "sim": sim, "errors": report.relative_errors(real, sim)}
+    return results
+
+
+def _plots(prefix: str, by_workers: dict[int, dict[str, list[dict[str, Any]]]], title: str) -> None:
+    for n, rows in by_workers.items():
+        path = Path(f"{prefix}_{n}w_ttft_vs_qps.png")
+        report.plot_ttft_vs_qps(path, rows, f"{title}, {n} workers")
+    if len(by_workers) > 1:
+        path = Path(f"{prefix}_throughput_vs_workers.png")
+        report.plot_throughput_vs_workers(path, by_workers, title)
+
+
+def run(args: argparse.Namespace) -> int:
+    arms, workers, qps = validate(args)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    head = {"workload": args.workload, "shape": shape_flags(args)[2:], "profile": args.simulate,
+            "time_scale": args.time_scale}  # fmt: skip
+    if args.validate:
+        results = _validate_runs(args, arms, workers, qps)
+        print(report.validation_table(results), flush=True)
+        print(json.dumps({**head, "validate": results}), flush=True)
+        return 0 if all(r["errors"]["within_targets"] for r in results.values()) else 1
+    simulated = args.simulate is not None
+    by_workers = {n: sweep(args, arms, n, qps, simulated) for n in workers}
+    title = f"{args.workload}, {'simulated: ' + args.simulate if simulated else 'real workers'}"
+    for n, rows in by_workers.items():
+        print(report.table(f"{title}, {n} workers", rows), flush=True)
+    if args.plot:
+        for n, rows in by_workers.items():
+            report.plot_ttft_vs_qps(
+                Path(f"{args.plot}_{n}w_ttft_vs_qps.png"), rows, f"{title}, {n} workers"
+            )
+        if len(by_workers) > 1:
+            report.plot_throughput_vs_workers(
+                Path(f"{args.plot}_throughput_vs_workers.png"), by_workers, title
+            )
+    result = {**head, "workers": {str(n): rows for n, rows in by_workers.items()}}
+    if len(workers) == 1:
+        result |= by_workers[workers[0]]
+    print(json.dumps(result), flush=True)
+    ran = any("error" not in r for rows in by_workers.values() for rs in rows.values() for r in rs)
+    return 0 if ran else 1
