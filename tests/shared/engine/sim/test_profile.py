@@ -101,3 +101,15 @@ def test_cpu_names_this_machines_calibration(
     (tmp_path / "profiles").mkdir()
     write_profile(tmp_path / "profiles" / "cpu.json")
     assert CostProfile.load("cpu").name == "test"
+
+
+def test_the_shipped_gpu_profile_gives_blis_step_times() -> None:
+    """BLIS's H100 / Llama-3.1-8B blackbox: 6472.01 + 19.797 * prefill + 304.40 * decode (us)."""
+    prof = CostProfile.load("gpu")
+    assert prof.source == "published" and "BLIS" in prof.reference
+    assert prof.model.kv_bytes_per_token == 131072
+    for batch in (1, 32, 128):
+        decode = StepShape.of_rows([(1, 1000, True)] * batch)
+        assert prof.step_seconds(decode) == pytest.approx((6472.01 + 304.40 * batch) * 1e-6)
+    prefill = StepShape.of_rows([(1024, 0, False)])
+    assert prof.step_seconds(prefill) == pytest.approx((6472.01 + 19.797 * 1024) * 1e-6)
