@@ -146,7 +146,8 @@ def engine_config(args: argparse.Namespace) -> Any:
             weights=args.weights,
             device=args.device,
             attention_backend=args.attention_backend,
-            num_threads=args.threads,
+            # a simulated engine computes nothing: one thread unless told otherwise
+            num_threads=args.threads or (1 if getattr(args, "simulate", None) else None),
             cache=CacheConfig(
                 block_size=args.block_size,
                 num_blocks=args.num_blocks,

@@ -77,7 +77,9 @@ def _engine_config(args: argparse.Namespace) -> object:
 
     sim = SimConfig(args.profile, time_scale=args.time_scale, payload=args.sim_payload)
     store = StoreConfig(url=args.store, format=args.store_format)
-    return EngineConfig(model_path=args.model, store=store, simulate=sim)
+    # One torch thread: the engines compute nothing, and each of their few small tensor
+    # operations would otherwise start a team of threads, dozens of engines at once.
+    return EngineConfig(model_path=args.model, store=store, simulate=sim, num_threads=1)
 
 
 async def _work(args: argparse.Namespace) -> None:

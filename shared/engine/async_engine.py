@@ -346,14 +346,21 @@ class AsyncEngine:
             cmd.loop.call_soon_threadsafe(settle)
 
     def _deliver_all(self, outs: list[RequestOutput]) -> None:
+        """A step's outputs to their consumers: one callback per event loop (one wake-up of
+        that loop per step, however many of its requests the step advanced)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Add, RequestOutput]]] = {}
         for out in outs:
-            self._deliver(out)
+            add = self._sinks.get(out.request_id)
+            if add is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            by_loop.setdefault(add.loop, []).append((add, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
+                loop.call_soon_threadsafe(_put_all, items)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        add = self._sinks.get(out.request_id)
-        if add is None:
-            return
-        if out.finished:
-            del self._sinks[out.request_id]
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
-            add.loop.call_soon_threadsafe(add.sink.put_nowait, out)
+
+def _put_all(items: list[tuple[_Add, RequestOutput]]) -> None:
+    for add, out in items:
+        add.sink.put_nowait(out)

@@ -23,18 +23,18 @@ class StepOutput:
 
     sampling_seqs: list[Sequence]
     logits: torch.Tensor
-    columns: torch.Tensor | None = None
+    columns: tuple[int, ...] | None = None
 
     def token_id(self, column: int) -> int:
-        return column if self.columns is None else int(self.columns[column])
+        return column if self.columns is None else self.columns[column]
 
     def by_token_id(self) -> torch.Tensor:
         """The logits with column j standing for token j (-inf where `columns` has none)."""
         if self.columns is None:
             return self.logits
-        width = int(self.columns.max()) + 1
+        width = max(self.columns) + 1
         out = torch.full((self.logits.shape[0], width), float("-inf"), dtype=self.logits.dtype)
-        out[:, self.columns] = self.logits
+        out[:, list(self.columns)] = self.logits
         return out
 
 

@@ -119,7 +119,12 @@ def _engine_config(config: EngineConfig, profile: CostProfile, true: bool) -> En
         max_num_batched_tokens=e.max_num_batched_tokens,
         max_prefill_chunk=e.max_prefill_chunk,
     )
-    store = dataclasses.replace(config.store, host_tier_bytes=e.host_tier_blocks * payload_block)
+    # A small payload is no real KV: its frames are stored as they are (native) unless told
+    # otherwise; their transfer time is modelled from the true size either way.
+    fmt = config.store.format if true or config.store.format != "auto" else "native"
+    store = dataclasses.replace(
+        config.store, host_tier_bytes=e.host_tier_blocks * payload_block, format=fmt
+    )
     return dataclasses.replace(
         config, dtype=dtype, cache=cache, scheduler=scheduler, store=store, weights="fp32"
     )

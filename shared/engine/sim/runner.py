@@ -47,7 +47,7 @@ class WordVocabulary:
                     break
         if not ids:
             raise ValueError("the tokenizer has no plain-word token to simulate output with")
-        self.ids = torch.tensor(ids, dtype=torch.long)
+        self.ids = tuple(ids)
 
     def __len__(self) -> int:
         return len(self.ids)
