@@ -3,11 +3,12 @@
 It owns a bus request per prompt of the plan (ids `{request_id}-{p}` when there are several),
 merges their token events in arrival order, holds the request's deadline, observes time to
 first token and inter-token latency, and at the end cancels whatever has not finished. With a
-`routing` service each bus request goes to the worker the router picks (the decision is given
-back, with the cached tokens the worker reported, at `close`). A sampled request without a
-seed gets one here, so that a worker that takes it over from a dead one (it runs it again from
-the start; the events the client has already had are dropped by seq) draws the same tokens and
-the client's stream stays one generation. It imports no torch (the gateway never does)."""
+`routing` service each bus request goes to the worker the router picks (the plan's `user` is
+its session key; the decision is given back, with the cached tokens the worker reported, at
+`close`). A sampled request without a seed gets one here, so that a worker that takes it over
+from a dead one (it runs it again from the start; the events the client has already had are
+dropped by seq) draws the same tokens and the client's stream stays one generation. It imports
+no torch (the gateway never does)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ class BusGeneration:
                 traceparent=traceparent,
                 deadline=deadline,
             )
-            decision = self.routing.route(prompt, self.salt) if self.routing else None
+            decision = (
+                self.routing.route(prompt, self.salt, self.plan.user) if self.routing else None
+            )
             self.decisions.append(decision)
             worker = decision.worker if decision is not None else None
             self.streams.append(await self.bus.submit(req, worker))

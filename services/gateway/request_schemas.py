@@ -171,6 +171,9 @@ def _sampling(f: ApiFacts) -> Schema:
             }
         ),
         "cache_salt": _cache_salt(f),
+        "user": _nullable(
+            {"type": "string", "description": "the end user's id; the session router's key"}
+        ),
         "return_tokens_as_token_ids": {
             **_BOOL,
             "description": "vLLM extension: logprobs name tokens 'token_id:{id}'",

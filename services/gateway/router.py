@@ -11,6 +11,11 @@ and picks one by policy:
 - "cache-aware": the smallest cost = overlap_weight * prefill_blocks + load, where
   prefill_blocks = prompt_blocks - own - (1 - store_cost) * shared (NVIDIA Dynamo's KV router
   cost, with a block from the shared store counted as partly cached).
+- "random": a uniformly random candidate (`Router(seed=...)` makes the draws reproducible).
+- "session": sticky by the request's session key (the OpenAI `user`; vLLM production-stack's
+  session router): the candidate with the highest blake2b(key, name) weight (rendezvous
+  hashing), so a key keeps its worker while that worker lives and only the keys of a worker
+  that leaves move; a request without a key (None or "") goes to the least-loaded worker.
 
 Invariants:
 - A worker's index only holds blocks from events of its current incarnation, applied in `seq`
@@ -30,7 +35,9 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import math
+import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,7 +47,7 @@ from typing import Any
 from kvserve.shared.protocol import KVEvent, WorkerInfo
 from kvserve.shared.store.hashing import block_hashes, root_hash
 
-POLICIES = ("round-robin", "least-load", "cache-aware")
+POLICIES = ("round-robin", "least-load", "cache-aware", "random", "session")
 STORE_TIER = "store"
 # A worker's own tiers as bits, so one hash can be in several at once.
 _TIER_BITS = {"device": 1, "host": 2}
@@ -171,7 +178,7 @@ class _Candidate:
 
 class Router:
     """Picks a worker per request (see the module docstring). Owns every index; mutated only
-    by `set_workers`, `apply`, `route` and `finished`."""
+    by `set_workers`, `apply`, `route` and `finished`. `seed` seeds the "random" policy."""
 
     def __init__(
         self,
@@ -179,6 +186,7 @@ class Router:
         overlap_weight: float = 1.0,
         max_blocks_per_worker: int = 100_000,
         store_cost: float = 0.2,
+        seed: int | None = None,
     ) -> None:
         _check_config(policy, overlap_weight, max_blocks_per_worker, store_cost)
         self.policy = policy
@@ -188,6 +196,7 @@ class Router:
         self._workers: dict[str, _Worker] = {}
         self._stores: dict[str, OrderedDict[bytes, None]] = {}
         self._turn = 0
+        self._rng = random.Random(seed)
         self._decisions: Counter[str] = Counter()
         self._events: Counter[str] = Counter()
         self._lost_track: set[str] = set()  # workers whose events had a gap
@@ -218,16 +227,20 @@ class Router:
         return outcomes
 
     def route(
-        self, prompt_token_ids: Sequence[int], cache_salt: str | None, role: str = "worker"
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None,
+        role: str = "worker",
+        user: str | None = None,
     ) -> Decision | None:
         """Pick a worker of `role` for the prompt and count the request in flight there; None
-        when no live worker has that role."""
+        when no live worker has that role. `user` is the session key (only "session" reads it)."""
         names = sorted(n for n, w in self._workers.items() if w.index.info.role == role)
         if not names:
             return None
         hasher = _PromptHasher(prompt_token_ids, cache_salt)
         candidates = [self._candidate(n, hasher) for n in names]
-        chosen, reason = self._choose(candidates)
+        chosen, reason = self._choose(candidates, user)
         return self._record(chosen, reason, len(prompt_token_ids))
 
     def finished(self, decision: Decision) -> None:
@@ -293,13 +306,24 @@ class Router:
         shared = _leading(hashes[own:], store.__contains__) if store else 0
         return _Candidate(name, hashes, own, shared, worker.load(), worker.requests)
 
-    def _choose(self, candidates: list[_Candidate]) -> tuple[_Candidate, str]:
+    def _choose(self, candidates: list[_Candidate], user: str | None) -> tuple[_Candidate, str]:
+        """`candidates` are in name order, which makes every choice below deterministic (for
+        "random": given the seed)."""
         n = len(candidates)
         turn = {c.name: (i - self._turn) % n for i, c in enumerate(candidates)}
         if self.policy == "round-robin":
             return min(candidates, key=lambda c: turn[c.name]), "round-robin"
-        if self.policy == "least-load":
+        if self.policy == "random":
+            return self._rng.choice(candidates), "random"
+        if self.policy == "session" and user:
+            return max(candidates, key=lambda c: _rendezvous_weight(user, c.name)), "session"
+        if self.policy in ("least-load", "session"):  # "session": a request without a key
             return min(candidates, key=lambda c: (c.load, turn[c.name])), "least-load"
+        return self._cache_aware(candidates, turn)
+
+    def _cache_aware(
+        self, candidates: list[_Candidate], turn: Mapping[str, int]
+    ) -> tuple[_Candidate, str]:
         chosen = min(candidates, key=lambda c: (self._cost(c), c.requests, turn[c.name]))
         best = max(self._overlap(c) for c in candidates)
         overlap = self._overlap(chosen)
@@ -359,6 +383,15 @@ def _leading(hashes: Sequence[bytes], present: Callable[[bytes], bool]) -> int:
             break
         n += 1
     return n
+
+
+def _rendezvous_weight(key: str, worker: str) -> bytes:
+    """`worker`'s weight for session `key`: the same in every process and run (Python's hash()
+    of a str is salted per process, so gateways would disagree). The key is any client string,
+    a lone surrogate included ("surrogatepass" encodes it rather than failing the request);
+    the NUL keeps one (key, worker) pair from spelling another's bytes."""
+    data = f"{key}\0{worker}".encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=8).digest()
 
 
 def _check_config(policy: str, weight: float, max_blocks: int, store_cost: float) -> None:

@@ -85,12 +85,16 @@ class RoutingService:
         for worker in self.router.take_lost_track():
             await self.bus.request_resync(worker)
 
-    def route(self, prompt: Sequence[int], cache_salt: str | None) -> Decision | None:
+    def route(
+        self, prompt: Sequence[int], cache_salt: str | None, user: str | None = None
+    ) -> Decision | None:
+        """`user`: the request's session key (the OpenAI `user`), for the "session" policy;
+        kept off the span, as it may name a person."""
         with tracer.start_as_current_span("kvserve.route") as span:
             t0 = time.perf_counter()
             decision = None
             for role in ROLES:
-                decision = self.router.route(prompt, cache_salt, role)
+                decision = self.router.route(prompt, cache_salt, role, user)
                 if decision is not None:
                     break
             seconds = time.perf_counter() - t0

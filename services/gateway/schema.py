@@ -70,6 +70,8 @@ class GenerationPlan:
     cache_salt: str | None = None  # what the client asked for (combined with the key's later)
     # vLLM's extension: logprobs name each token "token_id:{id}" instead of its text.
     tokens_as_ids: bool = False
+    # OpenAI's end-user id: the "session" router's key, never a sampling parameter.
+    user: str | None = None
 
 
 # ---- field readers ---------------------------------------------------------------------------
@@ -111,6 +113,13 @@ def _num(body: dict[str, Any], name: str, default: float) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise bad_request(f"'{name}' must be a finite number", name, "invalid_type")
     return float(v)
+
+
+def _str(body: dict[str, Any], name: str) -> str | None:
+    v = _get(body, name)
+    if v is not None and not isinstance(v, str):
+        raise bad_request(f"'{name}' must be a string", name, "invalid_type")
+    return v
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -197,13 +206,6 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include
 
 
-def _client_salt(body: dict[str, Any]) -> str | None:
-    v = _get(body, "cache_salt")
-    if v is not None and not isinstance(v, str):
-        raise bad_request("'cache_salt' must be a string", "cache_salt", "invalid_type")
-    return v
-
-
 def _max_tokens(
     body: dict[str, Any], prompts: list[list[int]], info: ModelInfo, max_tokens: int | None
 ) -> int:
@@ -282,8 +284,9 @@ def parse_completion(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
         stream,
         include_usage,
         lp is not None,
-        _client_salt(body),
+        _str(body, "cache_salt"),
         _bool(body, "return_tokens_as_token_ids", False),
+        _str(body, "user"),
     )
 
 
@@ -347,8 +350,9 @@ def parse_chat(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
         stream,
         include_usage,
         logprobs,
-        _client_salt(body),
+        _str(body, "cache_salt"),
         _bool(body, "return_tokens_as_token_ids", False),
+        _str(body, "user"),
     )
 
 

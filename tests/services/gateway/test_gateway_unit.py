@@ -1,6 +1,7 @@
 """The gateway alone, over the in-process bus with a scripted worker (no engine): stream
 failures mid-way, deadlines, readiness (also over a Redis bus with no Redis behind it), auth
-salts, admission; and the gateway side of the code never imports torch."""
+salts, admission, the `user` field as the router's session key; and the gateway side of the
+code never imports torch."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from kvserve.services.gateway.admission import Admission
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys, key_salt
 from kvserve.services.gateway.errors import APIError
-from kvserve.services.gateway.schema import ModelInfo
+from kvserve.services.gateway.generation import BusGeneration
+from kvserve.services.gateway.schema import ModelInfo, parse_chat, parse_completion
 from kvserve.shared.bus.base import Bus, Delivery, WorkerPort
 from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.bus.redis import RedisBus
@@ -290,3 +292,45 @@ async def test_whole_floats_are_integers_and_tokenize_answers_token_strs(
     body = {"prompt": [1.0, 2.0], "n": 2.0, "max_tokens": 3.0, "seed": 7.0}
     status, reply, text = await harness.post("/v1/completions", body)
     assert status == 503 and reply["error"]["code"] == "not_ready", text
+
+
+CHAT = "/v1/chat/completions"
+CHAT_HI = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "parse", "body"),
+    [("/v1/completions", parse_completion, {"prompt": "hi"}), (CHAT, parse_chat, CHAT_HI)],
+)
+def test_user_is_parsed_into_the_plan_and_must_be_a_string(
+    tokenizer: KVTokenizer, path: str, parse: Callable[..., Any], body: dict[str, Any]
+) -> None:
+    info = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size)
+    doc = Gateway(GatewayConfig(), InProcessBus(), info).openapi
+    schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert schema["properties"]["user"]["anyOf"][0]["type"] == "string"
+    assert "user" not in schema["required"]
+    plan = parse({**body, "user": "alice"}, info)
+    assert plan.user == "alice"
+    assert parse(body, info).params == plan.params  # not a sampling parameter
+    assert parse({**body, "user": None}, info).user is None
+    with pytest.raises(APIError) as refused:
+        parse({**body, "user": 7}, info)
+    assert (refused.value.status, refused.value.param) == (400, "user")
+
+
+async def test_the_plans_user_is_the_routing_key(tokenizer: KVTokenizer) -> None:
+    class Routing:
+        def __init__(self) -> None:
+            self.calls: list[tuple[Any, ...]] = []
+
+        def route(self, prompt: list[int], salt: str | None, user: str | None) -> None:
+            self.calls.append((prompt, salt, user))
+
+    info = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size)
+    plan = parse_completion({"prompt": [[1, 2], [3]], "user": "alice"}, info)
+    routing = Routing()
+    gen = BusGeneration(InProcessBus(), plan, "r", "salt", 1.0, None, "m", routing=routing)
+    await gen.submit()
+    await gen.close()
+    assert routing.calls == [([1, 2], "salt", "alice"), ([3], "salt", "alice")]

@@ -1,5 +1,6 @@
 """The gateway's KV-cache-aware router on hand-built workers and events (block_size 4): exact
-routing choices, predicted cached tokens, event sequencing, restarts and the LRU bounds."""
+routing choices, predicted cached tokens, event sequencing, restarts and the LRU bounds; the
+random and session (sticky by user) policies."""
 
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def make_router(*infos: WorkerInfo, stats: dict[str, Any] | None = None, **kw: A
     return router
 
 
-def route(router: Router, prompt: list[int], salt: str | None = None) -> Decision:
-    decision = router.route(prompt, salt)
+def route(
+    router: Router, prompt: list[int], salt: str | None = None, user: str | None = None
+) -> Decision:
+    decision = router.route(prompt, salt, user=user)
     assert decision is not None
     return decision
 
@@ -259,10 +262,80 @@ def test_finished_after_the_worker_restarted_leaves_the_new_one_alone() -> None:
     assert (worker_stats(router, "A")["in_flight"], new.incarnation) == (1, "i2")
 
 
+FOUR = tuple(info(n) for n in "ABCD")
+USERS = [f"user-{i}" for i in range(64)]
+
+
+def test_random_reaches_every_worker_and_a_seed_repeats_the_draws() -> None:
+    def draws(seed: int) -> list[str]:
+        router = make_router(*FOUR, policy="random", seed=seed)
+        decisions = [route(router, PROMPT) for _ in range(64)]
+        assert {d.reason for d in decisions} == {"random"}
+        return [d.worker for d in decisions]
+
+    first = draws(0)
+    assert set(first) == set("ABCD")
+    assert draws(0) == first
+    assert draws(1) != first
+
+
+def sessions(router: Router) -> dict[str, str]:
+    """Each of USERS' worker for one request (finished at once)."""
+    workers = {}
+    for user in USERS:
+        decision = route(router, PROMPT, user=user)
+        assert decision.reason == "session"
+        router.finished(decision)
+        workers[user] = decision.worker
+    return workers
+
+
+def test_session_keeps_each_user_on_one_worker_and_spreads_users() -> None:
+    router = make_router(*FOUR, policy="session")
+    first = sessions(router)
+    assert set(first.values()) == set("ABCD")
+    # Neither a cache elsewhere nor load moves a session.
+    router.apply([stored("A", 0, hashes(PROMPT[:12]))])
+    busy = {"B": {"num_used_blocks": 1000}, "C": {"num_used_blocks": 1000}}
+    router.set_workers({i.name: i for i in FOUR}, busy)
+    assert [route(router, PROMPT, user=u).worker for u in USERS] == list(first.values())
+    # A stable hash, not Python's per-process hash(): the same mapping in every gateway.
+    assert [first[f"user-{i}"] for i in range(6)] == ["B", "A", "B", "C", "D", "A"]
+    assert route(router, PROMPT, user="\ud800").reason == "session"  # JSON can carry one
+
+
+def test_session_moves_only_the_users_of_a_worker_that_leaves() -> None:
+    router = make_router(*FOUR, policy="session")
+    before = sessions(router)
+    router.set_workers({i.name: i for i in FOUR if i.name != "C"}, {})
+    after = sessions(router)
+    moved = {u for u in USERS if after[u] != before[u]}
+    assert moved and moved == {u for u in USERS if before[u] == "C"}
+    router.set_workers({i.name: i for i in FOUR}, {})
+    assert sessions(router) == before  # C's users come back with it
+
+
+@pytest.mark.parametrize("user", [None, ""])
+def test_session_without_a_user_is_least_load(user: str | None) -> None:
+    stats = {"A": {"num_used_blocks": 10}, "B": {"num_used_blocks": 2}}
+    router = make_router(info("A"), info("B"), policy="session", stats=stats)
+    assert summary(route(router, PROMPT, user=user))[:2] == ("B", "least-load")
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-load", "cache-aware", "random"])
+def test_only_the_session_policy_reads_the_user(policy: str) -> None:
+    def chosen(user: str | None) -> list[str]:
+        router = make_router(*FOUR, policy=policy, seed=0)
+        router.apply([stored("B", 0, hashes(PROMPT[:8]))])
+        return [route(router, PROMPT, user=user).worker for _ in range(8)]
+
+    assert chosen("user-0") == chosen(None)
+
+
 @pytest.mark.parametrize(
     "kw",
     [
-        {"policy": "random"},
+        {"policy": "sticky"},
         {"overlap_weight": -1.0},
         {"overlap_weight": float("nan")},
         {"max_blocks_per_worker": 0},
