@@ -40,17 +40,22 @@ import math
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.services.gateway.block_index import (
+    BlockHolders,
+    WorkerIndex,
+    leading,
+    leading_runs,
+    runs_from,
+)
 from kvserve.shared.protocol import KVEvent, WorkerInfo
 from kvserve.shared.store.hashing import block_hashes, root_hash
 
 POLICIES = ("round-robin", "least-load", "cache-aware", "random", "session")
 STORE_TIER = "store"
-# A worker's own tiers as bits, so one hash can be in several at once.
-_TIER_BITS = {"device": 1, "host": 2}
 # A shared-store index holds this many times a worker's bound.
 _STORE_FACTOR = 4
 
@@ -71,82 +76,11 @@ class Decision:
     incarnation: str = ""
 
 
-class WorkerIndex:
-    """One worker's blocks as its events describe them: hash -> tier bits, in LRU order (the
-    most recently stored last), at most `max_blocks` hashes. Tier-"store" blocks and unknown
-    tiers are sequenced but not held here."""
-
-    def __init__(self, info: WorkerInfo, max_blocks: int) -> None:
-        if max_blocks < 1:
-            raise ValueError("max_blocks must be at least 1")
-        self.info = info
-        self.max_blocks = max_blocks
-        self.last_seq: int | None = None
-        self.resyncs = 0
-        self._tiers: OrderedDict[bytes, int] = OrderedDict()
-
-    def apply(self, event: KVEvent) -> str:
-        """Apply one event; the outcome is "applied", "duplicate", "stale" or "gap"."""
-        outcome = self._sequence(event)
-        if outcome in ("stale", "duplicate"):
-            return outcome
-        if outcome == "gap":
-            self._tiers.clear()
-            self.resyncs += 1
-        self.last_seq = event.seq
-        self._change(event)
-        return outcome
-
-    def match(self, hashes: Sequence[bytes]) -> int:
-        """How many leading `hashes` are present in any tier."""
-        return _leading(hashes, self._tiers.__contains__)
-
-    def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self._tiers
-
-    def __len__(self) -> int:
-        return len(self._tiers)
-
-    def _sequence(self, event: KVEvent) -> str:
-        if event.incarnation != self.info.incarnation:
-            return "stale"
-        if self.last_seq is None:
-            return "gap" if event.seq > 0 else "applied"
-        if event.seq <= self.last_seq:
-            return "duplicate"
-        return "gap" if event.seq > self.last_seq + 1 else "applied"
-
-    def _change(self, event: KVEvent) -> None:
-        if event.op == "cleared":
-            self._tiers.clear()  # device and host are the only tiers held here
-            return
-        bit = _TIER_BITS.get(event.tier)
-        if bit is None:
-            return
-        if event.op == "stored":
-            self._store(event.block_hashes, bit)
-        elif event.op == "removed":
-            self._remove(event.block_hashes, bit)
-
-    def _store(self, hashes: Iterable[bytes], bit: int) -> None:
-        for h in hashes:
-            self._tiers[h] = self._tiers.get(h, 0) | bit
-            self._tiers.move_to_end(h)
-        while len(self._tiers) > self.max_blocks:
-            self._tiers.popitem(last=False)
-
-    def _remove(self, hashes: Iterable[bytes], bit: int) -> None:
-        for h in hashes:
-            rest = self._tiers.get(h, 0) & ~bit
-            if rest:
-                self._tiers[h] = rest
-            else:
-                self._tiers.pop(h, None)
-
-
 @dataclass
 class _Worker:
-    """The router's view of one live worker: its index and the decisions not yet finished."""
+    """The router's view of one live worker: its index and the decisions not yet finished
+    (their hashes counted in `pending`, and marked with the worker's bit in the router's
+    pending holders while the count is above 0)."""
 
     index: WorkerIndex
     used_blocks: int = 0
@@ -155,13 +89,12 @@ class _Worker:
     pending: Counter[bytes] = field(default_factory=Counter)
     finished_at: float = 0.0  # wall time of the last request seen finishing here
 
+    @property
+    def bit(self) -> int:
+        return self.index.bit
+
     def load(self) -> int:
         return max(self.blocks, self.used_blocks)
-
-    def own(self, hashes: Sequence[bytes]) -> int:
-        """Leading hashes in the index or pending on this worker."""
-        index, pending = self.index, self.pending
-        return _leading(hashes, lambda h: h in index or h in pending)
 
 
 @dataclass(frozen=True)
@@ -194,6 +127,9 @@ class Router:
         self.max_blocks_per_worker = max_blocks_per_worker
         self.store_cost = store_cost
         self._workers: dict[str, _Worker] = {}
+        self._slots: dict[str, int] = {}  # worker name -> its bit in the holders' masks
+        self._held = BlockHolders()  # every worker's indexed blocks
+        self._pending = BlockHolders()  # blocks of requests routed and not finished
         self._stores: dict[str, OrderedDict[bytes, None]] = {}
         self._turn = 0
         self._rng = random.Random(seed)
@@ -206,11 +142,16 @@ class Router:
     ) -> None:
         """Make `infos` the live set; a worker gone is forgotten, a restarted one starts empty."""
         for name in [n for n in self._workers if n not in infos]:
-            del self._workers[name]
+            self._drop(name)
+            del self._slots[name]
         for name, info in infos.items():
             worker = self._workers.get(name)
             if worker is None or worker.index.info.incarnation != info.incarnation:
-                worker = _Worker(WorkerIndex(info, self.max_blocks_per_worker))
+                if worker is not None:
+                    self._drop(name)
+                bit = self._slot(name)
+                index = WorkerIndex(info, self.max_blocks_per_worker, self._held, bit)
+                worker = _Worker(index)
                 self._workers[name] = worker
             worker.index.info = info
             report = stats.get(name, {})
@@ -219,6 +160,20 @@ class Router:
         live_stores = {info.store_id for info in infos.values()}
         for store_id in [s for s in self._stores if s not in live_stores]:
             del self._stores[store_id]
+
+    def _slot(self, name: str) -> int:
+        """The worker's bit: kept while its name is live, else the lowest one free."""
+        if name not in self._slots:
+            used = set(self._slots.values())
+            self._slots[name] = next(1 << k for k in range(len(used) + 1) if 1 << k not in used)
+        return self._slots[name]
+
+    def _drop(self, name: str) -> None:
+        """Forget a worker's blocks and pending hashes (its bit cleared everywhere)."""
+        worker = self._workers.pop(name)
+        worker.index.forget()
+        for h in worker.pending:
+            self._pending.discard(h, worker.bit)
 
     def apply(self, events: Iterable[KVEvent]) -> Counter[str]:
         """Apply events in order; the outcomes counted ("unknown": no such live worker)."""
@@ -238,8 +193,7 @@ class Router:
         names = sorted(n for n, w in self._workers.items() if w.index.info.role == role)
         if not names:
             return None
-        hasher = _PromptHasher(prompt_token_ids, cache_salt)
-        candidates = [self._candidate(n, hasher) for n in names]
+        candidates = self._candidates(names, _PromptHasher(prompt_token_ids, cache_salt))
         chosen, reason = self._choose(candidates, user)
         return self._record(chosen, reason, len(prompt_token_ids))
 
@@ -256,8 +210,8 @@ class Router:
             left = worker.pending[h] - 1
             if left > 0:
                 worker.pending[h] = left
-            else:
-                worker.pending.pop(h, None)
+            elif worker.pending.pop(h, None) is not None:
+                self._pending.discard(h, worker.bit)
 
     def take_lost_track(self) -> list[str]:
         """Workers whose events had a gap since the last call (to ask for a snapshot)."""
@@ -298,13 +252,29 @@ class Router:
         while len(index) > self.max_blocks_per_worker * _STORE_FACTOR:
             index.popitem(last=False)
 
-    def _candidate(self, name: str, hasher: _PromptHasher) -> _Candidate:
-        worker = self._workers[name]
-        hashes = hasher.hashes(worker.index.info)
-        own = worker.own(hashes)
-        store = self._stores.get(worker.index.info.store_id)
-        shared = _leading(hashes[own:], store.__contains__) if store else 0
-        return _Candidate(name, hashes, own, shared, worker.load(), worker.requests)
+    def _candidates(self, names: list[str], hasher: _PromptHasher) -> list[_Candidate]:
+        """Each worker's prediction: `own`, the leading run its index or pending requests
+        hold (one walk over the prompt for all the workers of one block identity), and
+        `shared`, the run its store holds after that (one walk per store)."""
+        groups: dict[Identity, list[str]] = {}
+        for name in names:
+            groups.setdefault(_identity(self._workers[name].index.info), []).append(name)
+        out: dict[str, _Candidate] = {}
+        for group in groups.values():
+            hashes = hasher.hashes(self._workers[group[0]].index.info)
+            slots = {n: self._workers[n].bit for n in group}
+            own = leading_runs(hashes, slots, self._held, self._pending)
+            ends: dict[str, list[int]] = {}
+            for name in group:
+                worker = self._workers[name]
+                store_id = worker.index.info.store_id
+                store = self._stores.get(store_id)
+                if store and store_id not in ends:
+                    ends[store_id] = runs_from(hashes, store.__contains__)
+                shared = ends[store_id][own[name]] - own[name] if store else 0
+                load = worker.load()
+                out[name] = _Candidate(name, hashes, own[name], shared, load, worker.requests)
+        return [out[n] for n in names]
 
     def _choose(self, candidates: list[_Candidate], user: str | None) -> tuple[_Candidate, str]:
         """`candidates` are in name order, which makes every choice below deterministic (for
@@ -341,13 +311,16 @@ class Router:
         info = worker.index.info
         # The blocks the request holds while it runs, less the prefix it shares with requests
         # in flight there (the engine holds those blocks once).
-        shared = _leading(c.hashes, worker.pending.__contains__)
+        shared = leading(c.hashes, worker.pending.__contains__)
         load_blocks = prompt_len // info.block_size + 1 - shared
         self._turn += 1
         self._decisions[reason] += 1
         worker.requests += 1
         worker.blocks += load_blocks
-        worker.pending.update(c.hashes)
+        for h in c.hashes:
+            if not worker.pending[h]:
+                self._pending.add(h, worker.bit)
+            worker.pending[h] += 1
         predicted = (c.own + c.shared) * info.block_size
         return Decision(
             c.name, reason, predicted, len(c.hashes), c.hashes, load_blocks, info.incarnation
@@ -363,7 +336,7 @@ class _PromptHasher:
         self._memo: dict[Identity, tuple[bytes, ...]] = {}
 
     def hashes(self, info: WorkerInfo) -> tuple[bytes, ...]:
-        key = (info.model_fp, info.tokenizer_fp, info.kv_format, info.block_size)
+        key = _identity(info)
         if key not in self._memo:
             self._memo[key] = self._compute(key)
         return self._memo[key]
@@ -375,14 +348,9 @@ class _PromptHasher:
         return tuple(block_hashes(root, self.tokens[: limit * bs], bs))
 
 
-def _leading(hashes: Sequence[bytes], present: Callable[[bytes], bool]) -> int:
-    """Length of the leading run of `hashes` for which `present` holds."""
-    n = 0
-    for h in hashes:
-        if not present(h):
-            break
-        n += 1
-    return n
+def _identity(info: WorkerInfo) -> Identity:
+    """What a worker's blocks' chain hashes depend on, besides the salt."""
+    return (info.model_fp, info.tokenizer_fp, info.kv_format, info.block_size)
 
 
 def _rendezvous_weight(key: str, worker: str) -> bytes:

@@ -79,9 +79,14 @@ def block_hashes(
     prev = root if start == 0 else parent
     if prev is None:
         raise ValueError("parent hash needed when start > 0")
+    end = len(token_ids) // block_size * block_size
+    # The tokens encoded once, then hashed a block's bytes at a time (chain_hash's bytes,
+    # without a pack call per block: the gateway hashes every prompt it routes).
+    data = encode_tokens(token_ids[start * block_size : end])
+    step = 4 * block_size
     out = []
-    for i in range(start, len(token_ids) // block_size):
-        prev = chain_hash(prev, token_ids[i * block_size : (i + 1) * block_size])
+    for offset in range(0, len(data), step):
+        prev = BlockHash(hashlib.sha256(prev + data[offset : offset + step]).digest())
         out.append(prev)
     return out
 

@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 import pytest
-from kvserve.services.gateway.router import Decision, Router, WorkerIndex
+from kvserve.services.gateway.block_index import WorkerIndex
+from kvserve.services.gateway.router import Decision, Router
 from kvserve.shared.protocol import KVEvent, WorkerInfo
 from kvserve.shared.store.hashing import block_hashes, root_hash
 

@@ -59,3 +59,15 @@ def test_bad_salts_rejected(bad: str) -> None:
 def test_good_salts() -> None:
     assert validate_cache_salt(None) is None
     assert validate_cache_salt("tenant-1:a.b_c") == "tenant-1:a.b_c"
+
+
+def test_block_hashes_chain_every_full_block_from_any_start() -> None:
+    root = root_hash("m", "t", "float32", 4)
+    tokens = list(range(100, 119))  # four full blocks of 4, three tokens over
+    chain, prev = [], root
+    for i in range(4):
+        prev = chain_hash(prev, tokens[4 * i : 4 * i + 4])
+        chain.append(prev)
+    assert block_hashes(root, tokens, 4) == chain
+    assert block_hashes(root, tokens, 4, start=2, parent=chain[1]) == chain[2:]
+    assert block_hashes(root, tokens[:3], 4) == []
