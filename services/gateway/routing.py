@@ -51,6 +51,8 @@ class RoutingService:
         self.metrics = _RouterMetrics(registry, router)
         self.totals: Counter[str] = Counter()  # requests, predicted, actual, abs_error tokens
         self._seconds: deque[float] = deque(maxlen=1000)  # the latest decision times
+        # How far behind the workers' KV events the router reads: the latest and the largest.
+        self.kv_event_lag_s: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -80,6 +82,10 @@ class RoutingService:
 
     async def _read_events(self) -> None:
         outcomes = self.router.apply(await self.bus.kv_events(block_ms=1000))
+        age = self.bus.kv_event_age_s()
+        if age is not None:
+            lag = self.kv_event_lag_s
+            lag["last"], lag["max"] = age, max(age, lag.get("max", 0.0))
         for outcome, n in outcomes.items():
             self.metrics.events.labels(outcome).inc(n)
         for worker in self.router.take_lost_track():
@@ -141,7 +147,8 @@ class RoutingService:
             "p50": 1e6 * seconds[len(seconds) // 2] if seconds else None,
             "p99": 1e6 * seconds[int(len(seconds) * 0.99)] if seconds else None,
         }
-        return {**self.router.stats(), **self.totals, "decision_us": us}
+        lag = dict(self.kv_event_lag_s)
+        return {**self.router.stats(), **self.totals, "decision_us": us, "kv_event_lag_s": lag}
 
 
 class _RouterMetrics(Collector):

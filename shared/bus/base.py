@@ -187,6 +187,11 @@ class Bus(abc.ABC):
         await asyncio.sleep(block_ms / 1000)
         return []
 
+    def kv_event_age_s(self) -> float | None:
+        """How long ago the newest event the last `kv_events` call returned was published
+        (how far a reader is behind); None when the bus cannot tell or none was read."""
+        return None
+
     async def request_resync(self, worker: str) -> None:  # noqa: B027
         """Ask `worker` to publish a snapshot of its blocks (a router missed some events)."""
 

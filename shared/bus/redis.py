@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -159,6 +160,7 @@ class RedisBus(Bus):
         self.keys = RedisKeys(self.config)
         self.reader = _EventReader(self)
         self._kv_cursor: bytes | str = "0-0"
+        self._kv_read = False  # whether the last kv_events call returned any event
 
     async def request_resync(self, worker: str) -> None:
         await self.redis.set(self.keys.resync_key(worker), b"1", ex=60)
@@ -230,7 +232,17 @@ class RedisBus(Bus):
             {self.keys.kv_events_key: self._kv_cursor}, count=4096, block=block_ms
         )
         events, self._kv_cursor = read_messages(reply, KVEvent, self._kv_cursor)
+        self._kv_read = bool(events)
         return events
+
+    def kv_event_age_s(self) -> float | None:
+        """From the last entry's id, the Redis server's time in ms when it was added (the
+        reader's and the server's clocks are one machine's, or synchronised ones)."""
+        if not self._kv_read:
+            return None
+        cursor = self._kv_cursor
+        ms = int((cursor.decode() if isinstance(cursor, bytes) else cursor).split("-")[0])
+        return max(0.0, time.time() - ms / 1000)
 
     def worker(self, name: str | None = None) -> WorkerPort:
         return RedisWorkerPort(

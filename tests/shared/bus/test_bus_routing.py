@@ -115,9 +115,13 @@ async def test_kv_events_are_read_once_in_order(rbus: RedisBus) -> None:
     await a.publish_kv_events(first)
     assert await rbus.kv_events(block_ms=100) == first
     later = [KVEvent("a", "inc-a", 3, "cleared")]
+    before = time.time()
     await a.publish_kv_events(later)
     assert await rbus.kv_events(block_ms=100) == later
+    age = rbus.kv_event_age_s()  # added after `before` (its id's milliseconds round down)
+    assert age is not None and 0 <= age <= time.time() - before + 0.002
     assert await rbus.kv_events(block_ms=10) == []
+    assert rbus.kv_event_age_s() is None  # nothing read: no age
     await a.close()
 
 
