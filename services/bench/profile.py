@@ -41,7 +41,7 @@ COMPONENTS = ("linear", "attention", "norm", "other model", "engine")
 # `kvserve bench serve` options that only an HTTP client has.
 CLIENT_OPTIONS = {
     "help", "base_url", "request_rate", "max_concurrency", "out", "slo", "model", "api_key",
-    "vocab_size", "timeout", "warmup_requests", "no_plots",
+    "vocab_size", "timeout", "warmup_requests", "no_plots", "send_user", "slowdown",
 }  # fmt: skip
 
 
@@ -234,12 +234,13 @@ def _check(args: argparse.Namespace) -> None:
     from kvserve.services.bench import serve
 
     client_defaults = {"base_url": "http://in-process", "vocab_size": None, "timeout": 1.0,
-                       "warmup_requests": 0, "max_concurrency": None}  # fmt: skip
+                       "warmup_requests": 0, "max_concurrency": None, "send_user": False,
+                       "slowdown": 1.0}  # fmt: skip
     serve.validate(argparse.Namespace(**{**vars(args), **client_defaults}))
-    if args.workload == "multi-round":
+    if args.workload in ("multi-round", "agentic"):
         raise CliError(
-            "--workload multi-round needs the server's answers; profile random, shared-prefix "
-            "or mooncake"
+            f"--workload {args.workload} needs the server's answers; profile random, "
+            "shared-prefix, multi-tenant or mooncake"
         )
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be >= 1")

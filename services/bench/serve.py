@@ -14,6 +14,11 @@ Arrivals: Poisson at --request-rate (seeded), all at once for `inf`, the trace's
 `mooncake` unless a rate is given; --max-concurrency bounds the requests in flight. A comma list
 of rates runs the workload once per rate, in turn.
 
+--send-user: each request carries its session's user key as the OpenAI `user` (what a
+session-affinity router routes by). --slowdown S: the server runs S times slower than the time
+it models (simulated workers); arrivals are stretched by S in wall time and every duration is
+divided by S, so everything recorded is modelled time (--timeout stays in wall seconds).
+
 Writes DIR/requests.jsonl (one line per request), DIR/summary.json, ttft.png, tpot.png (and
 throughput_vs_rate.png for several rates); prints a table; the last line printed is the summary
 as one JSON object.
@@ -41,7 +46,9 @@ from kvserve.services.bench.workloads.mooncake import (
 )
 from kvserve.services.bench.workloads.sessions import (
     WORKLOADS,
+    Agentic,
     MultiRound,
+    MultiTenant,
     RandomLengths,
     Session,
     SharedPrefix,
@@ -76,13 +83,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="output tokens per request (overrides the workload's lengths)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="wall seconds per request (not divided by --slowdown)")  # fmt: skip
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="short random requests sent first, not measured")  # fmt: skip
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--reuse-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="reusable tokens are counted in whole blocks of this many (the "
                         "server's KV block size)")  # fmt: skip
+    p.add_argument("--send-user", action="store_true",
+                   help="send each session's user key as the OpenAI `user`")  # fmt: skip
+    p.add_argument("--slowdown", type=float, default=1.0,
+                   help="the server runs this many times slower than the time it models: "
+                        "arrivals stretched, durations divided by it (>= 1)")  # fmt: skip
     _add_workload_arguments(p)
 
 
@@ -90,18 +103,29 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """Each workload's own options, a group each."""
     g = p.add_argument_group("random")
     g.add_argument("--input-len", type=int, default=256)
-    g.add_argument("--output-len", type=int, default=64, help="also shared-prefix, multi-round")
+    g.add_argument("--output-len", type=int, default=64,
+                   help="also shared-prefix, multi-round, multi-tenant, agentic")  # fmt: skip
     g.add_argument("--range-ratio", type=float, default=0.0)
     g = p.add_argument_group("shared-prefix")
     g.add_argument("--groups", type=int, default=8)
     g.add_argument("--prompts-per-group", type=int, default=8)
     g.add_argument("--prefix-len", type=int, default=1024)
-    g.add_argument("--question-len", type=int, default=64, help="also multi-round")
+    g.add_argument("--question-len", type=int, default=64, help="also multi-round, multi-tenant")
     g = p.add_argument_group("multi-round")
     g.add_argument("--users", type=int, default=4)
     g.add_argument("--rounds", type=int, default=4)
-    g.add_argument("--system-len", type=int, default=512)
+    g.add_argument("--system-len", type=int, default=512, help="also agentic")
     g.add_argument("--user-context-len", type=int, default=0, help="each user's own context")
+    g = p.add_argument_group("multi-tenant")
+    g.add_argument("--tenants", type=int, default=8)
+    g.add_argument("--context-len", type=int, default=2048, help="each tenant's shared context")
+    g.add_argument("--users-per-tenant", type=int, default=4)
+    g.add_argument("--queries-per-user", type=int, default=4)
+    g = p.add_argument_group("agentic")
+    g.add_argument("--agents", type=int, default=8)
+    g.add_argument("--turns", type=int, default=10)
+    g.add_argument("--task-len", type=int, default=256, help="each agent's own, in turn 0")
+    g.add_argument("--tool-output-len", type=int, default=256, help="appended by each later turn")
     g = p.add_argument_group("mooncake")
     g.add_argument("--trace", default=str(MOONCAKE_TRACE))
     g.add_argument("--window", default="0:200", help="START:COUNT of the trace's requests")
@@ -146,20 +170,13 @@ def validate(args: argparse.Namespace) -> None:
         raise CliError(f"--workload must be one of {', '.join(WORKLOADS)}, got {args.workload!r}")
     if not args.base_url.startswith(("http://", "https://")):
         raise CliError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
-    positive = ("max_concurrency", "num_requests", "vocab_size", "max_tokens", "input_len",
-                "output_len", "groups", "prompts_per_group", "question_len", "users", "rounds",
-                "scale", "max_context", "reuse_block_size")  # fmt: skip
-    for name in positive:
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    for name in ("prefix_len", "system_len", "user_context_len", "warmup_requests"):
-        if getattr(args, name) < 0:
-            raise CliError(f"--{name.replace('_', '-')} must be >= 0")
+    _check_counts(args)
     if not 0 <= args.range_ratio < 1:
         raise CliError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     if not args.time_scale > 0 or not args.timeout > 0:
         raise CliError("--time-scale and --timeout must be > 0")
+    if not args.slowdown >= 1:  # also refuses nan
+        raise CliError(f"--slowdown must be >= 1, got {args.slowdown}")
     if args.vocab_size is not None and args.vocab_size <= MIN_TOKEN_ID:
         raise CliError(f"--vocab-size must be > {MIN_TOKEN_ID}")
     try:
@@ -168,6 +185,21 @@ def validate(args: argparse.Namespace) -> None:
         raise CliError(f"--window: {e}") from None
     if args.workload == "mooncake" and MOONCAKE_BLOCK % args.scale:
         raise CliError(f"--scale must divide {MOONCAKE_BLOCK}, got {args.scale}")
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """Counts and lengths: CliError unless each is >= 1 (or >= 0 where it may be empty)."""
+    positive = ("max_concurrency", "num_requests", "vocab_size", "max_tokens", "input_len",
+                "output_len", "groups", "prompts_per_group", "question_len", "users", "rounds",
+                "tenants", "users_per_tenant", "queries_per_user", "agents", "turns", "task_len",
+                "tool_output_len", "scale", "max_context", "reuse_block_size")  # fmt: skip
+    for name in positive:
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for name in ("prefix_len", "system_len", "user_context_len", "context_len", "warmup_requests"):
+        if getattr(args, name) < 0:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 0")
 
 
 def workload_spec(args: argparse.Namespace) -> Workload:
@@ -182,6 +214,12 @@ def workload_spec(args: argparse.Namespace) -> Workload:
     if args.workload == "multi-round":
         return MultiRound(args.users, args.rounds, args.system_len, args.question_len,
                           args.output_len, args.user_context_len)  # fmt: skip
+    if args.workload == "multi-tenant":
+        return MultiTenant(args.tenants, args.users_per_tenant, args.queries_per_user,
+                           args.context_len, args.question_len, args.output_len)  # fmt: skip
+    if args.workload == "agentic":
+        return Agentic(args.agents, args.turns, args.system_len, args.task_len,
+                       args.tool_output_len, args.output_len)  # fmt: skip
     path = Path(args.trace)
     if not path.is_file():
         raise CliError(f"--trace: no such file {path}")
@@ -294,12 +332,13 @@ def _write_summary(
     runs: list[tuple[dict[str, Any], list[RequestResult]]],
     out: Path,
 ) -> dict[str, Any]:
-    """out/summary.json: the last run's summary, the settings, every run's (when several),
-    the plots; returned as well."""
+    """out/summary.json: the last run's summary, the settings (the slowdown among them: the
+    figures are in modelled time), every run's (when several), the plots; returned as well."""
     final = dict(runs[-1][0])
     final |= {"workload": args.workload, "model": model, "base_url": args.base_url}
     final["seed"] = args.seed
     final["max_concurrency"] = args.max_concurrency
+    final["slowdown"] = args.slowdown
     if len(runs) > 1:
         final["runs"] = [s for s, _ in runs]
     final["plots"] = [] if args.no_plots else plot(out, runs)

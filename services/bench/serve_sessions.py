@@ -1,6 +1,10 @@
 """One run of the serving benchmark: every session started at its arrival time (Poisson at a
 rate, all at once for `inf`, a trace's own times), its turns sent in order, the results kept in
-start order; and the unmeasured warm-up requests before it."""
+start order; and the unmeasured warm-up requests before it.
+
+Arrival times, start times and the run's duration are modelled seconds: against a server that
+runs --slowdown S times slower than the time it models, a modelled second lasts S wall seconds
+(so the client sends at rate / S)."""
 
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ async def run_once(
     vocab_size: int,
 ) -> tuple[list[RequestResult], float]:
     """Every session started at its arrival time (at `rate`); the results in start order and
-    the run's duration in seconds."""
+    the run's duration in modelled seconds."""
     from tqdm import tqdm
 
     total = sum(s.num_requests for s in sessions)
@@ -50,7 +54,7 @@ async def run_once(
     await asyncio.gather(
         *(run.session(k, s, at) for k, (s, at) in enumerate(zip(sessions, starts, strict=True)))
     )
-    duration = time.perf_counter() - run.t_start
+    duration = run.now()
     bar.close()
     return run.results, duration
 
@@ -71,6 +75,7 @@ class SessionRunner:
         progress: Any,
     ) -> None:
         self.seed = args.seed
+        self.slowdown = args.slowdown
         self.client = client
         self.rate = rate
         self.vocab_size = vocab_size
@@ -80,6 +85,11 @@ class SessionRunner:
         self.reuse = ReuseTracker(args.reuse_block_size)
         self.t_start = time.perf_counter()
 
+    def now(self) -> float:
+        """Modelled seconds since the run's start: the one place the run's wall clock is
+        divided by the slowdown."""
+        return (time.perf_counter() - self.t_start) / self.slowdown
+
     async def request(self, prompt: list[int], res: RequestResult) -> list[int] | None:
         if self.sem is None:
             return await self._send(prompt, res)
@@ -87,18 +97,18 @@ class SessionRunner:
             return await self._send(prompt, res)
 
     async def _send(self, prompt: list[int], res: RequestResult) -> list[int] | None:
-        res.start_s = time.perf_counter() - self.t_start
+        res.start_s = self.now()
         res.reusable_tokens = self.reuse.observe(prompt)
         return await self.client.complete(prompt, res)
 
     async def session(self, k: int, s: Session, at: float) -> None:
-        delay = at - (time.perf_counter() - self.t_start)
+        delay = at - self.now()
         if delay > 0:
-            await asyncio.sleep(delay)  # the conversation's arrival time
+            await asyncio.sleep(delay * self.slowdown)  # to its arrival time, in wall seconds
         history: list[int] = []
         for j, turn in enumerate(s.turns):
             prompt = history + turn.tokens if s.carry_history else turn.tokens
-            res = RequestResult(k, s.tag, j, self.rate, len(prompt), turn.output_len)
+            res = RequestResult(k, s.tag, j, self.rate, len(prompt), turn.output_len, s.user)
             self.results.append(res)
             ids = await self.request(prompt, res)
             self.progress(1)
@@ -113,8 +123,8 @@ class SessionRunner:
             self.reuse.add(history)
 
     def _skip_rest(self, k: int, s: Session, j: int) -> None:
-        for rest in s.turns[j + 1 :]:
-            skipped = RequestResult(k, s.tag, j + 1, self.rate, 0, rest.output_len)
+        for i, rest in enumerate(s.turns[j + 1 :], start=j + 1):
+            skipped = RequestResult(k, s.tag, i, self.rate, 0, rest.output_len, s.user)
             skipped.error = "skipped: an earlier round failed"
             self.results.append(skipped)
             self.progress(1)

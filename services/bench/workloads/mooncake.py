@@ -1,7 +1,7 @@
 """The `mooncake` workload of `kvserve bench serve`: the Mooncake FAST'25 trace replayed with
 lengths and the 512-token block scaled down by `scale`, each hash id a deterministic token
 block, arrival times kept (divided by `time_scale`), input clipped so input + output fits
-`max_context`."""
+`max_context`; each request's user key is its conversation (see `_conversation`)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,16 @@ class MooncakeTrace:
         block = MOONCAKE_BLOCK // self.scale
         tokens, used = _trace_prompt(row["hash_ids"], n_in, block, vocab_size, seed, i)
         arrival = (row["timestamp"] - t0) / 1000.0 / self.time_scale
-        return Session([Turn(tokens, n_out)], arrival_s=arrival, tag=f"t{i}", hash_ids=used)
+        turn = Turn(tokens, n_out)
+        user = _conversation(row["hash_ids"], i)
+        return Session([turn], arrival_s=arrival, tag=f"t{i}", user=user, hash_ids=used)
+
+
+def _conversation(hash_ids: list[int], i: int) -> str:
+    """The user key of trace line i: its conversation, named by its second hash id (in
+    conversation_trace.jsonl the first is the system prompt every request shares, and the
+    turns of one conversation share the blocks after it), else the line itself."""
+    return f"c{hash_ids[1]}" if len(hash_ids) > 1 else f"t{i}"
 
 
 def _trace_rows(path: Path, start: int, count: int) -> list[tuple[int, dict[str, Any]]]:

@@ -13,7 +13,15 @@ turn. Each workload is a frozen spec whose `sessions(vocab_size, seed)` draws th
 - `multi-round` (`MultiRound`): U users x R rounds, one system prompt shared by all users, each
   round appends the previous answer and a new question (LMCache's multi-round QA); a user's
   rounds are sequential.
+- `multi-tenant` (`MultiTenant`): T tenants x U users x Q queries, each query its tenant's
+  shared context plus a question of its own, single-turn, shuffled (llm-d's precise prefix
+  cache benchmark).
+- `agentic` (`Agentic`): A agents x R turns carrying their history: a shared system prompt and
+  the agent's task, then a tool result appended every turn.
 - `mooncake`: the Mooncake FAST'25 trace replayed (workloads/mooncake.py).
+
+Every session names its user (`Session.user`), the key a session-affinity router would route it
+by: the request's OpenAI `user` under `bench serve --send-user`.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import ClassVar, Protocol
 
 from kvserve.services.bench.workloads.tokens import check_vocab, random_tokens
 
-WORKLOADS = ("random", "shared-prefix", "multi-round", "mooncake")
+WORKLOADS = ("random", "shared-prefix", "multi-round", "multi-tenant", "agentic", "mooncake")
 
 
 @dataclass
@@ -40,6 +48,7 @@ class Session:
     carry_history: bool = False  # multi-round: the prompt is the whole conversation so far
     arrival_s: float | None = None  # trace replay: seconds after the start
     tag: str = ""  # e.g. "g3" (shared-prefix group), "u2" (user), "t17" (trace line)
+    user: str = ""  # the user key: sessions with the same key belong to one user
     hash_ids: list[int] = field(default_factory=list)  # mooncake: the (scaled) blocks
 
     @property
@@ -91,7 +100,8 @@ class RandomLengths(SeededWorkload):
         for i in range(self.num_requests):
             n_in = _uniform_len(rng, self.input_len, self.range_ratio)
             n_out = _uniform_len(rng, self.output_len, self.range_ratio)
-            out.append(Session([Turn(random_tokens(rng, n_in, vocab_size), n_out)], tag=f"r{i}"))
+            turn = Turn(random_tokens(rng, n_in, vocab_size), n_out)
+            out.append(Session([turn], tag=f"r{i}", user=f"r{i}"))
         return out
 
 
@@ -112,7 +122,8 @@ class SharedPrefix(SeededWorkload):
             prefix = random_tokens(rng, self.prefix_len, vocab_size)
             for _ in range(self.prompts_per_group):
                 question = random_tokens(rng, self.question_len, vocab_size)
-                out.append(Session([Turn(prefix + question, self.output_len)], tag=f"g{g}"))
+                turn = Turn(prefix + question, self.output_len)
+                out.append(Session([turn], tag=f"g{g}", user=f"g{g}"))
         rng.shuffle(out)
         return out
 
@@ -141,5 +152,65 @@ class MultiRound(SeededWorkload):
             ]
             context = random_tokens(rng, self.context_len, vocab_size)
             turns[0] = Turn(system + context + turns[0].tokens, self.output_len)
-            out.append(Session(turns, carry_history=True, tag=f"u{u}"))
+            out.append(Session(turns, carry_history=True, tag=f"u{u}", user=f"u{u}"))
+        return out
+
+
+@dataclass(frozen=True)
+class MultiTenant(SeededWorkload):
+    """`tenants` x `users_per_tenant` x `queries_per_user` single-turn sessions (llm-d's precise
+    prefix cache benchmark): a query's prompt is its tenant's context of `context_len` tokens
+    (one draw per tenant, so shared by the tenant's queries only) followed by a question of its
+    own. Shuffled, so tenants and users interleave. Tag `t{t}-u{u}-q{q}`, user `t{t}-u{u}`."""
+
+    name: ClassVar[str] = "multi-tenant"
+    tenants: int
+    users_per_tenant: int
+    queries_per_user: int
+    context_len: int
+    question_len: int
+    output_len: int
+
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
+        out = [s for t in range(self.tenants) for s in self._tenant(rng, t, vocab_size)]
+        rng.shuffle(out)
+        return out
+
+    def _tenant(self, rng: random.Random, t: int, vocab_size: int) -> list[Session]:
+        """Tenant t's queries in order: its context drawn once, then a question per query."""
+        context = random_tokens(rng, self.context_len, vocab_size)
+        out = []
+        for u in range(self.users_per_tenant):
+            for q in range(self.queries_per_user):
+                question = random_tokens(rng, self.question_len, vocab_size)
+                turn = Turn(context + question, self.output_len)
+                out.append(Session([turn], tag=f"t{t}-u{u}-q{q}", user=f"t{t}-u{u}"))
+        return out
+
+
+@dataclass(frozen=True)
+class Agentic(SeededWorkload):
+    """`agents` sessions of `turns` turns that carry their history, so each prompt extends the
+    previous prompt and its answer: turn 0 is the system prompt (`system_len` tokens, shared by
+    every agent) and the agent's own task (`task_len`); every later turn appends a tool result
+    (`tool_output_len`). Tag and user `a{k}`."""
+
+    name: ClassVar[str] = "agentic"
+    agents: int
+    turns: int
+    system_len: int
+    task_len: int
+    tool_output_len: int
+    output_len: int
+
+    def draw(self, rng: random.Random, vocab_size: int) -> list[Session]:
+        system = random_tokens(rng, self.system_len, vocab_size)
+        out = []
+        for k in range(self.agents):
+            turns = [Turn(system + random_tokens(rng, self.task_len, vocab_size), self.output_len)]
+            turns += [
+                Turn(random_tokens(rng, self.tool_output_len, vocab_size), self.output_len)
+                for _ in range(self.turns - 1)
+            ]
+            out.append(Session(turns, carry_history=True, tag=f"a{k}", user=f"a{k}"))
         return out

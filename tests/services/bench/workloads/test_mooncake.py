@@ -1,9 +1,11 @@
 """The Mooncake trace loader (services/bench/workloads/mooncake.py) on the real trace: lengths
-and blocks scaled, shared hash ids as identical token blocks, arrival times kept, windows."""
+and blocks scaled, shared hash ids as identical token blocks, arrival times kept, windows, user
+keys."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from kvserve.services.bench.workloads.mooncake import (
@@ -50,3 +52,21 @@ def test_mooncake_loader_on_the_real_trace() -> None:
     for bad in ("5", "a:b", "-1:3", "0:0"):
         with pytest.raises(ValueError):
             parse_window(bad)
+
+
+def test_mooncake_user_keys_are_conversations(tmp_path: Path) -> None:
+    """A row's user key: `c` and its second hash id (the first is the system prompt every
+    conversation shares), else `t` and its line."""
+    rows = [[0, 7, 8], [0, 9], [0, 7, 8, 10], [5]]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": 600, "output_length": 8, "hash_ids": h})
+            + "\n"
+            for i, h in enumerate(rows)
+        )
+    )
+    s = MooncakeTrace(path=trace, window=(0, -1), scale=8).sessions(VOCAB)
+    assert [x.user for x in s] == ["c7", "c9", "c7", "t3"]
+    later = MooncakeTrace(path=trace, window=(2, 2), scale=8).sessions(VOCAB)
+    assert [x.user for x in later] == ["c7", "t3"]  # line numbers of the file, not the window

@@ -1,10 +1,13 @@
 """The workloads of `kvserve bench serve` (services/bench/workloads/sessions.py): deterministic
-under a seed, the requested shapes, every token id an ordinary one below the vocabulary size."""
+under a seed, the requested shapes, every token id an ordinary one below the vocabulary size,
+each session's user key."""
 
 from __future__ import annotations
 
 from kvserve.services.bench.workloads.sessions import (
+    Agentic,
     MultiRound,
+    MultiTenant,
     RandomLengths,
     Session,
     SharedPrefix,
@@ -71,3 +74,51 @@ def test_multi_round_users_have_contexts_of_their_own() -> None:
     assert all(len(t) == 8 + 16 + 4 for t in firsts)
     assert len({tuple(t[:8]) for t in firsts}) == 1  # the shared system prompt
     assert len({tuple(t[8:24]) for t in firsts}) == 3  # each user's own context
+
+
+def test_multi_tenant_workload() -> None:
+    """3 tenants x 2 users x 2 queries: a tenant's 32-token context shared by its queries only,
+    an 8-token question each, interleaved, keyed by tenant and user."""
+    spec = MultiTenant(3, 2, 2, 32, 8, 5)
+    s = spec.sessions(VOCAB, seed=0)
+    assert s == spec.sessions(VOCAB, seed=0) and s != spec.sessions(VOCAB, seed=1)
+    assert len(s) == 12 and not any(x.carry_history for x in s)
+    assert all(len(x.turns) == 1 and len(x.turns[0].tokens) == 40 for x in s)
+    assert {x.turns[0].output_len for x in s} == {5}
+    tags = [x.tag for x in s]
+    expected = {f"t{t}-u{u}-q{q}" for t in range(3) for u in range(2) for q in range(2)}
+    assert set(tags) == expected and tags != sorted(tags)  # every query once, shuffled
+    assert all(x.user == x.tag.rpartition("-")[0] for x in s)
+    contexts: dict[str, set[tuple[int, ...]]] = {}
+    for x in s:
+        contexts.setdefault(x.tag.partition("-")[0], set()).add(tuple(x.turns[0].tokens[:32]))
+    assert all(len(c) == 1 for c in contexts.values())  # shared within a tenant
+    assert len(set().union(*contexts.values())) == 3  # not across tenants
+    assert len({tuple(x.turns[0].tokens[32:]) for x in s}) == 12  # a question each
+    ids = all_ids(s)
+    assert min(ids) >= MIN_TOKEN_ID and max(ids) < VOCAB
+
+
+def test_agentic_workload() -> None:
+    """3 agents x 4 turns: a shared 16-token system prompt and a 6-token task of each agent's
+    own, then 10-token tool results; histories carried, one user per agent."""
+    spec = Agentic(3, 4, 16, 6, 10, 5)
+    s = spec.sessions(1000, seed=2)
+    assert s == spec.sessions(1000, seed=2) and s != spec.sessions(1000, seed=3)
+    assert [(x.tag, x.user) for x in s] == [(f"a{k}", f"a{k}") for k in range(3)]
+    assert all(x.carry_history and len(x.turns) == 4 for x in s)
+    firsts = [x.turns[0].tokens for x in s]
+    assert all(len(t) == 22 for t in firsts)
+    assert len({tuple(t[:16]) for t in firsts}) == 1  # the shared system prompt
+    assert len({tuple(t[16:]) for t in firsts}) == 3  # each agent's own task
+    later = [t for x in s for t in x.turns[1:]]
+    assert all(len(t.tokens) == 10 for t in later)
+    assert {t.output_len for x in s for t in x.turns} == {5}
+    ids = all_ids(s)
+    assert min(ids) >= MIN_TOKEN_ID and max(ids) < 1000
+
+
+def test_user_keys_of_the_other_workloads() -> None:
+    assert [x.user for x in RandomLengths(3, 8, 2).sessions(VOCAB)] == ["r0", "r1", "r2"]
+    assert all(x.user == x.tag for x in SharedPrefix(3, 2, 8, 4, 2).sessions(VOCAB))
+    assert [x.user for x in MultiRound(2, 2, 8, 4, 2).sessions(VOCAB)] == ["u0", "u1"]
