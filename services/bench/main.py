@@ -29,6 +29,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "serve": Benchmark("serve", "serving benchmark: an HTTP client (TTFT, TPOT, goodput, traces)"),
     "profile": Benchmark("profile", "where an engine step's time goes under a serve workload"),
     "startup": Benchmark("startup", "start-up time of generate and serve, part by part"),
+    "calibrate": Benchmark(
+        "calibrate", "fit a cost profile for simulated workers from this machine's engine"
+    ),
     "compare": Benchmark(
         "sweeps.compare", "bench serve against kvserve, llama-server and HF, side by side"
     ),

@@ -160,8 +160,13 @@ class CostProfile:
         return max(0.0, self.step.seconds(shape))
 
     def to_json(self, extra: dict[str, Any] | None = None) -> str:
-        """The profile as JSON (`extra`: more top-level keys, such as the fit's points)."""
-        return json.dumps({"version": PROFILE_VERSION, **asdict(self), **(extra or {})}, indent=2)
+        """The profile as JSON (`extra`: more top-level keys, such as the fit's points; a key
+        that names a field of the profile is a ValueError, never a silent replacement)."""
+        body = {"version": PROFILE_VERSION, **asdict(self)}
+        clash = set(body) & set(extra or {})
+        if clash:
+            raise ValueError(f"extra keys would replace the profile's own: {sorted(clash)}")
+        return json.dumps({**body, **(extra or {})}, indent=2)
 
     @classmethod
     def from_json(cls, text: str, origin: str = "profile") -> CostProfile:

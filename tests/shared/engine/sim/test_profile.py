@@ -113,3 +113,9 @@ def test_the_shipped_gpu_profile_gives_blis_step_times() -> None:
         assert prof.step_seconds(decode) == pytest.approx((6472.01 + 304.40 * batch) * 1e-6)
     prefill = StepShape.of_rows([(1024, 0, False)])
     assert prof.step_seconds(prefill) == pytest.approx((6472.01 + 19.797 * 1024) * 1e-6)
+
+
+def test_extra_keys_never_replace_the_profiles_own(tmp_path: Path) -> None:
+    prof = CostProfile.load(str(write_profile(tmp_path / "p.json")))
+    with pytest.raises(ValueError, match="store"):
+        prof.to_json({"store": {}})
