@@ -107,7 +107,13 @@ async def _work(args: argparse.Namespace) -> None:
         engines.append(engine)
         workers.append(worker)
     await asyncio.gather(*(w.start() for w in workers))
-    log.info("ready", workers=len(workers), simulation=engines[0].simulation, pid=os.getpid())
+    log.info(
+        "ready",
+        workers=len(workers),
+        simulation=engines[0].simulation,
+        url=f"bus:{args.name_prefix}-*",
+        pid=os.getpid(),
+    )
     await stop.wait()
     log.info("shutting down", drain_timeout_s=args.drain_timeout)
     await asyncio.gather(*(w.stop(drain_timeout=args.drain_timeout) for w in workers))
