@@ -79,6 +79,13 @@ def _register(sub: argparse._SubParsersAction, role: str) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
     p.add_argument("--model", default=str(default_model_path()), help="GGUF file or HF dir")
+    p.add_argument(
+        "--step-log",
+        metavar="FILE",
+        default=None,
+        help="append every engine step's batch shape and seconds to FILE (JSON lines; "
+        "`kvserve bench calibrate --served` fits a cost profile on them)",
+    )
     add_engine_arguments(p)
     add_sim_arguments(p)
     p.set_defaults(handler=lambda args: run(args, role))
@@ -155,6 +162,8 @@ async def _work(args: argparse.Namespace, role: str) -> None:
     engine = await asyncio.to_thread(load_engine, engine_config(args))
     if engine.store_url is None:
         raise CliError("--store: the engine has no prefix store")
+    if args.step_log:
+        engine.log_steps(args.step_log)
     worker, bus = make_worker(args, role, name, engine)
     metrics_url = _start_metrics(args, name, worker)
     await worker.start()

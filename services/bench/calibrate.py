@@ -53,6 +53,7 @@ from kvserve.services.bench.lib.calibration_store import (
 from kvserve.services.bench.lib.cost_fit import CLASSES, StepFit, fit_step_cost
 from kvserve.services.bench.lib.flags import add_gguf, add_seed
 from kvserve.services.bench.lib.host import describe_cpu
+from kvserve.services.bench.lib.process import StartError
 from kvserve.services.cli_support import CliError
 from kvserve.shared.config import (
     STORE_FORMATS,
@@ -67,6 +68,7 @@ from kvserve.shared.engine.sim.profile import (
     EngineShape,
     ModelledModel,
     StepCost,
+    StepShape,
     StoreCost,
     calibrated_path,
 )
@@ -103,11 +105,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="store frames (auto: int8 for Redis)")  # fmt: skip
     add_gguf(p)
     p.add_argument("--quick", action="store_true", help="a small grid, for tests (a rough profile)")
+    p.add_argument("--served", action="store_true", help=SERVED_HELP)
+    p.add_argument("--workers", type=int, default=1,
+                   help="--served: real workers serving at once (--threads each)")  # fmt: skip
     p.add_argument("--name", default=None, help="profile name (default: cpu-<machine label>)")
     add_seed(p)
 
 
-# ---- recording and driving the engine ------------------------------------------------------
+SERVED_HELP = (
+    "fit on the steps real workers run while they serve calibration workloads through the "
+    "gateway (kvserve worker --step-log), the conditions a fleet of --workers meets on this "
+    "machine, instead of an engine's steps alone"
+)
 
 
 # ---- the profile -------------------------------------------------------------------------------
@@ -117,6 +126,11 @@ def machine_label(threads: int) -> str:
     """The CPU model in lower-case words joined by '-', and the thread count ("amd-epyc-2t")."""
     model = describe_cpu().split(" (")[0]
     return "-".join(re.findall(r"[a-z0-9]+", model.lower())) + f"-{threads}t"
+
+
+def served_label(args: argparse.Namespace) -> str:
+    """How the steps were measured, in the profile's name: "-served-2w" or nothing."""
+    return f"-served-{args.workers}w" if args.served else ""
 
 
 def commit() -> str:
@@ -161,10 +175,11 @@ def build_profile(
     """The measured profile: --name (default cpu-<machine label>), this machine, today."""
     today = datetime.datetime.now(datetime.UTC).date().isoformat()
     return CostProfile(
-        name=args.name or f"cpu-{machine_label(args.threads)}",
+        name=args.name or f"cpu-{machine_label(args.threads)}{served_label(args)}",
         source="measured",
-        machine=f"{describe_cpu()}, {args.threads} torch threads",
-        reference=f"kvserve bench calibrate {today} {commit()}",
+        machine=f"{describe_cpu()}, {args.threads} torch threads"
+        + (f" per worker, {args.workers} served" if args.served else ""),
+        reference=f"kvserve bench calibrate{' --served' if args.served else ''} {today} {commit()}",
         model=model[0],
         engine=model[1],
         step=step,
@@ -223,8 +238,8 @@ def write_profile(profile: CostProfile, extra: dict[str, Any], out: Path) -> lis
 
 def check_args(args: argparse.Namespace) -> None:
     """Bad options are a one-line error, before anything is loaded."""
-    if args.threads < 1:
-        raise CliError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads < 1 or args.workers < 1:
+        raise CliError("--threads and --workers must be >= 1")
     args.gguf = args.gguf or default_model_path()
     if not args.gguf.is_file():
         raise CliError(f"--gguf: no model file at {args.gguf} (run `kvserve fetch-model`)")
@@ -266,15 +281,36 @@ def measure_engine(
 ) -> tuple[StepFit, tuple[ModelledModel, EngineShape]]:
     """The fit of the serving engine's steps, and what the profile says of that engine; the
     engine is closed (its cache freed) before this returns."""
-    engine = model.engine(model.config)
-    print(f"engine: {engine.kv.num_blocks} blocks of {engine.block_size}, {args.threads} threads")
-    records = measure_steps(engine, grid, args.seed)
-    fit = fit_step_cost([r.shape for r in records], [r.seconds for r in records])
+    if args.served:
+        steps = served(args)
+        lazy = dataclasses.replace(model.config, cache=CacheConfig(populate="lazy"))
+        engine = model.engine(lazy)
+    else:
+        engine = model.engine(model.config)
+        print(
+            f"engine: {engine.kv.num_blocks} blocks of {engine.block_size}, {args.threads} threads"
+        )
+        steps = [(r.shape, r.seconds) for r in measure_steps(engine, grid, args.seed)]
+    fit = fit_step_cost([shape for shape, _ in steps], [seconds for _, seconds in steps])
     described = modelled(engine, args.gguf.stem, StoreConfig().host_tier_bytes)
     engine.close()
     del engine
     gc.collect()
     return fit, described
+
+
+def served(args: argparse.Namespace) -> list[tuple[StepShape, float]]:
+    """The steps --workers real workers ran serving the calibration workloads."""
+    from kvserve.services.bench.lib.calibration_served import served_steps
+
+    log_dir = args.out.parent / f"{args.out.stem}-served"
+    print(f"serving the calibration workloads: {args.workers} worker(s) x {args.threads} threads")
+    try:
+        steps = served_steps(args.gguf, args.workers, args.threads, log_dir, args.quick, args.seed)
+    except (RuntimeError, StartError) as e:
+        raise CliError(f"--served: {e}") from None
+    print(f"{len(steps)} served steps (logs in {log_dir})")
+    return steps
 
 
 def run(args: argparse.Namespace) -> int:

@@ -165,6 +165,13 @@ class AsyncEngine:
         kv = self.engine.kv
         return kv.store_config.url if kv.has_store and kv.store_config is not None else None
 
+    def log_steps(self, path: str) -> None:
+        """Append every step's shape and model-call seconds to `path` (StepLog), from now on.
+        Set before the engine thread starts."""
+        from kvserve.shared.engine.sim.step_log import StepLog
+
+        self.engine.on_step = StepLog(path)
+
     @property
     def simulation(self) -> str | None:
         """What a simulated engine models, in one line (None: a real engine)."""

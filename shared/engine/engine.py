@@ -40,6 +40,7 @@ from kvserve.shared.store.block_data import KVTail
 from kvserve.shared.store.hashing import BlockHash, InvalidSaltError, validate_cache_salt
 
 OutputHook = Callable[[list[RequestOutput]], None]
+StepHook = Callable[[Batch, float], None]
 
 
 class Engine:
@@ -85,6 +86,9 @@ class Engine:
         # Called with every step's outputs, whoever drives the step (AsyncEngine sets it, so
         # that steps taken inside an engine call, such as a warm-up, still deliver).
         self.on_outputs: OutputHook | None = None
+        # Called with every step's batch (before its sequences advance) and the model call's
+        # seconds (a step log for calibration).
+        self.on_step: StepHook | None = None
 
     def _load_model(
         self, config: EngineConfig, tokenizer: KVTokenizer | None, weights: LoadedWeights | None
@@ -304,6 +308,8 @@ class Engine:
         if not batch:
             return []
         out, seconds = self.step_threads.run(batch.num_tokens, lambda: self.runner.run(batch))
+        if self.on_step is not None:
+            self.on_step(batch, seconds)
         self.scheduler.advance(batch, seconds)
         self.num_steps += 1
         if not out.sampling_seqs:  # only prompt chunks this step

@@ -4,13 +4,17 @@ calibrate`).
 A step's modelled time is linear in its shape's terms (`StepCost.terms`), and every coefficient
 is a cost, so the fit is non-negative least squares; each step's residual is divided by its
 measured time, so a 5 ms decode step weighs as much as a 500 ms prompt chunk (the fit minimizes
-relative error). The solver is Lawson and Hanson's active-set method in numpy.
+relative error). The solver is Lawson and Hanson's active-set method in numpy. Step times are
+skewed (a step that another process slows takes far longer, none takes far less), so a fit on
+relative error sits near the typical step and below the mean; the coefficients are then scaled
+by one factor so the predicted total time of the steps equals the measured total: a simulated
+engine is busy as long as the real one was.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 from kvserve.shared.engine.sim.profile import StepCost, StepShape, StoreCost
@@ -92,9 +96,9 @@ def _solve_free(a: np.ndarray, b: np.ndarray, x: np.ndarray, free: np.ndarray) -
         x[~free] = 0.0
 
 
-def fit_step_cost(shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepFit:
-    """The non-negative StepCost that minimizes the steps' squared relative errors, with each
-    step's prediction and the error figures. Needs at least one step, every time positive."""
+def relative_fit(shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepCost:
+    """The non-negative StepCost that minimizes the steps' squared relative errors. Needs at
+    least one step, every time positive."""
     if not shapes or len(shapes) != len(seconds) or min(seconds) <= 0:
         raise ValueError("a fit needs steps, each with a positive measured time")
     zero = StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -102,8 +106,17 @@ def fit_step_cost(shapes: Sequence[StepShape], seconds: Sequence[float]) -> Step
     a = np.array([zero.terms(s) for s in shapes]) / y[:, None]  # each row relative to its time
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0  # a term no step has stays 0
-    coeffs = nnls(a / scale, np.ones(len(y))) / scale
-    step = StepCost(*(float(c) for c in coeffs))
+    return StepCost(*(float(c) for c in nnls(a / scale, np.ones(len(y))) / scale))
+
+
+def fit_step_cost(shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepFit:
+    """`relative_fit` scaled so that its total over the steps is the measured total, with
+    each step's prediction and the error figures."""
+    step = relative_fit(shapes, seconds)
+    total = sum(step.seconds(s) for s in shapes)
+    if total > 0:
+        factor = sum(seconds) / total
+        step = StepCost(*(factor * c for c in astuple(step)))
     predicted = [step.seconds(s) for s in shapes]
     return StepFit(
         step, list(shapes), list(seconds), predicted, fit_errors(shapes, seconds, predicted)

@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.services.bench.lib.flags import add_gguf
-from kvserve.services.bench.lib.process import StartError, kvserve_command
-from kvserve.services.bench.sweeps import fleet_report as report
-from kvserve.services.bench.sweeps.fleet_deploy import (
+from kvserve.services.bench.lib.fleet_deploy import (
     Counters,
     Deployment,
     Observer,
     Routing,
     Workers,
 )
+from kvserve.services.bench.lib.process import StartError, kvserve_command
+from kvserve.services.bench.sweeps import fleet_report as report
 from kvserve.services.cli_support import CliError
 
 POLICY_ARMS = ("random", "round-robin", "least-load", "session", "cache-aware")
@@ -64,10 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulate", metavar="PROFILE", default=None, help=SIMULATE_HELP)
     p.add_argument("--time-scale", type=float, default=1.0, help=TIME_SCALE_HELP)
     p.add_argument("--validate", action="store_true", help=VALIDATE_HELP)
+    p.add_argument("--repeats", type=int, default=3, help="--validate: runs of each kind")
     p.add_argument("--worker-threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--store-format", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="wall seconds per request")
+    p.add_argument("--warmup-requests", type=int, default=4,
+                   help="short requests before each measured run (a fresh worker's first steps "
+                        "are slow: page faults, thread choice)")  # fmt: skip
     p.add_argument("--out", default="bench-fleet", metavar="DIR", help="every run's files")
     p.add_argument("--plot", default=None, metavar="PREFIX", help=PLOT_HELP)
     add_gguf(p)
@@ -156,6 +160,7 @@ def bench_serve(
     cmd = [*kvserve_command(), "bench", "serve", "--base-url", url, *shape_flags(args),
            "--request-rate", str(qps), "--slowdown", str(slowdown), "--send-user",
            "--seed", str(args.seed), "--timeout", str(args.timeout), "--no-plots",
+           "--warmup-requests", str(args.warmup_requests),
            "--out", str(run_dir)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     (run_dir / "bench-serve.txt").write_text(proc.stdout + proc.stderr)
@@ -206,20 +211,26 @@ def _workers(args: argparse.Namespace, n: int, simulated: bool) -> Workers:
 
 
 def sweep(
-    args: argparse.Namespace, arms: dict[str, Routing], n: int, qps: list[float], simulated: bool
+    args: argparse.Namespace,
+    arms: dict[str, Routing],
+    n: int,
+    qps: list[float],
+    simulated: bool,
+    tag: str = "",
 ) -> dict[str, list[dict[str, Any]]]:
-    """Every arm at every QPS on `n` workers: {arm: [row per QPS]}; saved after each run."""
+    """Every arm at every QPS on `n` workers: {arm: [row per QPS]}; saved after each run
+    (under DIR/{real|sim}-{n}w{tag})."""
     out = Path(args.out)
-    kind = "sim" if simulated else "real"
+    kind = f"{'sim' if simulated else 'real'}-{n}w{tag}"
     rows: dict[str, list[dict[str, Any]]] = {}
     for arm, routing in arms.items():
         for q in qps:
-            run_dir = out / f"{kind}-{n}w" / arm / f"qps-{q:g}"
+            run_dir = out / kind / arm / f"qps-{q:g}"
             r = run_once(args, routing, _workers(args, n, simulated), q, run_dir)
             rows.setdefault(arm, []).append(r)
             note = r["error"].splitlines()[0] if "error" in r else _brief(r)
-            print(f"[{kind} {n}w {arm} qps {q:g}] {note}", flush=True)
-            (out / f"{kind}-{n}w.json").write_text(json.dumps(rows, indent=1) + "\n")
+            print(f"[{kind} {arm} qps {q:g}] {note}", flush=True)
+            (out / f"{kind}.json").write_text(json.dumps(rows, indent=1) + "\n")
     return rows
 
 
@@ -232,22 +243,6 @@ def _brief(r: dict[str, Any]) -> str:
 
 
 # ---- entry --------------------------------------------------------------------------------------
-
-
-def _validate_runs(
-    args: argparse.Namespace, arms: dict[str, Routing], workers: list[int], qps: list[float]
-) -> dict[str, Any]:
-    """Real and simulated runs of the first arm at the first QPS per worker count."""
-    arm, routing = next(iter(arms.items()))
-    results: dict[str, Any] = {}
-    for n in workers:
-        real = sweep(args, {arm: routing}, n, qps[:1], simulated=False)[arm][0]
-        sim = sweep(args, {arm: routing}, n, qps[:1], simulated=True)[arm][0]
-        if "error" in real or "error" in sim:
-            results[str(n)] = {"real": real, "sim": sim, "errors": {"within_targets": False}}
-            continue
-        results[str(n)] = {"real": real, "sim": sim, "errors": report.relative_errors(real, sim)}
-    return results
 
 
 def _plots(prefix: str, by_workers: dict[int, dict[str, list[dict[str, Any]]]], title: str) -> None:
@@ -265,7 +260,9 @@ def run(args: argparse.Namespace) -> int:
     head = {"workload": args.workload, "shape": shape_flags(args)[2:], "profile": args.simulate,
             "time_scale": args.time_scale}  # fmt: skip
     if args.validate:
-        results = _validate_runs(args, arms, workers, qps)
+        from kvserve.services.bench.sweeps.fleet_validate import validate_runs
+
+        results = validate_runs(args, arms, workers, qps[0])
         print(report.validation_table(results), flush=True)
         print(json.dumps({**head, "validate": results}), flush=True)
         return 0 if all(r["errors"]["within_targets"] for r in results.values()) else 1
@@ -275,14 +272,7 @@ def run(args: argparse.Namespace) -> int:
     for n, rows in by_workers.items():
         print(report.table(f"{title}, {n} workers", rows), flush=True)
     if args.plot:
-        for n, rows in by_workers.items():
-            report.plot_ttft_vs_qps(
-                Path(f"{args.plot}_{n}w_ttft_vs_qps.png"), rows, f"{title}, {n} workers"
-            )
-        if len(by_workers) > 1:
-            report.plot_throughput_vs_workers(
-                Path(f"{args.plot}_throughput_vs_workers.png"), by_workers, title
-            )
+        _plots(args.plot, by_workers, title)
     result = {**head, "workers": {str(n): rows for n, rows in by_workers.items()}}
     if len(workers) == 1:
         result |= by_workers[workers[0]]

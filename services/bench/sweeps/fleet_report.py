@@ -96,6 +96,28 @@ def relative_errors(real: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str
     return errors
 
 
+def step_model_check(profile: Any, logs: list[Path]) -> dict[str, Any]:
+    """The profile's step times against the steps real workers logged in a served run: per
+    class of step (decode-only, with a prompt chunk), how many, the mean of measured /
+    predicted and the mean relative error."""
+    from kvserve.shared.engine.sim.step_log import read_steps
+
+    classes: dict[str, list[float]] = {"decode": [], "prompt": []}
+    for log in logs:
+        for shape, seconds in read_steps(log):
+            predicted = profile.step_seconds(shape)
+            if predicted > 0:
+                classes["prompt" if shape.prefill_chunks else "decode"].append(seconds / predicted)
+    return {
+        name: {
+            "steps": len(ratios),
+            "measured_over_predicted": sum(ratios) / len(ratios) if ratios else None,
+            "mean_abs_err": sum(abs(r - 1) for r in ratios) / len(ratios) if ratios else None,
+        }
+        for name, ratios in classes.items()
+    }
+
+
 def _cell(v: Any, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
@@ -133,19 +155,32 @@ def table(title: str, rows: Mapping[str, list[dict[str, Any]]]) -> str:
 
 
 def validation_table(results: Mapping[str, Mapping[str, Any]]) -> str:
-    """Per worker count: each validated metric real, simulated, and the error."""
-    lines = ["== validation: simulated against real workers (error = (sim - real) / real)"]
-    lines.append(
-        f"{'workers':<8} {'metric':<14} {'real':>10} {'sim':>10} {'error':>8} {'target':>7}"
-    )
+    """Per worker count: each validated metric real, simulated, the error and the real runs'
+    own spread (medians over the repeats); then how the real steps compare with the profile."""
+    lines = [
+        "== validation: simulated against real workers, medians of the repeats "
+        "(error = (sim - real) / real; spread = the real runs' (max - min) / median)",
+        f"{'workers':<8} {'metric':<14} {'real':>10} {'sim':>10} {'error':>8} {'target':>7} "
+        f"{'spread':>7}",
+    ]
     for workers, res in results.items():
         for metric, allowed in VALIDATED.items():
             real, sim = res["real"].get(metric), res["sim"].get(metric)
             err = res["errors"].get(f"{metric}_err")
+            noise = (res.get("real_spread") or {}).get(metric)
             lines.append(
-                f"{workers:<8} {metric:<14} {_cell(real, digits=4):>10} {_cell(sim, digits=4):>10} "
-                f"{_cell(err, 100, 1) + '%':>8} {allowed * 100:>6.0f}%"
+                f"{workers:<8} {metric:<14} {_cell(real, digits=4):>10} "
+                f"{_cell(sim, digits=4):>10} {_cell(err, 100, 1) + '%':>8} "
+                f"{allowed * 100:>6.0f}% {_cell(noise, 100, 0) + '%':>7}"
             )
+        for kind, check in (res.get("steps") or {}).items():
+            lines.append(
+                f"{workers:<8} real {kind} steps: {check['steps']}, measured / profile "
+                f"{_cell(check['measured_over_predicted'])} (mean |error| "
+                f"{_cell(check['mean_abs_err'], 100, 1)}%)"
+            )
+        for why in res.get("failed", []):
+            lines.append(f"{workers:<8} a run failed: {str(why).splitlines()[0]}")
     return "\n".join(lines)
 
 

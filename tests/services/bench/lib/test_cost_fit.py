@@ -14,6 +14,7 @@ from kvserve.services.bench.lib.cost_fit import (
     fit_step_cost,
     nnls,
     relative_error,
+    relative_fit,
     step_class,
     store_cost,
 )
@@ -84,14 +85,18 @@ def test_coefficients_never_come_out_negative() -> None:
     wrong = StepCost(0.01, 0.001, 4e-7, 0.0, 0.0, 0.0)
     measured = [wrong.seconds(s) - 2e-7 * s.decode_context + 0.03 for s in points]
     assert min(measured) > 0
-    fit = fit_step_cost(points, measured)
-    assert min(astuple(fit.step)) >= 0
-    assert fit.step.per_decode_context_s == 0
-    a = np.array([fit.step.terms(s) for s in points]) / np.array(measured)[:, None]
-    gradient = a.T @ (1 - a @ np.array(astuple(fit.step)))
+    step = relative_fit(points, measured)
+    assert min(astuple(step)) >= 0
+    assert step.per_decode_context_s == 0
+    a = np.array([step.terms(s) for s in points]) / np.array(measured)[:, None]
+    gradient = a.T @ (1 - a @ np.array(astuple(step)))
     scale = np.abs(a).max(axis=0)
-    assert (gradient / scale)[np.array(astuple(fit.step)) > 0] == pytest.approx(0, abs=1e-6)
+    assert (gradient / scale)[np.array(astuple(step)) > 0] == pytest.approx(0, abs=1e-6)
     assert (gradient / scale).max() < 1e-6
+    fit = fit_step_cost(points, measured)  # the same terms, scaled to the measured total
+    assert sum(fit.predicted) == pytest.approx(sum(measured))
+    ratios = [f / r for f, r in zip(astuple(fit.step), astuple(step), strict=True) if r]
+    assert ratios == pytest.approx([ratios[0]] * len(ratios))
 
 
 def test_nnls_on_a_problem_with_a_known_answer() -> None:

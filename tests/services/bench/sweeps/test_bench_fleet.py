@@ -8,8 +8,8 @@ import argparse
 from typing import Any
 
 import pytest
+from kvserve.services.bench.lib.fleet_deploy import Counters, Routing
 from kvserve.services.bench.sweeps import fleet, fleet_report
-from kvserve.services.bench.sweeps.fleet_deploy import Counters, Routing
 from kvserve.services.cli import main
 
 
@@ -172,3 +172,23 @@ def test_the_table_has_a_line_per_arm_and_qps() -> None:
     assert any(line.startswith("random") and "2000" in line for line in lines)
     assert any("not run: bench serve exited with 1" in line for line in lines)
     assert any(line.startswith("cache-aware") and "500" in line for line in lines)
+
+
+def test_validation_compares_the_medians_of_the_repeats() -> None:
+    from kvserve.services.bench.sweeps.fleet_validate import compare
+
+    def run(tok_s: float, p90: float) -> dict[str, Any]:
+        return {"output_tok_s": tok_s, "tpot_mean_s": 0.02, "ttft_p50_s": 0.5,
+                "ttft_p90_s": p90, "hit_rate": 0.5}  # fmt: skip
+
+    reals = [run(100.0, 1.0), run(90.0, 3.0), run(110.0, 2.0)]
+    sims = [run(101.0, 2.2), run(99.0, 2.1), run(98.0, 9.0)]
+    got = compare(reals, sims)
+    assert got["real"]["output_tok_s"] == 100.0 and got["sim"]["ttft_p90_s"] == 2.2
+    assert got["errors"]["output_tok_s_err"] == pytest.approx(-0.01)
+    assert got["errors"]["ttft_p90_s_err"] == pytest.approx(0.1)
+    assert got["errors"]["within_targets"]
+    assert got["real_spread"]["output_tok_s"] == pytest.approx(0.2)
+    assert got["real_spread"]["ttft_p90_s"] == pytest.approx(1.0)
+    failed = compare([*reals, {"qps": 1, "error": "bench serve exited"}], sims)
+    assert not failed["errors"]["within_targets"] and failed["failed"] == ["bench serve exited"]

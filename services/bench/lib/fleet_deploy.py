@@ -116,8 +116,13 @@ class Deployment:
         for name in self.worker_names():
             self.fleet.process(
                 name, ("worker",), *common, "--name", name, "--threads", str(w.threads),
-                "--metrics-port", "0", env=env,
+                "--metrics-port", "0", "--step-log", str(self.step_log(name)),
+                "--kv-populate", "eager", env=env,
             ).spawn()  # fmt: skip
+
+    def step_log(self, name: str) -> Path:
+        """Where a real worker logs its steps (kvserve worker --step-log)."""
+        return self.log_dir / f"steps-{name}.jsonl"
 
     def pid(self, name: str) -> int:
         proc = self.fleet.procs[name].proc
