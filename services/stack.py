@@ -49,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, default=None, help=f"prefill workers ({DEFAULT_PREFILL})")
     p.add_argument("--decode", type=int, default=None, help=f"decode workers ({DEFAULT_DECODE})")
     p.add_argument("--routing", choices=POLICIES, default="cache-aware", help="the gateway's")
+    p.add_argument("--pd-threshold", type=int, default=0,
+                   help="the gateway's (disaggregated: shorter uncached parts go to decode)")  # fmt: skip
     p.add_argument(
         "--worker-store",
         choices=("shared", "local"),
@@ -107,6 +109,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
          "--model", args.model, "--request-timeout", str(args.request_timeout),
          "--routing", args.routing],
     ]  # fmt: skip
+    if args.pd_threshold:
+        out[0] += ["--pd-threshold", str(args.pd_threshold)]
     if args.simulate is not None:
         return [*out, sim_fleet_command(args, base)]
     for i, (role, name) in enumerate(worker_roles(args)):

@@ -148,7 +148,9 @@ def make_worker(
     else:
         from kvserve.services.workers.decode import DecodeWorker
 
-        worker = DecodeWorker(bus.worker(name), engine)
+        # Its KV events let a gateway send it the requests whose prefill it computes itself
+        # (--pd-threshold) by the blocks it holds.
+        worker = DecodeWorker(bus.worker(name), engine, kv_events=True)
     worker.model_name = os.path.basename(args.model).split(".")[0]
     return worker, bus
 

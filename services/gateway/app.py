@@ -73,7 +73,7 @@ class Gateway:
         if c.routing is None:
             return None
         router = Router(c.routing, c.overlap_weight, c.router_max_blocks, c.router_store_cost)
-        return RoutingService(bus, router, self.metrics.registry)
+        return RoutingService(bus, router, self.metrics.registry, pd_threshold=c.pd_threshold)
 
     def _run_with_app(self, routing: RoutingService) -> None:
         """Start the router with the app; stop it at cleanup (after the warm-up jobs)."""

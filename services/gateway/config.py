@@ -20,3 +20,6 @@ class GatewayConfig:
     overlap_weight: float = 1.0
     router_store_cost: float = 0.2
     router_max_blocks: int = 100_000
+    # Disaggregated topology: a request whose predicted uncached part is shorter than this many
+    # tokens goes to a decode worker, which computes it, instead of a prefill worker (0: never).
+    pd_threshold: int = 0

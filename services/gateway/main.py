@@ -46,6 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--router-max-blocks", type=int, default=100_000, help="hashes remembered per worker"
     )
+    p.add_argument(
+        "--pd-threshold",
+        type=int,
+        default=0,
+        help="disaggregated topology: a request whose uncached part (as the router predicts "
+        "it) is shorter than this many tokens goes straight to a decode worker, which computes "
+        "it; 0: every request is prefilled by a prefill worker",
+    )
     add_gateway_arguments(p)
     p.add_argument("--log-level", default=None)
     p.set_defaults(handler=run)
@@ -95,11 +103,19 @@ def run(args: argparse.Namespace) -> int:
     check_at_least_one(args, ("router_max_blocks",))
     if args.overlap_weight < 0 or not 0 <= args.router_store_cost <= 1:
         raise CliError("--overlap-weight must be >= 0 and --router-store-cost in [0, 1]")
+    if args.pd_threshold < 0:
+        raise CliError("--pd-threshold must be >= 0")
     return run_service(args, "gateway", _serve)
 
 
 # The router's options, each named for the GatewayConfig field it sets (`kvserve gateway` only).
-ROUTER_OPTIONS = ("routing", "overlap_weight", "router_store_cost", "router_max_blocks")
+ROUTER_OPTIONS = (
+    "routing",
+    "overlap_weight",
+    "router_store_cost",
+    "router_max_blocks",
+    "pd_threshold",
+)
 
 
 async def _serve(args: argparse.Namespace) -> None:

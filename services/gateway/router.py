@@ -74,6 +74,7 @@ class Decision:
     hashes: tuple[bytes, ...]
     load_blocks: int
     incarnation: str = ""
+    role: str = "worker"
 
 
 @dataclass
@@ -187,23 +188,38 @@ class Router:
         cache_salt: str | None,
         role: str = "worker",
         user: str | None = None,
+        reason: str | None = None,
     ) -> Decision | None:
         """Pick a worker of `role` for the prompt and count the request in flight there; None
-        when no live worker has that role. `user` is the session key (only "session" reads it)."""
+        when no live worker has that role. `user` is the session key (only "session" reads it);
+        `reason` replaces the policy's reason (the caller knows why it asked)."""
         names = sorted(n for n, w in self._workers.items() if w.index.info.role == role)
         if not names:
             return None
         candidates = self._candidates(names, _PromptHasher(prompt_token_ids, cache_salt))
-        chosen, reason = self._choose(candidates, user)
-        return self._record(chosen, reason, len(prompt_token_ids))
+        chosen, why = self._choose(candidates, user)
+        return self._record(chosen, reason or why, len(prompt_token_ids))
 
     def finished(self, decision: Decision) -> None:
         """Undo `decision`'s in-flight load and pending hashes (nothing if its worker is gone
-        or restarted since)."""
+        or restarted since): its request ended there."""
+        worker = self._workers.get(decision.worker)
+        if worker is not None and worker.index.info.incarnation == decision.incarnation:
+            worker.finished_at = time.time()
+        self._release(decision)
+
+    def withdraw(self, decision: Decision) -> None:
+        """Undo `decision` as one not taken after all (its request went elsewhere): its load,
+        its pending hashes and its count among the decisions."""
+        self._decisions[decision.reason] -= 1
+        if self._decisions[decision.reason] <= 0:
+            del self._decisions[decision.reason]
+        self._release(decision)
+
+    def _release(self, decision: Decision) -> None:
         worker = self._workers.get(decision.worker)
         if worker is None or worker.index.info.incarnation != decision.incarnation:
             return
-        worker.finished_at = time.time()
         worker.requests = max(0, worker.requests - 1)
         worker.blocks = max(0, worker.blocks - decision.load_blocks)
         for h in decision.hashes:
@@ -323,7 +339,14 @@ class Router:
             worker.pending[h] += 1
         predicted = (c.own + c.shared) * info.block_size
         return Decision(
-            c.name, reason, predicted, len(c.hashes), c.hashes, load_blocks, info.incarnation
+            c.name,
+            reason,
+            predicted,
+            len(c.hashes),
+            c.hashes,
+            load_blocks,
+            info.incarnation,
+            info.role,
         )
 
 

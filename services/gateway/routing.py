@@ -43,10 +43,18 @@ ROLES = ("worker", "prefill")  # who takes a new request, in order of preference
 
 class RoutingService:
     def __init__(
-        self, bus: Bus, router: Router, registry: CollectorRegistry, refresh_s: float = 1.0
+        self,
+        bus: Bus,
+        router: Router,
+        registry: CollectorRegistry,
+        refresh_s: float = 1.0,
+        pd_threshold: int = 0,
     ) -> None:
         self.bus = bus
         self.router = router
+        # Disaggregated topology: a request whose uncached part (as predicted) is shorter than
+        # this many tokens skips the prefill worker; a decode worker computes it (0: never).
+        self.pd_threshold = pd_threshold
         self.refresh_s = refresh_s
         self.metrics = _RouterMetrics(registry, router)
         self.totals: Counter[str] = Counter()  # requests, predicted, actual, abs_error tokens
@@ -103,6 +111,8 @@ class RoutingService:
                 decision = self.router.route(prompt, cache_salt, role, user)
                 if decision is not None:
                     break
+            if decision is not None and decision.role == "prefill":
+                decision = self._short_prefill(decision, prompt, cache_salt, user)
             seconds = time.perf_counter() - t0
             span.set_attribute("kvserve.route.policy", self.router.policy)
             if decision is None:
@@ -117,6 +127,21 @@ class RoutingService:
         self.metrics.seconds.observe(seconds)
         self._seconds.append(seconds)
         return decision
+
+    def _short_prefill(
+        self, decision: Decision, prompt: Sequence[int], cache_salt: str | None, user: str | None
+    ) -> Decision:
+        """A prefill worker's decision, or, when the part of the prompt it would compute is
+        shorter than `pd_threshold`, a decode worker's (which computes it itself: a hand-off
+        through the store would cost more than that prefill saves the decode worker)."""
+        uncached = len(prompt) - decision.predicted_cached_tokens
+        if uncached >= self.pd_threshold:
+            return decision
+        direct = self.router.route(prompt, cache_salt, "decode", user, reason="short-prefill")
+        if direct is None:
+            return decision
+        self.router.withdraw(decision)
+        return direct
 
     def targets(self) -> list[str]:
         """Every live worker that takes new requests (a flush goes to each)."""

@@ -159,3 +159,22 @@ def test_threads_reach_the_engine_config() -> None:
     assert engine_config(build_parser(argv).parse_args(argv)).weights == "auto"
     argv = ["serve", "--weights", "fp32"]
     assert engine_config(build_parser(argv).parse_args(argv)).weights == "fp32"
+
+
+def test_the_gateway_gets_the_pd_threshold_when_one_is_set() -> None:
+    assert "--pd-threshold" not in _commands()[0]
+    gateway, *workers = _commands("--pd-threshold", "256")
+    assert gateway[gateway.index("--pd-threshold") + 1] == "256"
+    assert all("--pd-threshold" not in w for w in workers)
+
+
+def test_simulated_workers_are_one_sim_fleet_named_as_real_ones() -> None:
+    gateway, fleet = _commands("--workers", "3", "--simulate", "gpu", "--time-scale", "4")
+    args = _args(fleet, "sim-fleet")
+    assert args[args.index("--profile") + 1] == "gpu"
+    assert args[args.index("--workers") + 1] == "3"
+    assert args[args.index("--time-scale") + 1] == "4.0"
+    assert args[args.index("--name-prefix") + 1] == "worker"
+    _, fleet = _commands("--prefill", "2", "--decode", "1", "--simulate", "gpu")
+    args = _args(fleet, "sim-fleet")
+    assert args[args.index("--prefill") + 1] == "2" and args[args.index("--decode") + 1] == "1"
