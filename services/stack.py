@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=None, help=f"decode workers ({DEFAULT_DECODE})")
     p.add_argument("--routing", choices=POLICIES, default="cache-aware", help="the gateway's")
     p.add_argument("--pd-threshold", type=int, default=0,
-                   help="the gateway's (disaggregated: shorter uncached parts go to decode)")  # fmt: skip
+                   help="the gateway's: shorter uncached parts go to decode")  # fmt: skip
     p.add_argument(
         "--worker-store",
         choices=("shared", "local"),

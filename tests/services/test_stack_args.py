@@ -169,7 +169,7 @@ def test_the_gateway_gets_the_pd_threshold_when_one_is_set() -> None:
 
 
 def test_simulated_workers_are_one_sim_fleet_named_as_real_ones() -> None:
-    gateway, fleet = _commands("--workers", "3", "--simulate", "gpu", "--time-scale", "4")
+    _, fleet = _commands("--workers", "3", "--simulate", "gpu", "--time-scale", "4")
     args = _args(fleet, "sim-fleet")
     assert args[args.index("--profile") + 1] == "gpu"
     assert args[args.index("--workers") + 1] == "3"
