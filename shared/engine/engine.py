@@ -14,6 +14,7 @@ drives it (see AsyncEngine for the async API).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 
@@ -27,7 +28,9 @@ from kvserve.shared.engine.request import Request, SequenceFactory
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
 from kvserve.shared.engine.sim.model import SimulatedModel, fill_like_kv, load_simulated
+from kvserve.shared.engine.sim.profile import StepShape
 from kvserve.shared.engine.sim.runner import SimulatedRunner, word_vocabulary
+from kvserve.shared.engine.sim.step_log import shape_of
 from kvserve.shared.engine.sim.store import ModelledTransfers
 from kvserve.shared.engine.startup import build_kv_manager, load_model
 from kvserve.shared.engine.step_threads import StepThreads
@@ -40,7 +43,7 @@ from kvserve.shared.store.block_data import KVTail
 from kvserve.shared.store.hashing import BlockHash, InvalidSaltError, validate_cache_salt
 
 OutputHook = Callable[[list[RequestOutput]], None]
-StepHook = Callable[[Batch, float], None]
+StepHook = Callable[[StepShape, float], None]
 
 
 class Engine:
@@ -86,8 +89,8 @@ class Engine:
         # Called with every step's outputs, whoever drives the step (AsyncEngine sets it, so
         # that steps taken inside an engine call, such as a warm-up, still deliver).
         self.on_outputs: OutputHook | None = None
-        # Called with every step's batch (before its sequences advance) and the model call's
-        # seconds (a step log for calibration).
+        # Called with every step's shape (as scheduled) and its seconds, schedule to outputs
+        # (a step log, for calibration).
         self.on_step: StepHook | None = None
 
     def _load_model(
@@ -304,19 +307,21 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        self.runner.begin_step()
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        shape = shape_of(batch) if self.on_step is not None else None
         out, seconds = self.step_threads.run(batch.num_tokens, lambda: self.runner.run(batch))
-        if self.on_step is not None:
-            self.on_step(batch, seconds)
         self.scheduler.advance(batch, seconds)
         self.num_steps += 1
-        if not out.sampling_seqs:  # only prompt chunks this step
-            return []
-        outputs = self.outputs.process(out)
+        outputs = self.outputs.process(out) if out.sampling_seqs else []
         if self.on_outputs is not None and outputs:
             self.on_outputs(outputs)
+        self.runner.end_step()
+        if self.on_step is not None and shape is not None:
+            self.on_step(shape, time.perf_counter() - started)
         return outputs
 
     # ---- outside the scheduler ------------------------------------------------------------

@@ -46,6 +46,12 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.device = model.device
 
+    def begin_step(self) -> None:
+        """An engine step starts (a simulated runner times the whole step from here)."""
+
+    def end_step(self) -> None:
+        """The engine step's outputs are processed."""
+
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
         """Logits of the sequences that sample: the model computes its last layer only for

@@ -3,6 +3,12 @@ the one part of an engine a simulation replaces: the step waits for the time the
 gives for its batch (times `time_scale`, the simulation's slow-down), then yields logits that
 make the sampler pick a deterministic word.
 
+A profile's time is the whole engine step's (schedule, model call, sampling and outputs: what
+`kvserve worker --step-log` records and BLIS's step time covers), so the wait ends that long
+after the step began, less the time the step's work after the model call has been taking (a
+running average): the simulated engine's own host work is inside the modelled time, not added
+to it, unless it takes longer.
+
 Everything else is the production code around it: the Batch comes from the real scheduler, the
 block copies of copy-on-write are made in the real KV cache, and the logits go to the real
 OutputProcessor (sampling, stops, forks, outputs), whose sampled tokens extend the sequences.
@@ -92,9 +98,20 @@ class SimulatedRunner:
         self.clock = clock
         self.modelled_s = 0.0  # the modelled seconds of every step run (unscaled)
         self.late_s = 0.0  # wall seconds the steps ran past their modelled end (host work)
+        self._started: float | None = None  # when the engine's current step began
+        self._returned = 0.0  # when run() returned
+        self._after_s = 0.0  # running average: a step's work after run() returned
+
+    def begin_step(self) -> None:
+        self._started = self.clock()
+
+    def end_step(self) -> None:
+        after = self.clock() - self._returned
+        self._after_s += 0.2 * (after - self._after_s)
 
     def run(self, batch: Batch) -> StepOutput:
-        t0 = self.clock()
+        t0 = self.clock() if self._started is None else self._started
+        self._started = None
         for src, dst in batch.block_copies:
             self.cache.copy_block(src, dst)
         rows = [(s.num_new_tokens, s.seq.num_computed_tokens, s.samples) for s in batch.scheduled]
@@ -102,7 +119,8 @@ class SimulatedRunner:
         self.modelled_s += seconds
         sampling = self._sampling_order(batch)
         logits = self._logits(sampling)
-        self._wait_until(t0 + seconds * self.time_scale)
+        self._wait_until(t0 + seconds * self.time_scale - self._after_s)
+        self._returned = self.clock()
         return StepOutput([s.seq for s in sampling], logits, columns=self.vocab.ids)
 
     @staticmethod

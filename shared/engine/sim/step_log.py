@@ -1,7 +1,8 @@
 """StepLog: every step an engine runs, as a JSON line of its batch's StepShape and the seconds the
-model call took, written as the engine serves (a real worker's `--step-log FILE`), so that a
-cost profile can be fitted on the steps of a served workload (`kvserve bench calibrate
---served`), under the conditions a server meets: its event loop, the bus, the other processes.
+whole step took (schedule, model call, outputs), written as the engine serves (a real worker's
+`--step-log FILE`), so that a cost profile can be fitted on the steps of a served workload
+(`kvserve bench calibrate --served`), under the conditions a server meets: its event loop, the
+bus, the other processes.
 
 Written on the engine thread, line-buffered into the file; `read_steps` reads it back.
 """
@@ -28,8 +29,8 @@ class StepLog:
         self.path = Path(path)
         self._file: IO[str] = open(self.path, "a", buffering=1)  # noqa: SIM115 - kept open
 
-    def __call__(self, batch: Batch, seconds: float) -> None:
-        line = {**asdict(shape_of(batch)), "seconds": seconds}
+    def __call__(self, shape: StepShape, seconds: float) -> None:
+        line = {**asdict(shape), "seconds": seconds}
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def close(self) -> None:

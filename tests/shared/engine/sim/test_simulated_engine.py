@@ -7,6 +7,7 @@ batch the real scheduler formed."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,33 @@ def test_modelled_transfers_queue_on_one_link() -> None:
     assert put_s >= 0.01 + 5 * 0.01  # a round trip and five blocks' writes
     assert first_s >= 0.01 + 5 * 0.02
     assert second_s >= 0.01 + 10 * 0.02  # queued behind the first call's blocks
+
+
+def test_host_work_after_the_model_call_is_inside_the_modelled_step(
+    profile_file: Path, model_path: Path, tokenizer: KVTokenizer
+) -> None:
+    """Each step's outputs take 2 ms of (fake) host time: once the runner has learnt that,
+    a step, begin to begin, lasts its modelled time, not 2 ms more."""
+    engine, fake = simulated(profile_file, model_path, tokenizer)
+    prof = CostProfile.load(str(profile_file))
+    process = engine.outputs.process
+
+    def slow_process(out):  # type: ignore[no-untyped-def]
+        fake.now += 0.002
+        return process(out)
+
+    engine.outputs.process = slow_process  # type: ignore[method-assign]
+    starts: list[float] = []
+    begin = engine.runner.begin_step
+
+    def record() -> None:
+        starts.append(fake.now)
+        begin()
+
+    engine.runner.begin_step = record  # type: ignore[method-assign]
+    engine.generate([list(range(100, 140))], SamplingParams(max_tokens=40))
+    periods = [b - a for a, b in itertools.pairwise(starts)]
+    contexts = range(39, 39 + len(periods))  # periods[i], i >= 1: a decode at 40 + i - 1
+    modelled = [prof.step_seconds(StepShape.of_rows([(1, c, True)])) for c in contexts]
+    assert periods[1] == pytest.approx(modelled[1] + 0.002 * 0.8)  # learning
+    assert periods[-1] == pytest.approx(modelled[-1], abs=2e-5)  # learnt
