@@ -65,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help=TIME_SCALE_HELP)
     p.add_argument("--validate", action="store_true", help=VALIDATE_HELP)
     p.add_argument("--repeats", type=int, default=3, help="--validate: runs of each kind")
+    p.add_argument("--calibrate-each", action="store_true", help=CALIBRATE_EACH_HELP)
     p.add_argument("--worker-threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--store-format", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -86,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             g.add_argument(f"--{flag}", type=type(default), default=None, help=defaults)
 
 
+CALIBRATE_EACH_HELP = (
+    "--validate: before each repeat, fit the profile's step costs on the steps real workers run "
+    "serving the calibration workloads (bench calibrate --served) then and there"
+)
 SIMULATE_HELP = "simulated workers on this cost profile (gpu, cpu or a file)"
 TIME_SCALE_HELP = "simulated workers run this many times slower than modelled"
 VALIDATE_HELP = "run real and simulated (--simulate) workers alike; print each metric's error"

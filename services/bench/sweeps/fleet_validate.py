@@ -8,6 +8,8 @@ say how the profile's step times compare with the steps they ran."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,38 @@ def validate_runs(
         reals, sims, logs = [], [], []
         for k in range(args.repeats):
             tag = f"-{k}"
+            sim_args = args
+            if args.calibrate_each:
+                local = local_profile(args, profile, n, tag)
+                sim_args = argparse.Namespace(**{**vars(args), "simulate": local})
             reals.append(sweep(args, {arm: routing}, n, [qps], False, tag)[arm][0])
-            sims.append(sweep(args, {arm: routing}, n, [qps], True, tag)[arm][0])
+            sims.append(sweep(sim_args, {arm: routing}, n, [qps], True, tag)[arm][0])
             run_dir = Path(args.out) / f"real-{n}w{tag}" / arm / f"qps-{qps:g}"
             logs += sorted(run_dir.glob("steps-*.jsonl"))
         results[str(n)] = compare(reals, sims) | {"steps": report.step_model_check(profile, logs)}
     return results
+
+
+def local_profile(args: argparse.Namespace, base: Any, n: int, tag: str) -> str:
+    """`base` with its step costs fitted on the steps `n` real workers ran serving the
+    calibration workloads just now (never the validated workload): the machine's speed drifts
+    from one minute to the next, so the profile is taken beside the runs it is checked on.
+    Returns the profile's path."""
+    from kvserve.services.bench.lib.calibration_served import served_steps
+    from kvserve.services.bench.lib.cost_fit import fit_step_cost
+    from kvserve.shared.config import default_model_path
+
+    out = Path(args.out) / f"calibration-{n}w{tag}"
+    threads = args.worker_threads or max(1, (os.cpu_count() or 1) // n)
+    model = Path(args.gguf or default_model_path())
+    steps = served_steps(model, n, threads, out, seed=args.seed)
+    fit = fit_step_cost([shape for shape, _ in steps], [seconds for _, seconds in steps])
+    profile = dataclasses.replace(base, name=f"{base.name}-local", step=fit.step)
+    errors = {name: dataclasses.asdict(e) for name, e in fit.errors.items()}
+    path = out / "profile.json"
+    path.write_text(profile.to_json({"fit": {"steps": len(steps), "errors": errors}}))
+    print(f"[calibrated {n}w{tag}] {len(steps)} steps, mean error {fit.errors['all'].mean:.1%}")
+    return str(path)
 
 
 def compare(reals: list[dict[str, Any]], sims: list[dict[str, Any]]) -> dict[str, Any]:
