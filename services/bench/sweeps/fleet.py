@@ -63,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qps", default="1", help="modelled requests/s, comma-separated")
     p.add_argument("--simulate", metavar="PROFILE", default=None, help=SIMULATE_HELP)
     p.add_argument("--time-scale", type=float, default=1.0, help=TIME_SCALE_HELP)
+    p.add_argument("--host-qps", type=float, default=None, help=HOST_QPS_HELP)
     p.add_argument("--validate", action="store_true", help=VALIDATE_HELP)
     p.add_argument("--repeats", type=int, default=3, help="--validate: runs of each kind")
     p.add_argument("--calibrate-each", action="store_true", help=CALIBRATE_EACH_HELP)
@@ -90,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 CALIBRATE_EACH_HELP = (
     "--validate: before each repeat, fit the profile's step costs on the steps real workers run "
     "serving the calibration workloads (bench calibrate --served) then and there"
+)
+HOST_QPS_HELP = (
+    "simulated workers: the time scale of each run is its QPS / this (at least 1), so the "
+    "machine bears this many requests a wall second at every QPS (overrides --time-scale)"
 )
 SIMULATE_HELP = "simulated workers on this cost profile (gpu, cpu or a file)"
 TIME_SCALE_HELP = "simulated workers run this many times slower than modelled"
@@ -133,8 +138,8 @@ def validate(args: argparse.Namespace) -> tuple[dict[str, Routing], list[int], l
         raise CliError("--arms names no arm")
     if args.validate and args.simulate is None:
         raise CliError("--validate compares real workers with simulated ones: give --simulate")
-    if not args.time_scale > 0:
-        raise CliError("--time-scale must be > 0")
+    if not args.time_scale > 0 or (args.host_qps is not None and not args.host_qps > 0):
+        raise CliError("--time-scale and --host-qps must be > 0")
     if args.simulate is not None:
         from kvserve.shared.engine.sim.profile import CostProfile, ProfileError
 
@@ -204,14 +209,21 @@ def run_once(
     finally:
         deployment.stop()
     rates = before.rates(after, len(requests), slowdown)
-    extra = {"qps": qps, "workers": workers.count, **depth, **rates}
+    extra = {"qps": qps, "workers": workers.count, "time_scale": slowdown, **depth, **rates}
     return report.row(summary, requests, router, extra)
 
 
-def _workers(args: argparse.Namespace, n: int, simulated: bool) -> Workers:
+def time_scale(args: argparse.Namespace, qps: float) -> float:
+    """--time-scale, or with --host-qps R, qps / R (at least 1): the host then bears R requests
+    a wall second at every QPS of a sweep, and every run takes about as long."""
+    return max(1.0, qps / args.host_qps) if args.host_qps else args.time_scale
+
+
+def _workers(args: argparse.Namespace, n: int, simulated: bool, qps: float) -> Workers:
     threads = args.worker_threads or max(1, (os.cpu_count() or 1) // n)
     if simulated:
-        return Workers(n, args.simulate, args.time_scale, store_format=args.store_format)
+        scale = time_scale(args, qps)
+        return Workers(n, args.simulate, scale, store_format=args.store_format)
     return Workers(n, threads=threads, store_format=args.store_format)
 
 
@@ -231,7 +243,7 @@ def sweep(
     for arm, routing in arms.items():
         for q in qps:
             run_dir = out / kind / arm / f"qps-{q:g}"
-            r = run_once(args, routing, _workers(args, n, simulated), q, run_dir)
+            r = run_once(args, routing, _workers(args, n, simulated, q), q, run_dir)
             rows.setdefault(arm, []).append(r)
             note = r["error"].splitlines()[0] if "error" in r else _brief(r)
             print(f"[{kind} {arm} qps {q:g}] {note}", flush=True)
@@ -263,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     arms, workers, qps = validate(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     head = {"workload": args.workload, "shape": shape_flags(args)[2:], "profile": args.simulate,
-            "time_scale": args.time_scale}  # fmt: skip
+            "time_scale": args.time_scale, "host_qps": args.host_qps}  # fmt: skip
     if args.validate:
         from kvserve.services.bench.sweeps.fleet_validate import validate_runs
 
