@@ -36,6 +36,7 @@ from kvserve.services.bench.lib.fleet_deploy import (
     Routing,
     Workers,
 )
+from kvserve.services.bench.lib.http import gateway_stats
 from kvserve.services.bench.lib.process import StartError, kvserve_command
 from kvserve.services.bench.sweeps import fleet_report as report
 from kvserve.services.cli_support import CliError
@@ -204,12 +205,16 @@ def run_once(
         depth = observer.stop()
         after = Counters.read(deployment)
         router = deployment.router()
+        store = report.store_blocks(gateway_stats(deployment.url).get("workers") or {})
     except RuntimeError as e:
         return {"qps": qps, "error": str(e)}
     finally:
         deployment.stop()
     rates = before.rates(after, len(requests), slowdown)
+    modelled_s = max(1e-9, (after.wall_s - before.wall_s) / slowdown)
+    per_s = {f"store_{k}_per_s": v / modelled_s for k, v in store.items()}
     extra = {"qps": qps, "workers": workers.count, "time_scale": slowdown, **depth, **rates}
+    extra |= per_s
     return report.row(summary, requests, router, extra)
 
 

@@ -58,6 +58,17 @@ def router_figures(router: Mapping[str, Any], modelled_s: float) -> dict[str, An
     }
 
 
+def store_blocks(workers: Mapping[str, Any]) -> dict[str, int]:
+    """The blocks every worker wrote to and loaded from the store (their connectors' counters,
+    as their last heartbeat reported them)."""
+    written = loaded = 0
+    for stats in workers.values():
+        store = stats.get("store") or {}
+        written += int(store.get("published_blocks") or 0)
+        loaded += int(store.get("fetched_blocks") or 0)
+    return {"blocks_written": written, "blocks_loaded": loaded}
+
+
 def row(
     summary: Mapping[str, Any],
     requests: list[dict[str, Any]],
