@@ -27,6 +27,7 @@ from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.kv.events import TierLog
 from kvserve.shared.engine.kv.manager import KVIdentity
 from kvserve.shared.engine.outputs import RequestOutput
+from kvserve.shared.engine.sim.runner import SimulatedRunner
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.block_data import KVTail
 
@@ -272,7 +273,16 @@ class AsyncEngine:
             "store": self._store_stats(),
             "kv_tier_events": kv["tier_events"],
             "store_latency": eng.kv.store_latency(),
+            **self._simulation_stats(),
         }
+
+    def _simulation_stats(self) -> dict[str, Any]:
+        """A simulated engine's modelled seconds and the wall seconds its steps ran past their
+        modelled end (its host work outgrew the time scale); nothing for a real one."""
+        runner = self.engine.runner
+        if self.engine.simulated is None or not isinstance(runner, SimulatedRunner):
+            return {}
+        return {"simulation": {"modelled_s": runner.modelled_s, "late_s": runner.late_s}}
 
     def _store_stats(self) -> dict[str, Any]:
         """The store connector's counters; its dicts are written by other threads, so a copy

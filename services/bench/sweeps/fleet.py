@@ -205,16 +205,18 @@ def run_once(
         depth = observer.stop()
         after = Counters.read(deployment)
         router = deployment.router()
-        store = report.store_blocks(gateway_stats(deployment.url).get("workers") or {})
+        worker_stats = gateway_stats(deployment.url).get("workers") or {}
+        store = report.store_blocks(worker_stats)
+        late = report.lateness(worker_stats)
     except RuntimeError as e:
         return {"qps": qps, "error": str(e)}
     finally:
         deployment.stop()
     rates = before.rates(after, len(requests), slowdown)
     modelled_s = max(1e-9, (after.wall_s - before.wall_s) / slowdown)
-    per_s = {f"store_{k}_per_s": v / modelled_s for k, v in store.items()}
+    per_s: dict[str, Any] = {f"store_{k}_per_s": v / modelled_s for k, v in store.items()}
     extra = {"qps": qps, "workers": workers.count, "time_scale": slowdown, **depth, **rates}
-    extra |= per_s
+    extra |= per_s | {"sim_late_fraction": late / slowdown if late is not None else None}
     return report.row(summary, requests, router, extra)
 
 

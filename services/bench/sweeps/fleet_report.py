@@ -69,6 +69,14 @@ def store_blocks(workers: Mapping[str, Any]) -> dict[str, int]:
     return {"blocks_written": written, "blocks_loaded": loaded}
 
 
+def lateness(workers: Mapping[str, Any]) -> float | None:
+    """Simulated workers: the wall seconds their steps ran past their modelled end over the
+    modelled seconds times the time scale (0: the host kept up; None: real workers)."""
+    sims = [s["simulation"] for s in workers.values() if isinstance(s.get("simulation"), dict)]
+    modelled = sum(float(s.get("modelled_s") or 0) for s in sims)
+    return sum(float(s.get("late_s") or 0) for s in sims) / modelled if modelled else None
+
+
 def row(
     summary: Mapping[str, Any],
     requests: list[dict[str, Any]],
