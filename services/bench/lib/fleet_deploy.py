@@ -34,26 +34,42 @@ class Routing:
     policy: str
     overlap_weight: float = 1.0
     store_cost: float = 0.2
+    pd_threshold: int = 0  # disaggregated: shorter predicted uncached parts go to decode
 
     def flags(self) -> list[str]:
-        return ["--routing", self.policy, "--overlap-weight", str(self.overlap_weight),
-                "--router-store-cost", str(self.store_cost)]  # fmt: skip
+        out = ["--routing", self.policy, "--overlap-weight", str(self.overlap_weight),
+               "--router-store-cost", str(self.store_cost)]  # fmt: skip
+        return out + (["--pd-threshold", str(self.pd_threshold)] if self.pd_threshold else [])
 
 
 @dataclass(frozen=True)
 class Workers:
     """N workers: real ones with `threads` torch threads each, or simulated on `profile` at
-    `time_scale`."""
+    `time_scale`; aggregated, or (`prefill` and `decode` > 0) that many of each role."""
 
     count: int
     profile: str | None = None
     time_scale: float = 1.0
     threads: int = 1
     store_format: str = "auto"
+    prefill: int = 0
+    decode: int = 0
 
     @property
     def simulated(self) -> bool:
         return self.profile is not None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill > 0 and self.decode > 0
+
+    def roles(self) -> list[tuple[str, str]]:
+        """(role, name) of every worker, named as sim-fleet names them."""
+        if not self.disaggregated:
+            return [("worker", f"worker-{i}") for i in range(self.count)]
+        return [("prefill", f"worker-prefill-{i}") for i in range(self.prefill)] + [
+            ("decode", f"worker-decode-{i}") for i in range(self.decode)
+        ]
 
 
 class Deployment:
@@ -91,7 +107,7 @@ class Deployment:
             self.redis.stop()
 
     def worker_names(self) -> list[str]:
-        return [f"worker-{i}" for i in range(self.workers.count)]
+        return [name for _, name in self.workers.roles()]
 
     def router(self) -> dict[str, Any]:
         router = gateway_stats(self.url).get("router")
@@ -106,16 +122,20 @@ class Deployment:
         common = ["--bus", url, "--store", url, "--store-format", w.store_format]
         if w.simulated:
             assert w.profile is not None
+            counts = (
+                ["--prefill", str(w.prefill), "--decode", str(w.decode)]
+                if w.disaggregated
+                else ["--workers", str(w.count)]
+            )
             self.fleet.process(
                 "sim-fleet", ("sim-fleet",), *common, "--profile", w.profile,
-                "--time-scale", str(w.time_scale), "--workers", str(w.count),
-                "--name-prefix", "worker",
+                "--time-scale", str(w.time_scale), *counts, "--name-prefix", "worker",
             ).spawn()  # fmt: skip
             return
         env = {"OMP_NUM_THREADS": str(w.threads), "MKL_NUM_THREADS": str(w.threads)}
-        for name in self.worker_names():
+        for role, name in w.roles():
             self.fleet.process(
-                name, ("worker",), *common, "--name", name, "--threads", str(w.threads),
+                name, (role,), *common, "--name", name, "--threads", str(w.threads),
                 "--metrics-port", "0", "--step-log", str(self.step_log(name)),
                 "--kv-populate", "eager", env=env,
             ).spawn()  # fmt: skip

@@ -22,6 +22,7 @@ the errors under keys ending in `_err`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -61,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default="multi-tenant")
     p.add_argument("--arms", default=",".join(POLICY_ARMS), help=f"{arms}, cache-aware@W:C")
     p.add_argument("--workers", default="2", help="worker counts, comma-separated")
+    p.add_argument("--disagg", default=None, metavar="P:D",
+                   help="a disaggregated fleet of P prefill and D decode workers "
+                        "(instead of --workers)")  # fmt: skip
     p.add_argument("--qps", default="1", help="modelled requests/s, comma-separated")
     p.add_argument("--simulate", metavar="PROFILE", default=None, help=SIMULATE_HELP)
     p.add_argument("--time-scale", type=float, default=1.0, help=TIME_SCALE_HELP)
@@ -105,7 +109,13 @@ PLOT_HELP = "write PREFIX_<N>w_ttft_vs_qps.png (and PREFIX_throughput_vs_workers
 
 
 def parse_arm(name: str) -> Routing:
-    """An arm's routing: a policy, or `cache-aware@W:C`; CliError for anything else."""
+    """An arm's routing: a policy, or `cache-aware@W:C`, either with `/pd=T` (the gateway's
+    --pd-threshold, for a disaggregated fleet); CliError for anything else."""
+    base, _, pd = name.partition("/pd=")
+    if pd:
+        if not pd.isdigit():
+            raise CliError(f"--arms: {name!r}: /pd= takes a token count")
+        return dataclasses.replace(parse_arm(base), pd_threshold=int(pd))
     if name in POLICY_ARMS:
         return Routing(name)
     policy, _, weights = name.partition("@")
@@ -121,6 +131,14 @@ def parse_arm(name: str) -> Routing:
     return routing
 
 
+def disagg_counts(text: str) -> tuple[int, int]:
+    """--disagg P:D -> (P, D); CliError unless both are positive integers."""
+    p, _, d = text.partition(":")
+    if not (p.isdigit() and d.isdigit() and int(p) > 0 and int(d) > 0):
+        raise CliError(f"--disagg must be P:D, prefill and decode workers, got {text!r}")
+    return int(p), int(d)
+
+
 def _numbers(text: str, flag: str, kind: type) -> list[Any]:
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
@@ -134,6 +152,9 @@ def _numbers(text: str, flag: str, kind: type) -> list[Any]:
 def validate(args: argparse.Namespace) -> tuple[dict[str, Routing], list[int], list[float]]:
     arms = {name: parse_arm(name) for name in args.arms.split(",") if name}
     workers = _numbers(args.workers, "--workers", int)
+    if args.disagg is not None:
+        p, d = disagg_counts(args.disagg)
+        workers = [p + d]
     qps = _numbers(args.qps, "--qps", float)
     if not arms:
         raise CliError("--arms names no arm")
@@ -228,10 +249,11 @@ def time_scale(args: argparse.Namespace, qps: float) -> float:
 
 def _workers(args: argparse.Namespace, n: int, simulated: bool, qps: float) -> Workers:
     threads = args.worker_threads or max(1, (os.cpu_count() or 1) // n)
+    p, d = disagg_counts(args.disagg) if args.disagg else (0, 0)
+    kind = {"store_format": args.store_format, "prefill": p, "decode": d}
     if simulated:
-        scale = time_scale(args, qps)
-        return Workers(n, args.simulate, scale, store_format=args.store_format)
-    return Workers(n, threads=threads, store_format=args.store_format)
+        return Workers(n, args.simulate, time_scale(args, qps), **kind)
+    return Workers(n, threads=threads, **kind)
 
 
 def sweep(
@@ -245,7 +267,8 @@ def sweep(
     """Every arm at every QPS on `n` workers: {arm: [row per QPS]}; saved after each run
     (under DIR/{real|sim}-{n}w{tag})."""
     out = Path(args.out)
-    kind = f"{'sim' if simulated else 'real'}-{n}w{tag}"
+    topology = f"{args.disagg.replace(':', 'p')}d" if args.disagg else f"{n}w"
+    kind = f"{'sim' if simulated else 'real'}-{topology}{tag}"
     rows: dict[str, list[dict[str, Any]]] = {}
     for arm, routing in arms.items():
         for q in qps:

@@ -11,6 +11,7 @@ import pytest
 from kvserve.services.bench.lib.fleet_deploy import Counters, Routing
 from kvserve.services.bench.sweeps import fleet, fleet_report
 from kvserve.services.cli import main
+from kvserve.services.cli_support import CliError
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -192,3 +193,22 @@ def test_validation_compares_the_medians_of_the_repeats() -> None:
     assert got["real_spread"]["ttft_p90_s"] == pytest.approx(1.0)
     failed = compare([*reals, {"qps": 1, "error": "bench serve exited"}], sims)
     assert not failed["errors"]["within_targets"] and failed["failed"] == ["bench serve exited"]
+
+
+def test_a_disaggregated_fleet_and_its_pd_threshold() -> None:
+    from kvserve.services.bench.lib.fleet_deploy import Workers
+
+    args = parse("--disagg", "6:2", "--arms", "cache-aware/pd=256,cache-aware@4:1/pd=64")
+    arms, workers, _ = fleet.validate(args)
+    assert workers == [8]
+    assert arms["cache-aware/pd=256"] == Routing("cache-aware", pd_threshold=256)
+    assert arms["cache-aware@4:1/pd=64"] == Routing("cache-aware", 4.0, 1.0, 64)
+    assert Routing("cache-aware", pd_threshold=64).flags()[-2:] == ["--pd-threshold", "64"]
+    assert "--pd-threshold" not in Routing("cache-aware").flags()
+    roles = Workers(3, prefill=2, decode=1).roles()
+    assert roles == [("prefill", "worker-prefill-0"), ("prefill", "worker-prefill-1"),
+                     ("decode", "worker-decode-0")]  # fmt: skip
+    assert Workers(2).roles() == [("worker", "worker-0"), ("worker", "worker-1")]
+    for bad in (["--disagg", "4"], ["--disagg", "0:2"], ["--arms", "cache-aware/pd=x"]):
+        with pytest.raises(CliError):
+            fleet.validate(parse(*bad))
