@@ -71,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-qps", type=float, default=None, help=HOST_QPS_HELP)
     p.add_argument("--validate", action="store_true", help=VALIDATE_HELP)
     p.add_argument("--repeats", type=int, default=3, help="--validate: runs of each kind")
+    p.add_argument("--router-only", action="store_true", help=ROUTER_ONLY_HELP)
     p.add_argument("--calibrate-each", action="store_true", help=CALIBRATE_EACH_HELP)
     p.add_argument("--worker-threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--store-format", default="auto")
@@ -96,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 CALIBRATE_EACH_HELP = (
     "--validate: before each repeat, fit the profile's step costs on the steps real workers run "
     "serving the calibration workloads (bench calibrate --served) then and there"
+)
+ROUTER_ONLY_HELP = (
+    "only the router's own costs, in process: a decision at 2, 16 and 64 workers of 10,000 "
+    "blocks each (a prompt's first half held by one worker, or by all), and the KV events it "
+    "applies per second"
 )
 HOST_QPS_HELP = (
     "simulated workers: the time scale of each run is its QPS / this (at least 1), so the "
@@ -301,7 +307,34 @@ def _plots(prefix: str, by_workers: dict[int, dict[str, list[dict[str, Any]]]], 
         report.plot_throughput_vs_workers(path, by_workers, title)
 
 
+def router_only() -> dict[str, Any]:
+    """The router's decision time and event rate (router_cost), printed and returned."""
+    from kvserve.services.bench.sweeps.router_cost import apply_rate, measure
+
+    decisions = []
+    for shared_by in ("one", "all"):
+        for n in (2, 16, 64):
+            d = measure(workers=n, shared_by=shared_by)
+            decisions.append(d)
+            print(
+                f"router: {n:>2} workers x {d['blocks_per_worker']} blocks, first half held by "
+                f"{shared_by:>3}: {d['us_median']:.0f} us per decision (p99 {d['us_p99']:.0f})",
+                flush=True,
+            )
+    rates = [apply_rate(hashes_per_event=h) for h in (1, 16, 512)]
+    for r in rates:
+        print(
+            f"router: applies {r['events_per_s']:,.0f} events/s of {r['hashes_per_event']} "
+            f"hashes ({r['hashes_per_s']:,.0f} hashes/s) at {r['workers']} workers",
+            flush=True,
+        )
+    return {"decisions": decisions, "apply": rates}
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.router_only:
+        print(json.dumps({"router": router_only()}), flush=True)
+        return 0
     arms, workers, qps = validate(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     head = {"workload": args.workload, "shape": shape_flags(args)[2:], "profile": args.simulate,

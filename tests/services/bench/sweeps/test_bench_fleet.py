@@ -212,3 +212,12 @@ def test_a_disaggregated_fleet_and_its_pd_threshold() -> None:
     for bad in (["--disagg", "4"], ["--disagg", "0:2"], ["--arms", "cache-aware/pd=x"]):
         with pytest.raises(CliError):
             fleet.validate(parse(*bad))
+
+
+def test_the_router_costs_cover_shared_prefixes_and_event_rates() -> None:
+    from kvserve.services.bench.sweeps.router_cost import apply_rate, measure
+
+    shared = measure(workers=4, blocks=64, prompt_tokens=256, decisions=5, shared_by="all")
+    assert shared["indexed_blocks"] == [64] * 4 and shared["us_p99"] >= shared["us_median"] > 0
+    rate = apply_rate(workers=4, blocks=64, events=50, hashes_per_event=8)
+    assert rate["hashes_per_s"] == pytest.approx(8 * rate["events_per_s"])
