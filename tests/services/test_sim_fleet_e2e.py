@@ -159,3 +159,44 @@ def test_a_profile_lacking_a_term_is_a_one_line_error(tmp_path: Path, command: s
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "'store.load_s_per_block' is missing" in lines[0]
+
+
+def test_a_disaggregated_sim_fleet_hands_off_and_skips_prefill_for_short_parts(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """`kvserve sim-fleet --prefill 1 --decode 1` behind a gateway with --pd-threshold 64: a
+    long prompt goes through the prefill worker (its blocks through the store to the decode
+    worker); asked again, its uncached part is a few tokens and it goes straight to decode."""
+    if not redis_binaries_present():
+        pytest.skip("redis-server not installed")
+    profile = write_profile(tmp_path / "profile.json")
+    f = harness.Fleet(model_path)
+    server = RedisServer()
+    server.start()
+    try:
+        f.process(
+            "gateway", ("gateway", "--port", "0"), "--bus", server.url,
+            "--served-model-name", MODEL, "--pd-threshold", "64",
+        ).spawn()  # fmt: skip
+        f.process(
+            "sim-fleet", ("sim-fleet",), "--bus", server.url, "--store", server.url,
+            "--profile", str(profile), "--prefill", "1", "--decode", "1",
+        ).spawn()  # fmt: skip
+        f.wait_ready()
+        http = Http(f.procs["gateway"].url)
+
+        def router() -> dict[str, Any]:
+            return dict(http.get("/v1/cache/stats").json()["router"])
+
+        poll_until(lambda: len(router()["workers"]) == 2, timeout=30)
+        client = openai.OpenAI(base_url=f.procs["gateway"].url + "/v1", api_key="x")
+        prompt = "Describe the harbour at dawn, its boats and its birds. " * 12
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8)
+        second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8)
+        assert first.choices[0].text == second.choices[0].text  # the same words either way
+        decisions = router()["decisions"]
+        assert decisions.get("short-prefill", 0) >= 1 and sum(decisions.values()) == 2
+        assert (second.usage.prompt_tokens_details.cached_tokens or 0) > 0
+    finally:
+        f.stop()
+        server.stop()
