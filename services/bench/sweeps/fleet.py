@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         from kvserve.services.bench.sweeps.fleet_validate import validate_runs
 
-        results = validate_runs(args, arms, workers, qps[0])
+        results = validate_runs(args, arms, workers, qps[0], sweep)
         print(report.validation_table(results), flush=True)
         print(json.dumps({**head, "validate": results}), flush=True)
         return 0 if all(r["errors"]["within_targets"] for r in results.values()) else 1

@@ -11,19 +11,25 @@ import argparse
 import dataclasses
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvserve.services.bench.lib.fleet_deploy import Routing
 from kvserve.services.bench.sweeps import fleet_report as report
 
+Sweep = Callable[..., dict[str, list[dict[str, Any]]]]
+
 
 def validate_runs(
-    args: argparse.Namespace, arms: dict[str, Routing], workers: list[int], qps: float
+    args: argparse.Namespace,
+    arms: dict[str, Routing],
+    workers: list[int],
+    qps: float,
+    sweep: Sweep,
 ) -> dict[str, Any]:
     """Per worker count: the median real and simulated rows, the errors, the real runs'
-    spread, the step check. The first arm at `qps`."""
-    from kvserve.services.bench.sweeps.fleet import sweep
+    spread, the step check. The first arm at `qps`; `sweep` runs one deployment (fleet.sweep)."""
     from kvserve.shared.engine.sim.profile import CostProfile
 
     profile = CostProfile.load(args.simulate)
