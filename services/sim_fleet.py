@@ -96,13 +96,16 @@ async def _work(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(KVTokenizer.from_path, args.model)
     config = _engine_config(args)
     cfg = RedisBusConfig()
-    redis = aioredis.Redis.from_url(
-        args.bus, socket_timeout=cfg.socket_timeout_s, max_connections=cfg.max_connections
-    )
-    engines, workers = [], []
+    engines, workers, clients = [], [], []
     for role, name in worker_names(args):
+        # A client (and connection pool) of its own per worker, as separate processes have:
+        # one pool shared by dozens of busy workers runs out of connections.
+        redis = aioredis.Redis.from_url(
+            args.bus, socket_timeout=cfg.socket_timeout_s, max_connections=cfg.max_connections
+        )
         engine = await asyncio.to_thread(load_engine, config, tokenizer)
         worker, _ = make_worker(args, role, name, engine, redis)
+        clients.append(redis)
         worker.model_name = os.path.basename(args.model).split(".")[0]
         engines.append(engine)
         workers.append(worker)
@@ -119,5 +122,6 @@ async def _work(args: argparse.Namespace) -> None:
     await asyncio.gather(*(w.stop(drain_timeout=args.drain_timeout) for w in workers))
     for engine in engines:
         await asyncio.to_thread(engine.close)
-    await redis.aclose()
+    for client in clients:
+        await client.aclose()
     log.info("stopped")
