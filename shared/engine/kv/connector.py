@@ -85,7 +85,9 @@ class FetchResult:
 
 
 @dataclass
-class _Publish:
+class BlockWrite:
+    """A computed block queued for the store."""
+
     h: BlockHash
     parent: BlockHash
     token_ids: list[int]
@@ -108,7 +110,7 @@ class StoreConnector:
         self.fmt = fmt
         self.cache_dtype = cache_dtype
         self.fetch_timeout_s = fetch_timeout_s
-        self._queue: queue.Queue[_Publish] = queue.Queue(maxsize=queue_blocks)
+        self._queue: queue.Queue[BlockWrite] = queue.Queue(maxsize=queue_blocks)
         self.counters: Counter[str] = Counter()
         self.miss_reasons: Counter[str] = Counter()
         self.lookups: Counter[str] = Counter({o: 0 for o in LOOKUP_OUTCOMES})
@@ -131,23 +133,20 @@ class StoreConnector:
 
     # ---- engine thread --------------------------------------------------------------------
 
-    def publish(
-        self,
-        h: BlockHash,
-        parent: BlockHash,
-        token_ids: list[int],
-        data: BlockData,
-        first: bool = False,
-    ) -> bool:
-        """Queue one computed block for the store (`first`: block 0 of its chain, whose
-        parent is the root); False (counted) if the queue is full."""
-        try:
-            self._queue.put_nowait(_Publish(h, parent, token_ids, data, first))
-        except queue.Full:
-            self.counters["dropped_writes"] += 1
-            return False
-        self._loop.call_soon_threadsafe(self._wake.set)
-        return True
+    def publish(self, writes: Sequence[BlockWrite]) -> list[BlockHash]:
+        """Queue computed blocks for the store; the hashes queued (a block is dropped, and
+        counted, while the queue is full). The writer is woken once per call."""
+        queued: list[BlockHash] = []
+        for w in writes:
+            try:
+                self._queue.put_nowait(w)
+            except queue.Full:
+                self.counters["dropped_writes"] += 1
+                continue
+            queued.append(w.h)
+        if queued:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        return queued
 
     def fetch(
         self, hashes: Sequence[BlockHash], root: BlockHash, recompute_s_per_block: float
@@ -266,7 +265,7 @@ class StoreConnector:
             await self._wake.wait()
             self._wake.clear()
             while not self._queue.empty():
-                batch: list[_Publish] = []
+                batch: list[BlockWrite] = []
                 while len(batch) < WRITE_BATCH:
                     try:
                         batch.append(self._queue.get_nowait())
@@ -278,7 +277,7 @@ class StoreConnector:
                     for _ in batch:
                         self._queue.task_done()
 
-    async def _write(self, batch: list[_Publish]) -> None:
+    async def _write(self, batch: list[BlockWrite]) -> None:
         try:
             items = await asyncio.to_thread(self._encode, batch)
             with self.latency.time("put"):
@@ -290,7 +289,7 @@ class StoreConnector:
         self.counters["published_blocks"] += written
         self.counters["skipped_writes"] += len(batch) - written
 
-    def _encode(self, batch: list[_Publish]) -> list[tuple[BlockHash, bytes]]:
+    def _encode(self, batch: list[BlockWrite]) -> list[tuple[BlockHash, bytes]]:
         out = []
         for p in batch:
             k, v = p.data.to_float()

@@ -28,14 +28,14 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.shared.config import DEFAULT_STORE, StoreConfig, cache_dir
 from kvserve.shared.engine.kv.cache import KVCache
-from kvserve.shared.engine.kv.connector import FetchResult, StoreConnector
+from kvserve.shared.engine.kv.connector import BlockWrite, FetchResult, StoreConnector
 from kvserve.shared.engine.kv.events import TierLog
 from kvserve.shared.engine.kv.fetches import StoreFetches
 from kvserve.shared.engine.kv.host_tier import HostTier
@@ -43,7 +43,7 @@ from kvserve.shared.engine.kv.tiers import Tiers
 from kvserve.shared.engine.sequence import BlockId, Sequence
 from kvserve.shared.store.backends import open_store
 from kvserve.shared.store.base import BlockStore
-from kvserve.shared.store.block_data import BlockData, KVTail
+from kvserve.shared.store.block_data import KVTail
 from kvserve.shared.store.codec import BlockMeta
 from kvserve.shared.store.hashing import BlockHash, block_hashes, root_hash
 
@@ -224,17 +224,16 @@ class KVCacheManager:
         seq.num_published = full
         if self.connector is not None and fresh:
             data = self.cache.read_blocks([seq.block_table[i] for i in fresh])
-            root = seq.root_hash
-            for i, d in zip(fresh, data, strict=True):
-                tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-                self._store_put(hashes[i], hashes[i - 1] if i else root, tokens, d, i == 0)
+            bs, root = self.block_size, seq.root_hash
+            self._store_put(
+                BlockWrite(hashes[i], hashes[i - 1] if i else root,
+                           seq.token_ids[i * bs : (i + 1) * bs], d, i == 0)
+                for i, d in zip(fresh, data, strict=True)
+            )  # fmt: skip
 
-    def _store_put(
-        self, h: BlockHash, parent: BlockHash, tokens: list[int], data: BlockData, first: bool
-    ) -> None:
+    def _store_put(self, writes: Iterable[BlockWrite]) -> None:
         assert self.connector is not None
-        if self.connector.publish(h, parent, tokens, data, first=first):
-            self.events.entered("store", [h])
+        self.events.entered("store", self.connector.publish(list(writes)))
 
     def observe_prefill(self, prompt_tokens: int, step_tokens: int, seconds: float) -> None:
         """Update the prefill-speed estimate from steps that are mostly prompt tokens."""
@@ -348,13 +347,16 @@ class KVCacheManager:
         found = [(i, b) for i, b in on_device if b is not None]
         read = self.cache.read_blocks([b for _, b in found])
         root = self.identity.root_hash(cache_salt)
-        bs, published = self.block_size, 0
+        bs, writes = self.block_size, []
         for (i, _), data in zip(found, read, strict=True):
             self.tiers.host_pin(hashes[i], data)
             if not stored[i]:
                 tokens = list(prefix[i * bs : (i + 1) * bs])
-                self._store_put(hashes[i], hashes[i - 1] if i else root, tokens, data, i == 0)
-                published += 1
+                writes.append(
+                    BlockWrite(hashes[i], hashes[i - 1] if i else root, tokens, data, i == 0)
+                )
+        self._store_put(writes)
+        published = len(writes)
         self.connector.flush()
         self.connector.pin(hashes)
         return published
