@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 from typing import Any
 
 from kvserve.services.cli_support import (
@@ -39,9 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--router-store-cost",
-        type=float,
-        default=0.2,
-        help="a block in the shared store costs this fraction of recomputing it (0..1)",
+        type=store_cost,
+        default=None,
+        metavar="auto|C",
+        help="a block in the shared store costs this fraction of recomputing it (0..1); auto "
+        "(default): each worker's own measured ratio (its store_load_cost)",
     )
     p.add_argument(
         "--router-max-blocks", type=int, default=100_000, help="hashes remembered per worker"
@@ -57,6 +60,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_gateway_arguments(p)
     p.add_argument("--log-level", default=None)
     p.set_defaults(handler=run)
+
+
+def store_cost(text: str) -> float | None:
+    """--router-store-cost: "auto" (None) or a fraction in [0, 1]."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto or a number in [0, 1]")
+    return value
 
 
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
     check_bus_url(args.bus)
     check_gateway_arguments(args)
     check_at_least_one(args, ("router_max_blocks",))
-    if args.overlap_weight < 0 or not 0 <= args.router_store_cost <= 1:
-        raise CliError("--overlap-weight must be >= 0 and --router-store-cost in [0, 1]")
+    if args.overlap_weight < 0:
+        raise CliError("--overlap-weight must be >= 0")
     if args.pd_threshold < 0:
         raise CliError("--pd-threshold must be >= 0")
     return run_service(args, "gateway", _serve)

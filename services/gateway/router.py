@@ -10,7 +10,9 @@ and picks one by policy:
 - "least-load": the smallest load.
 - "cache-aware": the smallest cost = overlap_weight * prefill_blocks + load, where
   prefill_blocks = prompt_blocks - own - (1 - store_cost) * shared (NVIDIA Dynamo's KV router
-  cost, with a block from the shared store counted as partly cached).
+  cost, with a block from the shared store counted as partly cached). store_cost None
+  ("auto"): each worker's own reported `store_load_cost` (what a store load costs it against
+  recomputing, the ratio its fetch rule weighs), DEFAULT_STORE_COST until it reports one.
 - "random": a uniformly random candidate (`Router(seed=...)` makes the draws reproducible).
 - "session": sticky by the request's session key (the OpenAI `user`; vLLM production-stack's
   session router): the candidate with the highest blake2b(key, name) weight (rendezvous
@@ -62,6 +64,11 @@ _STORE_FACTOR = 4
 Identity = tuple[str, str, str, int]
 
 
+# A store-held block's cost as a fraction of recomputing it, for a worker that has not reported
+# its own: loads from Redis measured at a fifth to a third of recomputing on a CPU engine.
+DEFAULT_STORE_COST = 0.2
+
+
 @dataclass(frozen=True)
 class Decision:
     """Where one request went and why. `hashes` are the prompt's chain hashes under the chosen
@@ -89,6 +96,7 @@ class _Worker:
     blocks: int = 0
     pending: Counter[bytes] = field(default_factory=Counter)
     finished_at: float = 0.0  # wall time of the last request seen finishing here
+    store_cost: float = DEFAULT_STORE_COST  # its reported store_load_cost (router's is auto)
 
     @property
     def bit(self) -> int:
@@ -119,7 +127,7 @@ class Router:
         policy: str = "cache-aware",
         overlap_weight: float = 1.0,
         max_blocks_per_worker: int = 100_000,
-        store_cost: float = 0.2,
+        store_cost: float | None = None,
         seed: int | None = None,
     ) -> None:
         _check_config(policy, overlap_weight, max_blocks_per_worker, store_cost)
@@ -158,6 +166,9 @@ class Router:
             report = stats.get(name, {})
             fresh = _number(report.get("published_at", math.inf)) > worker.finished_at
             worker.used_blocks = int(_number(report.get("num_used_blocks", 0))) if fresh else 0
+            cost = report.get("store_load_cost")
+            if _number(cost) == cost:  # a number >= 0; anything else keeps the last one
+                worker.store_cost = min(1.0, float(cost))
         live_stores = {info.store_id for info in infos.values()}
         for store_id in [s for s in self._stores if s not in live_stores]:
             del self._stores[store_id]
@@ -317,7 +328,10 @@ class Router:
 
     def _overlap(self, c: _Candidate) -> float:
         """Blocks the candidate saves from prefill, a shared-store block counted partly."""
-        return c.own + (1.0 - self.store_cost) * c.shared
+        if not c.shared:
+            return c.own
+        cost = self.store_cost if self.store_cost is not None else self._workers[c.name].store_cost
+        return c.own + (1.0 - cost) * c.shared
 
     def _cost(self, c: _Candidate) -> float:
         return self.overlap_weight * (len(c.hashes) - self._overlap(c)) + c.load
@@ -385,15 +399,15 @@ def _rendezvous_weight(key: str, worker: str) -> bytes:
     return hashlib.blake2b(data, digest_size=8).digest()
 
 
-def _check_config(policy: str, weight: float, max_blocks: int, store_cost: float) -> None:
+def _check_config(policy: str, weight: float, max_blocks: int, store_cost: float | None) -> None:
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r}; one of {POLICIES}")
     if not math.isfinite(weight) or weight < 0:
         raise ValueError("overlap_weight must be a finite number >= 0")
     if max_blocks < 1:
         raise ValueError("max_blocks_per_worker must be at least 1")
-    if not 0.0 <= store_cost <= 1.0:
-        raise ValueError("store_cost must be in [0, 1]")
+    if store_cost is not None and not 0.0 <= store_cost <= 1.0:
+        raise ValueError("store_cost must be in [0, 1] (or None: each worker's own)")
 
 
 def _number(value: Any) -> float:

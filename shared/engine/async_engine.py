@@ -273,6 +273,7 @@ class AsyncEngine:
             "store": self._store_stats(),
             "kv_tier_events": kv["tier_events"],
             "store_latency": eng.kv.store_latency(),
+            "store_load_cost": eng.kv.store_load_cost(),
             **self._simulation_stats(),
         }
 

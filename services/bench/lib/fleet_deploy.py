@@ -33,12 +33,13 @@ class Routing:
 
     policy: str
     overlap_weight: float = 1.0
-    store_cost: float = 0.2
+    store_cost: float | None = None  # None: auto (each worker's reported ratio)
     pd_threshold: int = 0  # disaggregated: shorter predicted uncached parts go to decode
 
     def flags(self) -> list[str]:
+        cost = "auto" if self.store_cost is None else str(self.store_cost)
         out = ["--routing", self.policy, "--overlap-weight", str(self.overlap_weight),
-               "--router-store-cost", str(self.store_cost)]  # fmt: skip
+               "--router-store-cost", cost]  # fmt: skip
         return out + (["--pd-threshold", str(self.pd_threshold)] if self.pd_threshold else [])
 
 

@@ -127,13 +127,13 @@ def parse_arm(name: str) -> Routing:
     policy, _, weights = name.partition("@")
     w, _, c = weights.partition(":")
     try:
-        routing = Routing(policy, float(w), float(c or 0.2))
+        routing = Routing(policy, float(w), None if c in ("", "auto") else float(c))
     except ValueError:
         routing = None
     if policy != "cache-aware" or routing is None or routing.overlap_weight < 0:
         raise CliError(f"--arms: {name!r} is not one of {POLICY_ARMS} or cache-aware@W:C")
-    if not 0 <= routing.store_cost <= 1:
-        raise CliError(f"--arms: {name!r}: the store cost C must be in [0, 1]")
+    if routing.store_cost is not None and not 0 <= routing.store_cost <= 1:
+        raise CliError(f"--arms: {name!r}: the store cost C must be auto or in [0, 1]")
     return routing
 
 

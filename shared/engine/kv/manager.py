@@ -242,6 +242,15 @@ class KVCacheManager:
                 seconds / step_tokens
             )
 
+    def store_load_cost(self) -> float | None:
+        """A block loaded from the store as a fraction of recomputing it (at most 1), by the
+        running estimates the fetch rule weighs; None without a store. Workers report it,
+        and the router's `store_cost="auto"` values a store-held block by it."""
+        if self.connector is None:
+            return None
+        recompute_s = self.prefill_s_per_token * self.block_size
+        return min(1.0, self.connector.fetch_s_per_block / recompute_s)
+
     def start_fetch(self, seq: Sequence) -> bool:
         """Ask the store for the prompt's blocks that the local tiers lack; the sequence stays
         parked until `take_fetched` returns it. False when there is nothing to ask for."""

@@ -241,6 +241,29 @@ def test_own_blocks_then_store_blocks() -> None:
     assert (decision.worker, decision.predicted_cached_tokens) == ("B", 12)
 
 
+def test_auto_store_cost_is_each_workers_reported_ratio() -> None:
+    """Two workers share a store holding the prompt and one holds its first block: the one
+    whose store loads cost as much as recomputing (1.0) gains only that block from the store
+    copy, the other (0.1) nearly all of it; a fixed store_cost ignores the reports."""
+    a, b = info("A", store_id="redis://x"), info("B", store_id="redis://x")
+    hs = hashes(PROMPT[:12])
+
+    def chosen(reports: dict[str, Any], **kw: Any) -> str:
+        router = make_router(a, b, stats=reports, **kw)
+        router.apply([stored("A", 0, hs[:1]), stored("B", 0, hs, tier="store")])
+        return route(router, PROMPT).worker
+
+    slow_a = {"A": {"store_load_cost": 1.0}, "B": {"store_load_cost": 0.1}}
+    slow_b = {"A": {"store_load_cost": 0.1}, "B": {"store_load_cost": 1.0}}
+    # A: 1 own block + 0.9 * 2 shared saves 2.8 blocks; B: 0.9 * 3 = 2.7
+    assert chosen(slow_b) == "A"
+    # A: 1 own + 0 * 2 = 1 block; B: 0.9 * 3 = 2.7
+    assert chosen(slow_a) == "B"
+    assert chosen(slow_a, store_cost=0.1) == "A"  # fixed: both at 0.1, A's own block wins
+    bad = {"A": {"store_load_cost": "x"}, "B": {"store_load_cost": -1}}
+    assert chosen(bad) == "A"  # unusable reports: both keep the default, A's own block wins
+
+
 def test_workers_gone_and_roles() -> None:
     router = make_router(info("A"), info("B"), info("D", role="decode"))
     router.apply([stored("D", 0, hashes(PROMPT[:12])), stored("A", 0, hashes(PROMPT[:12]))])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from kvserve.services.gateway.router import Router
 from kvserve.services.gateway.routing import RoutingService
 from prometheus_client import CollectorRegistry
@@ -46,3 +47,21 @@ def test_without_a_threshold_or_a_decode_worker_every_request_is_prefilled() -> 
     for routing in (service(0, *PD), service(64, PD[0])):
         decision = routing.route(list(range(1, 6)), None)
         assert decision is not None and decision.role == "prefill"
+
+
+def test_router_store_cost_flag_is_auto_or_a_fraction() -> None:
+    import argparse
+
+    from kvserve.services.gateway.main import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["gateway", "--bus", "redis://h:1/0"])
+    assert args.router_store_cost is None  # auto: each worker's reported ratio
+    assert (
+        parser.parse_args(["gateway", "--bus", "b", "--router-store-cost", "0.5"]).router_store_cost
+        == 0.5
+    )
+    for bad in ("1.5", "-0.1", "nan", "cheap"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["gateway", "--bus", "b", "--router-store-cost", bad])

@@ -148,3 +148,15 @@ def test_the_last_prompt_token_is_never_matched() -> None:
     b = seq_of(1, list(range(8)))
     kv.match_prefix(b)
     assert b.num_computed_tokens == 4 and b.block_table == [0]  # token 7 is computed
+
+
+def test_store_load_cost_is_the_fetch_rules_ratio(kv_host: KVCacheManager) -> None:
+    """The ratio a worker reports for the router: a store load's estimate over recomputing a
+    block, at most 1; None without a store."""
+    assert manager(4).store_load_cost() is None
+    assert kv_host.connector is not None
+    kv_host.prefill_s_per_token = 0.001  # a block of 4 tokens: 4 ms to recompute
+    kv_host.connector.fetch_s_per_block = 0.001
+    assert kv_host.store_load_cost() == pytest.approx(0.25)
+    kv_host.connector.fetch_s_per_block = 0.010  # slower than recomputing: worth nothing
+    assert kv_host.store_load_cost() == 1.0
