@@ -424,4 +424,5 @@ def _worker_stats(worker: _Worker) -> dict[str, Any]:
         "last_seq": worker.index.last_seq,
         "incarnation": worker.index.info.incarnation,
         "resyncs": worker.index.resyncs,
+        "store_cost": worker.store_cost,
     }

@@ -259,6 +259,8 @@ def test_auto_store_cost_is_each_workers_reported_ratio() -> None:
     assert chosen(slow_b) == "A"
     # A: 1 own + 0 * 2 = 1 block; B: 0.9 * 3 = 2.7
     assert chosen(slow_a) == "B"
+    router = make_router(a, b, stats=slow_a)
+    assert [worker_stats(router, n)["store_cost"] for n in "AB"] == [1.0, 0.1]
     assert chosen(slow_a, store_cost=0.1) == "A"  # fixed: both at 0.1, A's own block wins
     bad = {"A": {"store_load_cost": "x"}, "B": {"store_load_cost": -1}}
     assert chosen(bad) == "A"  # unusable reports: both keep the default, A's own block wins
