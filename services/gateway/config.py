@@ -18,7 +18,7 @@ class GatewayConfig:
     # The router (services/gateway/router.py): a policy, or None (no routing: `kvserve serve`)
     routing: str | None = None
     overlap_weight: float = 1.0
-    router_store_cost: float | None = None  # None: each worker's reported store_load_cost
+    router_store_cost: float | None = 0.2  # None: each worker's reported store_load_cost
     router_max_blocks: int = 100_000
     # Disaggregated topology: a request whose predicted uncached part is shorter than this many
     # tokens goes to a decode worker, which computes it, instead of a prefill worker (0: never).

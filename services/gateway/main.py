@@ -23,7 +23,7 @@ from kvserve.services.cli_support import (
     stop_on_signals,
 )
 from kvserve.services.gateway.config import GatewayConfig
-from kvserve.services.gateway.router import POLICIES
+from kvserve.services.gateway.router import DEFAULT_STORE_COST, POLICIES
 from kvserve.shared.config import default_model_path
 
 
@@ -41,10 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--router-store-cost",
         type=store_cost,
-        default=None,
-        metavar="auto|C",
-        help="a block in the shared store costs this fraction of recomputing it (0..1); auto "
-        "(default): each worker's own measured ratio (its store_load_cost)",
+        default=DEFAULT_STORE_COST,
+        metavar="C|auto",
+        help="a block in the shared store costs this fraction of recomputing it (0..1); auto: "
+        "each worker's own measured ratio (its store_load_cost)",
     )
     p.add_argument(
         "--router-max-blocks", type=int, default=100_000, help="hashes remembered per worker"

@@ -127,7 +127,7 @@ class Router:
         policy: str = "cache-aware",
         overlap_weight: float = 1.0,
         max_blocks_per_worker: int = 100_000,
-        store_cost: float | None = None,
+        store_cost: float | None = DEFAULT_STORE_COST,
         seed: int | None = None,
     ) -> None:
         _check_config(policy, overlap_weight, max_blocks_per_worker, store_cost)

@@ -22,6 +22,7 @@ from kvserve.services.bench.lib.http import gateway_stats
 from kvserve.services.bench.lib.process import StartError, free_port
 from kvserve.services.bench.lib.readiness import poll_until
 from kvserve.services.bench.lib.redis_server import RedisServer
+from kvserve.services.gateway.router import DEFAULT_STORE_COST
 
 REDIS_MAXMEMORY = "8gb"  # a bound, not a reservation; allkeys-lru as compose.yaml's
 READY_S = 600.0
@@ -33,7 +34,7 @@ class Routing:
 
     policy: str
     overlap_weight: float = 1.0
-    store_cost: float | None = None  # None: auto (each worker's reported ratio)
+    store_cost: float | None = DEFAULT_STORE_COST  # None: auto (each worker's reported ratio)
     pd_threshold: int = 0  # disaggregated: shorter predicted uncached parts go to decode
 
     def flags(self) -> list[str]:

@@ -41,6 +41,7 @@ from kvserve.services.bench.lib.http import gateway_stats
 from kvserve.services.bench.lib.process import StartError, kvserve_command
 from kvserve.services.bench.sweeps import fleet_report as report
 from kvserve.services.cli_support import CliError
+from kvserve.services.gateway.router import DEFAULT_STORE_COST
 
 POLICY_ARMS = ("random", "round-robin", "least-load", "session", "cache-aware")
 WORKLOADS = ("multi-tenant", "multi-round", "agentic", "mooncake")
@@ -127,7 +128,8 @@ def parse_arm(name: str) -> Routing:
     policy, _, weights = name.partition("@")
     w, _, c = weights.partition(":")
     try:
-        routing = Routing(policy, float(w), None if c in ("", "auto") else float(c))
+        cost = DEFAULT_STORE_COST if not c else None if c == "auto" else float(c)
+        routing = Routing(policy, float(w), cost)
     except ValueError:
         routing = None
     if policy != "cache-aware" or routing is None or routing.overlap_weight < 0:

@@ -102,6 +102,7 @@ class KVCacheManager:
             self.fetches = StoreFetches(self.tiers, self.connector)
         # Running estimate of prefill seconds per token, for the store's cost rule.
         self.prefill_s_per_token = 1 / 300
+        self.prefill_observed = False  # prefill_s_per_token measured, not the guess above
 
     @property
     def num_blocks(self) -> int:
@@ -238,15 +239,19 @@ class KVCacheManager:
     def observe_prefill(self, prompt_tokens: int, step_tokens: int, seconds: float) -> None:
         """Update the prefill-speed estimate from steps that are mostly prompt tokens."""
         if prompt_tokens >= 64 and prompt_tokens >= step_tokens // 2:
+            self.prefill_observed = True
             self.prefill_s_per_token = 0.7 * self.prefill_s_per_token + 0.3 * (
                 seconds / step_tokens
             )
 
     def store_load_cost(self) -> float | None:
         """A block loaded from the store as a fraction of recomputing it (at most 1), by the
-        running estimates the fetch rule weighs; None without a store. Workers report it,
-        and the router's `store_cost="auto"` values a store-held block by it."""
-        if self.connector is None:
+        running estimates the fetch rule weighs; None without a store, or until both have
+        been measured (the starting guesses are not this machine's). Workers report it, and
+        the router's store cost "auto" values a store-held block by it."""
+        if self.connector is None or not self.prefill_observed:
+            return None
+        if not self.connector.counters["fetched_blocks"]:
             return None
         recompute_s = self.prefill_s_per_token * self.block_size
         return min(1.0, self.connector.fetch_s_per_block / recompute_s)

@@ -249,7 +249,7 @@ def test_auto_store_cost_is_each_workers_reported_ratio() -> None:
     hs = hashes(PROMPT[:12])
 
     def chosen(reports: dict[str, Any], **kw: Any) -> str:
-        router = make_router(a, b, stats=reports, **kw)
+        router = make_router(a, b, stats=reports, **{"store_cost": None, **kw})
         router.apply([stored("A", 0, hs[:1]), stored("B", 0, hs, tier="store")])
         return route(router, PROMPT).worker
 
@@ -259,7 +259,7 @@ def test_auto_store_cost_is_each_workers_reported_ratio() -> None:
     assert chosen(slow_b) == "A"
     # A: 1 own + 0 * 2 = 1 block; B: 0.9 * 3 = 2.7
     assert chosen(slow_a) == "B"
-    router = make_router(a, b, stats=slow_a)
+    router = make_router(a, b, stats=slow_a, store_cost=None)
     assert [worker_stats(router, n)["store_cost"] for n in "AB"] == [1.0, 0.1]
     assert chosen(slow_a, store_cost=0.1) == "A"  # fixed: both at 0.1, A's own block wins
     bad = {"A": {"store_load_cost": "x"}, "B": {"store_load_cost": -1}}

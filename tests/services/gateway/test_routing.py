@@ -57,7 +57,13 @@ def test_router_store_cost_flag_is_auto_or_a_fraction() -> None:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["gateway", "--bus", "redis://h:1/0"])
-    assert args.router_store_cost is None  # auto: each worker's reported ratio
+    assert args.router_store_cost == 0.2
+    assert (
+        parser.parse_args(
+            ["gateway", "--bus", "b", "--router-store-cost", "auto"]
+        ).router_store_cost
+        is None
+    )
     assert (
         parser.parse_args(["gateway", "--bus", "b", "--router-store-cost", "0.5"]).router_store_cost
         == 0.5

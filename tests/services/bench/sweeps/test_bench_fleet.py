@@ -69,7 +69,7 @@ def test_arms_are_policies_or_weighted_cache_aware() -> None:
         "--router-store-cost",
         "0.5",
     ]
-    assert fleet.parse_arm("cache-aware@4").flags()[-2:] == ["--router-store-cost", "auto"]
+    assert fleet.parse_arm("cache-aware@4").flags()[-2:] == ["--router-store-cost", "0.2"]
     assert fleet.parse_arm("cache-aware@2:auto") == Routing("cache-aware", 2.0, None)
 
 

@@ -155,6 +155,10 @@ def test_store_load_cost_is_the_fetch_rules_ratio(kv_host: KVCacheManager) -> No
     block, at most 1; None without a store."""
     assert manager(4).store_load_cost() is None
     assert kv_host.connector is not None
+    assert kv_host.store_load_cost() is None  # nothing measured yet: only guesses
+    kv_host.observe_prefill(prompt_tokens=100, step_tokens=100, seconds=0.1)
+    assert kv_host.store_load_cost() is None  # no load measured yet
+    kv_host.connector.counters["fetched_blocks"] += 1
     kv_host.prefill_s_per_token = 0.001  # a block of 4 tokens: 4 ms to recompute
     kv_host.connector.fetch_s_per_block = 0.001
     assert kv_host.store_load_cost() == pytest.approx(0.25)
