@@ -11,11 +11,10 @@ long prompts), which are not the fleet benchmark's workloads (those are held out
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from kvserve.services.bench.lib.fleet_deploy import Deployment, Routing, Workers
-from kvserve.services.bench.lib.process import kvserve_command
+from kvserve.services.bench.lib.process import run_bench_serve
 from kvserve.shared.engine.sim.profile import StepShape
 from kvserve.shared.engine.sim.step_log import read_steps
 
@@ -68,9 +67,4 @@ def _steps(deployment: Deployment, name: str) -> list[tuple[StepShape, float]]:
 
 
 def _bench_serve(url: str, argv: list[str], out: Path, seed: int) -> None:
-    cmd = [*kvserve_command(), "bench", "serve", "--base-url", url, *argv, "--seed", str(seed),
-           "--no-plots", "--out", str(out)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
-        raise RuntimeError(f"bench serve {' '.join(argv[:2])} failed:\n{tail}")
+    run_bench_serve(url, [*argv, "--seed", str(seed), "--no-plots", "--out", str(out)])

@@ -86,6 +86,21 @@ def kvserve_command() -> list[str]:
     return [found] if found else [sys.executable, "-P", "-m", "kvserve.services.cli"]
 
 
+def run_bench_serve(
+    url: str, argv: Sequence[str], transcript: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`kvserve bench serve --base-url url *argv`, finished, its output also written to
+    `transcript` (RuntimeError with the output's last lines when it fails or prints nothing)."""
+    cmd = [*kvserve_command(), "bench", "serve", "--base-url", url, *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if transcript is not None:
+        transcript.write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not done.stdout.strip():
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-10:])
+        raise RuntimeError(f"bench serve exited with {done.returncode}:\n{tail}")
+    return done
+
+
 def parse_event(line: str) -> dict[str, Any] | None:
     """The JSON object a structured log line holds, else None."""
     try:

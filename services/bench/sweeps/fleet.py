@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from kvserve.services.bench.lib.fleet_deploy import (
     Workers,
 )
 from kvserve.services.bench.lib.http import gateway_stats
-from kvserve.services.bench.lib.process import StartError, kvserve_command
+from kvserve.services.bench.lib.process import StartError, run_bench_serve
 from kvserve.services.bench.sweeps import fleet_report as report
 from kvserve.services.cli_support import CliError
 from kvserve.services.gateway.router import DEFAULT_STORE_COST
@@ -197,18 +196,13 @@ def bench_serve(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """`kvserve bench serve` against the gateway: its summary and request rows (RuntimeError
     when it fails)."""
-    cmd = [*kvserve_command(), "bench", "serve", "--base-url", url, *shape_flags(args),
-           "--request-rate", str(qps), "--slowdown", str(slowdown), "--send-user",
-           "--seed", str(args.seed), "--timeout", str(args.timeout), "--no-plots",
-           "--warmup-requests", str(args.warmup_requests),
-           "--out", str(run_dir)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    (run_dir / "bench-serve.txt").write_text(proc.stdout + proc.stderr)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-10:])
-        raise RuntimeError(f"bench serve exited with {proc.returncode}:\n{tail}")
-    summary: dict[str, Any] = json.loads(lines[-1])
+    argv = [*shape_flags(args),
+            "--request-rate", str(qps), "--slowdown", str(slowdown), "--send-user",
+            "--seed", str(args.seed), "--timeout", str(args.timeout), "--no-plots",
+            "--warmup-requests", str(args.warmup_requests),
+            "--out", str(run_dir)]  # fmt: skip
+    proc = run_bench_serve(url, argv, run_dir / "bench-serve.txt")
+    summary: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     requests = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
     return summary, requests
 
