@@ -196,6 +196,29 @@ WEIGHT_MODES = ("auto", "fp32", "bf16", "file")
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """How the engine contains failures (shared/engine/failure.py).
+
+    A step that fails where no single request can be blamed (the batch's forward) requeues its
+    requests for recompute; a request in `quarantine_after` such failed steps is failed instead
+    (as a fleet fails a request delivered to `quarantine_after` workers that died on it).
+    `max_step_failures` such failures within `window_s` seconds end the engine (its process
+    then exits non-zero, for a supervisor to restart). `injection` lets a request ask for a
+    fault (`SamplingParams.fault`): for tests and `kvserve bench chaos` only."""
+
+    quarantine_after: int = 2
+    max_step_failures: int = 5
+    window_s: float = 60.0
+    injection: bool = False
+
+    def __post_init__(self) -> None:
+        if self.quarantine_after < 1:
+            raise ValueError(f"quarantine_after must be >= 1, got {self.quarantine_after}")
+        if self.max_step_failures < 1 or self.window_s <= 0:
+            raise ValueError("max_step_failures must be >= 1 and window_s > 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str = field(default_factory=lambda: str(default_model_path()))
     dtype: str = "float32"  # weights, activations, KV cache
@@ -210,6 +233,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     simulate: SimConfig | None = None  # a simulated engine: no model, the profile's timing
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:

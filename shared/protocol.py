@@ -264,6 +264,7 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "length_penalty": _NUM,
     "early_stopping": (bool,),
     "skip_special_tokens": (bool,),
+    "fault": (str, type(None)),
 }
 _FLOAT_FIELDS = ("temperature", "top_p", "length_penalty")
 assert set(SAMPLING_FIELDS) == {f.name for f in fields(SamplingParams)}, "SAMPLING_FIELDS"

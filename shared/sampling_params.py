@@ -12,6 +12,10 @@ GREEDY_BELOW = 1e-5
 # Any top_p at or below this keeps the most likely token alone (it has probability >= 1/vocab),
 # so a smaller one is raised to it: one that rounds to 0 in float32 would keep no token at all.
 MIN_TOP_P = 1e-9
+# What a request may ask to suffer (SamplingParams.fault; honoured only by an engine started with
+# fault injection): "raise" in its own output processing, "raise-step" in the step's forward (no
+# single request to blame), "kill" its process (SIGKILL) when it is scheduled.
+FAULTS = ("raise", "raise-step", "kill")
 
 
 class InvalidRequestError(ValueError):
@@ -43,6 +47,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool = False
     skip_special_tokens: bool = True
+    fault: str | None = None  # one of FAULTS: tests and `kvserve bench chaos` only
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -77,6 +82,8 @@ class SamplingParams:
             raise InvalidRequestError("length_penalty", "length_penalty must be finite")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise InvalidRequestError("fault", f"fault must be one of {FAULTS}, got {self.fault!r}")
 
     @property
     def greedy(self) -> bool:

@@ -121,6 +121,9 @@ class AsyncEngine:
                 item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # the engine failed this request alone
+                    finished = True
+                    raise item.error
                 yield item
                 if item.finished:
                     finished = True
@@ -269,6 +272,9 @@ class AsyncEngine:
             },
             "num_preemptions": sched.num_preemptions,
             "num_steps": eng.num_steps,
+            "num_step_failures": eng.num_step_failures,
+            "num_requests_failed": eng.num_failed_requests,
+            "num_requests_quarantined": eng.num_quarantined,
             "healthy": self.healthy,
             "store": self._store_stats(),
             "kv_tier_events": kv["tier_events"],

@@ -21,6 +21,13 @@ from collections.abc import Sequence as Seq
 import torch
 from kvserve.kernels.backend import get_backend
 from kvserve.shared.config import EngineConfig, ModelConfig
+from kvserve.shared.engine.failure import (
+    EngineDeadError,
+    RequestFailedError,
+    StepFailures,
+    describe,
+    inject_step_faults,
+)
 from kvserve.shared.engine.model_runner import ModelRunner
 from kvserve.shared.engine.output_processor import OutputProcessor
 from kvserve.shared.engine.outputs import Emitted, RequestOutput
@@ -41,7 +48,9 @@ from kvserve.shared.store.backends import open_store
 from kvserve.shared.store.base import BlockStore
 from kvserve.shared.store.block_data import KVTail
 from kvserve.shared.store.hashing import BlockHash, InvalidSaltError, validate_cache_salt
+from kvserve.shared.telemetry import get_logger
 
+log = get_logger("kvserve.engine")
 OutputHook = Callable[[list[RequestOutput]], None]
 StepHook = Callable[[StepShape, float], None]
 
@@ -59,6 +68,7 @@ class Engine:
         forward pass replaced by the cost profile's time; `self.config` then holds the
         profile's KV capacity and scheduler limits."""
         self.config = config
+        faults = config.faults  # a simulated engine's config is the profile's, below
         # Seconds each part of start-up took (kvserve bench startup reports them).
         self.startup_s: dict[str, float] = {}
         if config.num_threads:
@@ -86,6 +96,11 @@ class Engine:
             self.max_model_len,
         )
         self.num_steps = 0
+        self.faults = faults
+        self.step_failures = StepFailures(faults.max_step_failures, faults.window_s)
+        self.num_step_failures = 0  # steps that failed as a whole
+        self.num_failed_requests = 0  # requests failed by an exception of their own
+        self.num_quarantined = 0  # requests failed after quarantine_after failed steps
         # Called with every step's outputs, whoever drives the step (AsyncEngine sets it, so
         # that steps taken inside an engine call, such as a warm-up, still deliver).
         self.on_outputs: OutputHook | None = None
@@ -198,6 +213,10 @@ class Engine:
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                 f"exceeds the context window of {self.max_model_len} tokens",
             )
+        if params.fault is not None and not self.faults.injection:
+            raise InvalidRequestError(
+                "fault", "fault injection is off (a server started with --enable-fault-injection)"
+            )
         if -(-total // self.block_size) > self.kv.num_blocks:
             raise InvalidRequestError(
                 "max_tokens", f"a sequence of {total} tokens cannot fit in the KV cache"
@@ -270,6 +289,7 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks at once. False if it is unknown or finished."""
         req = self._requests.pop(request_id, None)
+        self.scheduler.forget(request_id)
         if req is None:
             return False
         beams = req.beam.seqs if req.beam is not None else []
@@ -307,22 +327,71 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step; a request whose own processing raised fails alone, a step that failed as
+        a whole requeues (or quarantines) its requests (shared/engine/failure.py). Raises
+        EngineDeadError when too many steps failed in a short time."""
         started = time.perf_counter()
         self.runner.begin_step()
-        batch = self.scheduler.schedule()
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as e:
+            return self._step_failed(Batch(), e)
         if not batch:
             return []
         shape = shape_of(batch) if self.on_step is not None else None
-        out, seconds = self.step_threads.run(batch.num_tokens, lambda: self.runner.run(batch))
-        self.scheduler.advance(batch, seconds)
+        try:
+            if self.faults.injection:
+                inject_step_faults(s.seq.params for s in batch.scheduled)
+            out, seconds = self.step_threads.run(batch.num_tokens, lambda: self.runner.run(batch))
+            self.scheduler.advance(batch, seconds)
+        except Exception as e:
+            return self._step_failed(batch, e)
         self.num_steps += 1
         outputs = self.outputs.process(out) if out.sampling_seqs else []
-        if self.on_outputs is not None and outputs:
-            self.on_outputs(outputs)
+        for rid, error in self.outputs.take_failed().items():
+            log.error("request failed", request_id=rid, exc_info=error)
+            outputs.append(self._fail_request(rid, "internal_error", error))
+        self._deliver(outputs)
         self.runner.end_step()
         if self.on_step is not None and shape is not None:
             self.on_step(shape, time.perf_counter() - started)
         return outputs
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if self.on_outputs is not None and outputs:
+            self.on_outputs(outputs)
+
+    def _step_failed(self, batch: Batch, error: Exception) -> list[RequestOutput]:
+        """No request to blame: the step's requests go back to the queue to be computed again
+        (their blocks freed; published blocks stay cached), each to run alone in its next step;
+        those in `quarantine_after` failed steps fail instead."""
+        rids = list(dict.fromkeys(s.seq.request_id for s in batch.scheduled))
+        log.error("engine step failed", requests=rids, exc_info=error)
+        self.num_step_failures += 1
+        if self.step_failures.record():
+            raise EngineDeadError(
+                f"{self.step_failures.limit} steps failed within {self.faults.window_s:g} s"
+            ) from error
+        condemned = self.scheduler.fail_step(batch, self.faults.quarantine_after)
+        outputs = [
+            self._fail_request(rid, "quarantined", error)
+            for rid in condemned
+            if rid in self._requests
+        ]
+        self._deliver(outputs)
+        self.runner.end_step()
+        return outputs
+
+    def _fail_request(self, request_id: str, kind: str, error: BaseException) -> RequestOutput:
+        """Abort the request (its blocks freed) and make its last output: an error."""
+        req = self._requests[request_id]
+        self.abort_request(request_id)
+        if kind == "quarantined":
+            self.num_quarantined += 1
+        else:
+            self.num_failed_requests += 1
+        failure = RequestFailedError(request_id, kind, describe(error))
+        return RequestOutput(request_id, req.prompt, 0, [], True, error=failure)
 
     # ---- outside the scheduler ------------------------------------------------------------
 
@@ -360,6 +429,8 @@ class Engine:
         results: dict[str, dict[int, list[int]]] = {rid: {} for rid in ids}
         while self.has_unfinished_requests():
             for out in self.step():
+                if out.error is not None:
+                    raise out.error
                 for d in out.completions:
                     results[out.request_id].setdefault(d.index, []).extend(d.token_ids)
         return [[results[rid][i] for i in sorted(results[rid])] for rid in ids]

@@ -12,8 +12,12 @@ sequences and adds forks through the Scheduler; forks share blocks through the K
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from kvserve.shared.engine.beam_search import BeamGroup, BeamSearch
+from kvserve.shared.engine.failure import inject_request_fault
 from kvserve.shared.engine.kv.manager import KVCacheManager
 from kvserve.shared.engine.model_runner import StepOutput
 from kvserve.shared.engine.outputs import Completion, RequestOutput
@@ -43,9 +47,13 @@ class OutputProcessor:
         self.sampler = Sampler()
         # n > 1 siblings created while their parent's row is sampled, forked right after.
         self._pending_children: dict[tuple[SeqId, int], Sequence] = {}
+        # Requests whose own processing raised in this step (take_failed), with the exception.
+        self.failed: dict[str, BaseException] = {}
 
     def process(self, out: StepOutput) -> list[RequestOutput]:
-        """The outputs of the requests this step's sampled rows touched."""
+        """The outputs of the requests this step's sampled rows touched. A request whose own
+        processing raised is left out and named in `take_failed()` (its sequences untouched
+        since, for the engine to abort); the others go on."""
         seqs = out.sampling_seqs
         beam = [i for i, q in enumerate(seqs) if self.requests[q.request_id].beam]
         if beam:
@@ -54,7 +62,27 @@ class OutputProcessor:
             touched += self._sample([seqs[i] for i in keep], out.logits[keep], out)
         else:
             touched = self._sample(seqs, out.logits, out)
-        return [self._output(self.requests[r]) for r in touched if r in self.requests]
+        outputs = []
+        for rid in touched:
+            if rid in self.requests and rid not in self.failed:
+                with self._blame(rid):
+                    outputs.append(self._output(self.requests[rid]))
+        return outputs
+
+    def take_failed(self) -> dict[str, BaseException]:
+        """The requests whose processing raised since the last call, with their exception."""
+        failed, self.failed = self.failed, {}
+        return failed
+
+    @contextlib.contextmanager
+    def _blame(self, request_id: str) -> Iterator[None]:
+        """Pin an exception raised inside on `request_id` (the first one counts)."""
+        try:
+            yield
+        except Exception as e:
+            self.failed.setdefault(request_id, e)
+            for key in [k for k, c in self._pending_children.items() if c.request_id == request_id]:
+                del self._pending_children[key]
 
     def beam_group(self, params: SamplingParams, seq: Sequence) -> BeamGroup:
         """The beam search of a request whose first beam is `seq`."""
@@ -76,29 +104,63 @@ class OutputProcessor:
         token each column of `logits` stands for."""
         row_idx: list[int] = []
         targets: list[tuple[Sequence, int]] = []  # (sequence, sibling index or -1 for itself)
+        rows: list[SampleRow] = []
         for i, seq in enumerate(seqs):
-            row_idx.append(i)
-            targets.append((seq, -1))
-            for j in range(seq.pending_forks):
-                row_idx.append(i)
-                targets.append((seq, j + 1))
-        rows = [self._sample_row(seq, j) for seq, j in targets]
+            mine = [(seq, -1)] + [(seq, j + 1) for j in range(seq.pending_forks)]
+            with self._blame(seq.request_id):
+                rows += [self._sample_row(q, j) for q, j in mine]
+                row_idx += [i] * len(mine)
+                targets += mine
         if len(row_idx) != len(seqs):
-            logits = logits[torch.tensor(row_idx)]
+            logits = logits[torch.tensor(row_idx, dtype=torch.long)]
+        drawn = self._draw(logits, rows, [q.request_id for q, _ in targets], out)
+        touched: dict[str, None] = {}
+        # Fork every sibling before any token is appended: a parent that stops on its first
+        # token frees its blocks, which the siblings must already share.
+        owners: list[Sequence | None] = []
+        for seq, j in targets:
+            owners.append(None)
+            if seq.request_id not in self.failed:
+                with self._blame(seq.request_id):
+                    owners[-1] = seq if j < 0 else self._fork(seq, j)
+        for owner, draw in zip(owners, drawn, strict=True):
+            if owner is None or draw is None or owner.request_id in self.failed:
+                continue
+            with self._blame(owner.request_id):
+                self._append(owner, *draw)
+                touched[owner.request_id] = None
+        for seq in seqs:
+            seq.pending_forks = 0
+        return list(touched)
+
+    def _draw(
+        self, logits: torch.Tensor, rows: list[SampleRow], owners: list[str], out: StepOutput
+    ) -> list[tuple[int, float, dict[int, float] | None] | None]:
+        """(token, logprob, top logprobs) per row: all rows at once; when that raises, each
+        request's rows apart, so that the request it came from fails alone (None rows)."""
+        try:
+            return self._draw_rows(logits, rows, out)
+        except Exception:
+            pass
+        drawn: list[tuple[int, float, dict[int, float] | None] | None] = [None] * len(rows)
+        for rid in dict.fromkeys(owners):
+            idx = [i for i, o in enumerate(owners) if o == rid]
+            with self._blame(rid):
+                mine = self._draw_rows(logits[idx], [rows[i] for i in idx], out)
+                for i, d in zip(idx, mine, strict=True):
+                    drawn[i] = d
+        return drawn
+
+    def _draw_rows(
+        self, logits: torch.Tensor, rows: list[SampleRow], out: StepOutput
+    ) -> list[tuple[int, float, dict[int, float] | None] | None]:
+        if not rows:
+            return []
         columns, logprobs, tops = self.sampler.sample(logits, rows)
         tokens = [out.token_id(c) for c in columns]
         if out.columns is not None:
             tops = [None if t is None else {out.token_id(c): p for c, p in t.items()} for t in tops]
-        touched: dict[str, None] = {}
-        # Fork every sibling before any token is appended: a parent that stops on its first
-        # token frees its blocks, which the siblings must already share.
-        owners = [seq if j < 0 else self._fork(seq, j) for seq, j in targets]
-        for owner, tok, lp, top in zip(owners, tokens, logprobs, tops, strict=True):
-            self._append(owner, tok, lp, top)
-            touched[owner.request_id] = None
-        for seq in seqs:
-            seq.pending_forks = 0
-        return list(touched)
+        return list(zip(tokens, logprobs, tops, strict=True))
 
     def _sample_row(self, seq: Sequence, sibling: int) -> SampleRow:
         if sibling >= 0:  # the sibling is created now, and samples its own first token
@@ -128,14 +190,19 @@ class OutputProcessor:
         for i, row in zip(rows, logprobs, strict=True):
             req = self.requests[seqs[i].request_id]
             assert req.beam is not None
-            if req.beam.stash(seqs[i], row):
-                ready[req.request_id] = req
+            with self._blame(req.request_id):
+                if req.beam.stash(seqs[i], row):
+                    ready[req.request_id] = req
         done = []
         for rid, req in ready.items():
             assert req.beam is not None
-            if req.beam.advance(self._fork_beam, self._drop_beam):
-                self._finish_beam_request(req)
-                done.append(rid)
+            if rid in self.failed:
+                continue
+            with self._blame(rid):
+                inject_request_fault(req.params)
+                if req.beam.advance(self._fork_beam, self._drop_beam):
+                    self._finish_beam_request(req)
+                    done.append(rid)
         return done
 
     def _fork_beam(self, parent: Sequence) -> Sequence:
@@ -176,6 +243,7 @@ class OutputProcessor:
     def _append(
         self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None = None
     ) -> None:
+        inject_request_fault(seq.params)
         seq.token_ids.append(token)
         if seq.params.logprobs:
             seq.logprobs.append(logprob)

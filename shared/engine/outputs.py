@@ -35,6 +35,8 @@ class RequestOutput:
     # num_cached_tokens by the tier they came from ("device", "host", "store"; they sum to it)
     cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
     store_lookup: str | None = None  # how the store lookup ended (None: the store not asked)
+    # The request failed (failure.RequestFailedError): its last output, with no completions.
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,11 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.cached_tokens_by_source: dict[str, int] = {"device": 0, "host": 0, "store": 0}
+        # Requests of a step that failed as a whole: each runs alone in its next step (so that
+        # a second failure has one request to blame) until one of its steps succeeds; and how
+        # many failed steps each has been in since its last successful one.
+        self.suspects: set[str] = set()
+        self.failed_steps: dict[str, int] = {}
 
     def add(self, seq: Sequence, fetch: bool = True) -> None:
         """Queue a new sequence; with `fetch`, it first asks the store for the prompt blocks
@@ -125,6 +130,10 @@ class Scheduler:
     def schedule(self) -> Batch:
         for seq in self.kv.take_fetched(wait=not self.has_work()):
             seq.status = SequenceStatus.WAITING
+        if self.suspects:
+            alone = self._schedule_suspect()
+            if alone:
+                return alone
         batch = Batch()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -150,6 +159,24 @@ class Scheduler:
             self._admit(batch, budget)
         return batch
 
+    def _schedule_suspect(self) -> Batch:
+        """A batch of the first waiting suspect alone (empty when none can run now)."""
+        batch = Batch()
+        seq = next((s for s in self.waiting if s.request_id in self.suspects), None)
+        if seq is None or seq.status is not SequenceStatus.WAITING:
+            return batch
+        if seq.num_computed_tokens == 0 and self.kv.caching:
+            self.kv.match_prefix(seq)
+        n = self._chunk(seq, self.config.max_num_batched_tokens)
+        if n == 0 or not self._reserve(seq, n, batch):
+            self._unmatch(seq)
+            return Batch()
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.scheduled.append(ScheduledSeq(seq, n))
+        return batch
+
     def _admit(self, batch: Batch, budget: int) -> None:
         """Admit waiting sequences in arrival order while blocks and the budget allow. With
         prefix caching, a sequence whose next uncached block is being computed right now by a
@@ -159,8 +186,8 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            if seq.status is SequenceStatus.FETCHING:
-                deferred.append(seq)
+            if seq.status is SequenceStatus.FETCHING or seq.request_id in self.suspects:
+                deferred.append(seq)  # a suspect runs alone (_schedule_suspect)
                 continue
             if seq.num_computed_tokens == 0 and self.kv.caching:
                 self.kv.match_prefix(seq)
@@ -212,13 +239,18 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.requeue(seq)
+        self.num_preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """Put a running sequence back at the head of the queue, to be computed again from its
+        tokens (its blocks freed; those it published stay cached)."""
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def advance(self, batch: Batch, seconds: float) -> None:
         """The step ran: each scheduled sequence's computed tokens catch up, its newly full
@@ -228,6 +260,30 @@ class Scheduler:
         for s in batch.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.kv.publish(s.seq)
+            if self.suspects:
+                self.forget(s.seq.request_id)
+
+    def fail_step(self, batch: Batch, limit: int) -> list[str]:
+        """The step ran into an error no request can be blamed for: each of its requests
+        counts a failed step; those at `limit` are returned (for the engine to fail), the
+        others' sequences go back to the queue, as suspects."""
+        rids = list(dict.fromkeys(s.seq.request_id for s in batch.scheduled))
+        condemned = []
+        for rid in rids:
+            failed = self.failed_steps[rid] = self.failed_steps.get(rid, 0) + 1
+            if failed >= limit:
+                condemned.append(rid)
+            else:
+                self.suspects.add(rid)
+        for s in batch.scheduled:
+            if s.seq.request_id in self.suspects and s.seq.status is SequenceStatus.RUNNING:
+                self.requeue(s.seq)
+        return condemned
+
+    def forget(self, request_id: str) -> None:
+        """The request is cleared of suspicion (a step of its succeeded) or gone."""
+        self.suspects.discard(request_id)
+        self.failed_steps.pop(request_id, None)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish (or abort) a sequence wherever it is; its blocks are freed at once (and a
