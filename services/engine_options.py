@@ -66,7 +66,24 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads for the engine's compute (default: one per core)",
     )
+    p.add_argument(
+        "--quarantine-after",
+        type=int,
+        default=2,
+        metavar="K",
+        help="fail a request instead of running it again once K of its runs failed (steps "
+        "of this engine that failed as a whole, or in a fleet workers that died running it)",
+    )
+    add_fault_injection_argument(p)
     p.add_argument("--log-level", default=None)
+
+
+def add_fault_injection_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="accept requests that ask for a fault (`kvserve_fault`): tests and chaos runs only",
+    )
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,7 +118,9 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     """Refuse bad engine options before anything starts (logging included)."""
     from kvserve.shared.config import EngineConfig
 
-    check_at_least_one(args, ("block_size", "max_num_seqs", "num_blocks", "threads"))
+    check_at_least_one(
+        args, ("block_size", "max_num_seqs", "num_blocks", "threads", "quarantine_after")
+    )
     try:
         EngineConfig(dtype=args.dtype, matmul_dtype=args.matmul_dtype, weights=args.weights)
     except ValueError as e:
@@ -135,7 +154,13 @@ def sim_config(args: argparse.Namespace) -> Any:
 def engine_config(args: argparse.Namespace) -> Any:
     """The EngineConfig the options describe (with --model, --store and --store-format);
     CliError for a combination the config refuses."""
-    from kvserve.shared.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
+    from kvserve.shared.config import (
+        CacheConfig,
+        EngineConfig,
+        FaultConfig,
+        SchedulerConfig,
+        StoreConfig,
+    )
 
     store = None if args.store == "none" else args.store
     try:
@@ -161,6 +186,9 @@ def engine_config(args: argparse.Namespace) -> Any:
             ),
             store=StoreConfig(url=store, format=args.store_format),
             simulate=sim_config(args),
+            faults=FaultConfig(
+                quarantine_after=args.quarantine_after, injection=args.enable_fault_injection
+            ),
         )
     except ValueError as e:
         raise CliError(str(e)) from e

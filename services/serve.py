@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from kvserve.services.cli_support import run_service, stop_on_signals
+from kvserve.services.cli_support import CliError, run_service, stop_on_signals
 from kvserve.services.engine_options import (
     add_engine_arguments,
     check_engine_arguments,
@@ -74,9 +74,13 @@ async def _serve(args: argparse.Namespace) -> None:
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
     worker = None
+    failed = None
     if load.done():
         worker = await _start_worker(bus, load.result(), url, config.store.url)
-        await stopper
+        failed = asyncio.create_task(worker.engine_failed.wait())
+        await asyncio.wait({stopper, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():  # /health says so until the process has exited
+            gateway.context.readiness.dead = "the engine failed"
     log.info("shutting down", drain_timeout_s=args.drain_timeout)
     gateway.start_draining()
     drained = await gateway.admission.drained(args.drain_timeout)
@@ -87,6 +91,8 @@ async def _serve(args: argparse.Namespace) -> None:
         await gateway.admission.drained(5.0)
     await runner.cleanup()
     await _stop_engine(load)
+    if failed is not None and failed.done():
+        raise CliError("the engine failed; exiting for a supervisor to restart the server")
     log.info("stopped", drained=drained)
 
 

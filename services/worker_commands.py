@@ -132,7 +132,12 @@ def make_worker(
     from kvserve.shared.bus.redis_layout import RedisBusConfig
 
     stream = "decode" if role == "decode" else "prefill"
-    cfg = RedisBusConfig(request_stream=stream, group=stream, claim_idle_s=args.claim_idle)
+    cfg = RedisBusConfig(
+        request_stream=stream,
+        group=stream,
+        claim_idle_s=args.claim_idle,
+        max_deliveries=getattr(args, "quarantine_after", RedisBusConfig.max_deliveries),
+    )
     bus = RedisBus(args.bus, cfg, redis)
     worker: Any
     if role == "worker":
@@ -172,9 +177,12 @@ async def _work(args: argparse.Namespace, role: str) -> None:
     if engine.simulation is not None:
         log.info("simulated", worker=name, simulation=engine.simulation)
     log.info("ready", role=role, worker=name, url=metrics_url or f"bus:{name}")
-    await stop.wait()
+    failed = asyncio.create_task(worker.engine_failed.wait())
+    await asyncio.wait([asyncio.create_task(stop.wait()), failed], return_when="FIRST_COMPLETED")
     log.info("shutting down", drain_timeout_s=args.drain_timeout)
     await worker.stop(drain_timeout=args.drain_timeout)
     await asyncio.to_thread(engine.close)
     await bus.close()
+    if failed.done():
+        raise CliError("the engine failed; exiting for a supervisor to restart the worker")
     log.info("stopped")

@@ -121,11 +121,30 @@ class TokenEvent:
     # An older worker sends neither: empty and None.
     cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
     store_lookup: str | None = None
+    # Which delivery of the request emitted it (1: the first; each take-over by another worker
+    # one more). A reader drops an event whose epoch is below one it has seen: a holder that
+    # was taken over (paused, not dead) cannot mix its tokens into the new holder's. 0: a
+    # worker that does not say.
+    epoch: int = 0
+
+    @property
+    def is_fence(self) -> bool:
+        """A take-over's first event: its epoch, no content (seq FENCE_SEQ)."""
+        return self.seq == FENCE_SEQ
 
 
-def error_event(request_id: str, seq: int, error: ErrorInfo) -> TokenEvent:
+FENCE_SEQ = -1
+
+
+def error_event(request_id: str, seq: int, error: ErrorInfo, epoch: int = 0) -> TokenEvent:
     """The terminal event of a request that failed."""
-    return TokenEvent(request_id=request_id, seq=seq, error=error)
+    return TokenEvent(request_id=request_id, seq=seq, error=error, epoch=epoch)
+
+
+def fence_event(request_id: str, epoch: int) -> TokenEvent:
+    """Written by a worker taking a request over, before it reads what was emitted: from here
+    on, events of earlier epochs are stale."""
+    return TokenEvent(request_id=request_id, seq=FENCE_SEQ, epoch=epoch)
 
 
 @dataclass(frozen=True)
@@ -213,6 +232,7 @@ _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "top_logprobs": (list,),
         "cached_tokens_by_source": (dict,),
         "store_lookup": _OPT_STR,
+        "epoch": _INT,
     },
     "admin": {
         "request_id": _STR,

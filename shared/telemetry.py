@@ -244,6 +244,9 @@ class Metrics:
         self.request_success = counter(
             "request_success", "Finished requests by finish reason.", ["finished_reason"]
         )
+        self.stream_stalls = counter(
+            "stream_stalls", "Streams aborted because their client stopped reading."
+        )
         self.http_requests = Counter(
             PREFIX + "http_requests", "HTTP requests by route and status.", ["route", "status"],
             registry=r,

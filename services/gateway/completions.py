@@ -6,7 +6,10 @@ Invariants:
   error) is cancelled on the bus (`BusGeneration.close`), so the worker aborts it and frees its
   blocks.
 - An error before the first token is an HTTP error with the OpenAI shape; after the stream has
-  started it is an SSE error event followed by `data: [DONE]`."""
+  started it is an SSE error event followed by `data: [DONE]`.
+- A stream's writes wait at most `GatewayConfig.stream_stall_timeout_s` for a client that stopped
+  reading (sse_writer.py); past it the connection is aborted and the request cancelled on the bus
+  (reason `stalled`), counted in `kvserve:stream_stalls_total` and logged, once."""
 
 from __future__ import annotations
 
@@ -23,7 +26,13 @@ from kvserve.services.gateway.generation import BusGeneration
 from kvserve.services.gateway.middleware import TENANT_SALT
 from kvserve.services.gateway.request_telemetry import record_finish, request_attributes
 from kvserve.services.gateway.responses import SSE_DONE, ResponseBuilder, sse
-from kvserve.services.gateway.schema import GenerationPlan, parse_chat, parse_completion
+from kvserve.services.gateway.schema import (
+    GenerationPlan,
+    parse_chat,
+    parse_completion,
+    with_fault,
+)
+from kvserve.services.gateway.sse_writer import SSEWriter, StreamStalledError
 from kvserve.shared.protocol import TokenEvent
 from kvserve.shared.telemetry import context_from_traceparent, get_logger, get_tracer
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -31,6 +40,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 log = get_logger("kvserve.gateway")
 tracer = get_tracer("kvserve.gateway")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+STALLED = "stalled"  # the status and cancel reason of a request whose client stopped reading
 
 
 class CompletionRoutes:
@@ -41,12 +51,18 @@ class CompletionRoutes:
         self.ctx = ctx
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        plan = parse_completion(await self.ctx.json_body(request), self.ctx.model)
-        return await self._generate(request, plan)
+        body = await self.ctx.json_body(request)
+        plan = parse_completion(body, self.ctx.model)
+        return await self._generate(request, with_fault(plan, body, self._faults))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        plan = parse_chat(await self.ctx.json_body(request), self.ctx.model)
-        return await self._generate(request, plan)
+        body = await self.ctx.json_body(request)
+        plan = parse_chat(body, self.ctx.model)
+        return await self._generate(request, with_fault(plan, body, self._faults))
+
+    @property
+    def _faults(self) -> bool:
+        return self.ctx.config.fault_injection
 
     async def _generate(self, request: web.Request, plan: GenerationPlan) -> web.StreamResponse:
         ctx = self.ctx
@@ -92,6 +108,8 @@ class CompletionRoutes:
                 status = e.type
                 raise
             finally:
+                if call.cancel_reason == STALLED:
+                    status = STALLED
                 await call.close()
                 record_finish(span, ctx.metrics, call, builder, status)
 
@@ -123,20 +141,30 @@ class CompletionRoutes:
                 raise from_worker(first[1].error)
             resp = web.StreamResponse(headers=SSE_HEADERS)
             await resp.prepare(request)
+            out = SSEWriter(resp, request.transport, self.ctx.config.stream_stall_timeout_s)
             try:
                 for chunk in builder.opening_chunks():
-                    await resp.write(sse(chunk))
-                await resp.write(sse(builder.event_chunk(*first)))
-                await self._stream_rest(resp, call, builder, events)
-                await resp.write(SSE_DONE)
-                await resp.write_eof()
+                    await out.write(sse(chunk))
+                await out.write(sse(builder.event_chunk(*first)))
+                await self._stream_rest(out, call, builder, events)
+                await out.write(SSE_DONE)
+                await out.write_eof()
             except ConnectionResetError:
                 log.info("client went away mid-stream")
+            except StreamStalledError as e:
+                self._stalled(call, e)
         return resp
+
+    def _stalled(self, call: BusGeneration, error: StreamStalledError) -> None:
+        """Count and log a stalled stream; its request is then cancelled as stalled. No await
+        here: the aborted connection's handler may be cancelled at its next one."""
+        call.cancel_reason = STALLED
+        self.ctx.metrics.stream_stalls.labels(call.model_name).inc()
+        log.warning("stream stalled, request aborted", reason=str(error))
 
     async def _stream_rest(
         self,
-        resp: web.StreamResponse,
+        out: SSEWriter,
         call: BusGeneration,
         builder: ResponseBuilder,
         events: AsyncIterator[tuple[int, TokenEvent]],
@@ -145,11 +173,11 @@ class CompletionRoutes:
             async with asyncio.timeout_at(call.deadline):
                 async for p, event in events:
                     if event.error is not None:
-                        await resp.write(sse_error(from_worker(event.error)))
+                        await out.write(sse_error(from_worker(event.error)))
                         return
-                    await resp.write(sse(builder.event_chunk(p, event)))
+                    await out.write(sse(builder.event_chunk(p, event)))
         except TimeoutError:
-            await resp.write(sse_error(call.timeout_error()))
+            await out.write(sse_error(call.timeout_error()))
             return
         if builder.plan.include_usage:
-            await resp.write(sse(builder.usage_chunk()))
+            await out.write(sse(builder.usage_chunk()))

@@ -52,6 +52,7 @@ class BusGeneration:
     routing: Any = None  # a RoutingService, or None: the shared stream, any worker
     decisions: list[Any] = field(default_factory=list)  # per prompt: the router's, or None
     cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt, as reported
+    cancel_reason: str = "client"  # what `close` tells the workers ("stalled": stopped reading)
 
     def _sub_id(self, p: int) -> str:
         return self.request_id if len(self.plan.prompts) == 1 else f"{self.request_id}-{p}"
@@ -156,9 +157,9 @@ class BusGeneration:
     async def _cancel_and_close(self, pending: list[tuple[int, EventStream]]) -> None:
         for p, _ in pending:
             with contextlib.suppress(Exception):
-                await self.bus.cancel(self._sub_id(p), "client")
+                await self.bus.cancel(self._sub_id(p), self.cancel_reason)
         if pending:
-            log.info("cancelled", sub_requests=len(pending))
+            log.info("cancelled", sub_requests=len(pending), reason=self.cancel_reason)
         for s in self.streams:
             with contextlib.suppress(Exception):
                 await s.close()

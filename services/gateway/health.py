@@ -20,6 +20,9 @@ class HealthRoutes:
         self.ctx = ctx
 
     async def health(self, request: web.Request) -> web.Response:
+        dead = self.ctx.readiness.dead
+        if dead is not None:
+            return web.json_response({"status": "failed", "reason": dead}, status=503)
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:

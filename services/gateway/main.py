@@ -22,6 +22,7 @@ from kvserve.services.cli_support import (
     run_service,
     stop_on_signals,
 )
+from kvserve.services.engine_options import add_fault_injection_argument
 from kvserve.services.gateway.config import GatewayConfig
 from kvserve.services.gateway.router import DEFAULT_STORE_COST, POLICIES
 from kvserve.shared.config import default_model_path
@@ -58,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "it; 0: every request is prefilled by a prefill worker",
     )
     add_gateway_arguments(p)
+    add_fault_injection_argument(p)
     p.add_argument("--log-level", default=None)
     p.set_defaults(handler=run)
 
@@ -101,6 +103,14 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    p.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a stream's write waits for a client that stopped reading; then the "
+        "request is aborted (0: wait as long as the client takes)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
 
 
@@ -108,6 +118,8 @@ def check_gateway_arguments(args: argparse.Namespace) -> None:
     check_port("--port", args.port)
     check_at_least_one(args, ("max_queue", "max_body_bytes"))
     check_positive(args, ("request_timeout", "drain_timeout"))
+    if not args.stream_stall_timeout >= 0:
+        raise CliError("--stream-stall-timeout must be >= 0")
     if any(not k for k in args.api_key):
         raise CliError("--api-key must not be empty")
     rate_limit(args.rate_limit)
@@ -190,9 +202,11 @@ def gateway_config(args: argparse.Namespace, **routing: Any) -> GatewayConfig:
         max_in_flight=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
+        stream_stall_timeout_s=args.stream_stall_timeout,
         rate_limit=rate_limit(args.rate_limit),
         api_keys=tuple(args.api_key),
         allow_client_cache_salt=args.allow_client_cache_salt,
+        fault_injection=args.enable_fault_injection,
         **routing,
     )
 

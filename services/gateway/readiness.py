@@ -8,11 +8,14 @@ from kvserve.shared.bus.base import Bus, BusUnavailableError
 
 
 class Readiness:
-    """Asks the bus each time (no cached state): a worker may come or go between requests."""
+    """Asks the bus each time (no cached state): a worker may come or go between requests.
+    `dead` (a reason) is set once by a process whose own engine failed (`kvserve serve`): its
+    /health then answers 503 until the process exits."""
 
     def __init__(self, bus: Bus, retry_after_s: int) -> None:
         self.bus = bus
         self.retry_after_s = retry_after_s
+        self.dead: str | None = None
 
     async def status(self) -> str:
         """ready, starting (no live worker) or bus_unavailable (Redis down: nobody can tell)."""

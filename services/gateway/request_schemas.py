@@ -191,12 +191,14 @@ def completion_request(f: ApiFacts) -> Schema:
         "required": ["prompt"],
         "properties": {
             "prompt": {
+                "description": 'a string of no tokens ("" included) is run as the '
+                "document-start token: the model generates as if from a new document",
                 "oneOf": [
-                    {"type": "string", "minLength": 1},
-                    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                    {"type": "string"},
+                    {"type": "array", "minItems": 1, "items": {"type": "string"}},
                     token_ids,
                     {"type": "array", "minItems": 1, "items": token_ids},
-                ]
+                ],
             },
             "logprobs": _nullable(
                 {"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS}

@@ -8,6 +8,7 @@ silently ignored; unknown extra fields are ignored, as vLLM does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from kvserve.services.gateway.errors import APIError, bad_request, unsupported
 from kvserve.shared.model.tokenizer import ChatTemplateError, KVTokenizer
-from kvserve.shared.sampling_params import MAX_TOP, InvalidRequestError, SamplingParams
+from kvserve.shared.sampling_params import FAULTS, MAX_TOP, InvalidRequestError, SamplingParams
 
 MAX_N = 16
 MAX_SEED = 2**63 - 1
@@ -263,6 +264,21 @@ def _sampling(
         raise bad_request(str(e), e.param) from e
 
 
+def with_fault(plan: GenerationPlan, body: dict[str, Any], allowed: bool) -> GenerationPlan:
+    """The plan with the fault its body asks for (`kvserve_fault`, one of FAULTS), which only
+    a gateway started with --enable-fault-injection accepts (tests and chaos runs)."""
+    fault = body.get("kvserve_fault")
+    if fault is None:
+        return plan
+    if not allowed:
+        raise unsupported(
+            "kvserve_fault", "'kvserve_fault' needs a server started with --enable-fault-injection"
+        )
+    if fault not in FAULTS:
+        raise bad_request(f"'kvserve_fault' must be one of {list(FAULTS)}", "kvserve_fault")
+    return dataclasses.replace(plan, params=dataclasses.replace(plan.params, fault=fault))
+
+
 def parse_completion(body: dict[str, Any], info: ModelInfo) -> GenerationPlan:
     model = check_model(body, info)
     _common_unsupported(body)
@@ -310,7 +326,7 @@ def _completion_prompts(v: Any, info: ModelInfo) -> list[list[int]]:
     prompts = []
     for item in items:
         ids = (
-            tok.encode(item)
+            _text_prompt(item, tok)
             if isinstance(item, str)
             else _token_list(item, "prompt", info.vocab_size)
         )
@@ -318,6 +334,16 @@ def _completion_prompts(v: Any, info: ModelInfo) -> list[list[int]]:
             raise bad_request("'prompt' must not be empty", "prompt")
         prompts.append(ids)
     return prompts
+
+
+def _text_prompt(text: str, tok: KVTokenizer) -> list[int]:
+    """A prompt string's token ids. One of no tokens ("", a few control characters) is the
+    document-start token alone: as in OpenAI's legacy completions API, the model generates as
+    if from the beginning of a new document (a tokenizer without such a token gives [])."""
+    ids = tok.encode(text)
+    if ids or tok.document_start_id is None:
+        return ids
+    return [tok.document_start_id]
 
 
 def _all(items: list[Any], kind: type) -> bool:

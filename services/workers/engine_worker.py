@@ -19,6 +19,10 @@ Invariants:
   per-position seeds make it the same generation), numbering its events after them.
 - A request id runs at most once at a time on this worker (a redelivery of a request still
   running here is dropped).
+- Fencing: a take-over writes a fence event of its delivery's epoch before it reads what was
+  emitted, and every event carries the epoch, so readers drop a stale holder's later events;
+  a worker told that its delivery was taken over (`on_taken_over`) stops the request, freeing
+  its blocks, and its ack of that delivery does nothing.
 """
 
 from __future__ import annotations
@@ -37,8 +41,15 @@ from kvserve.services.workers.spans import request_span, set_cache_sources, set_
 from kvserve.services.workers.token_events import TakenOver, TokenEmitter, taken_over
 from kvserve.shared.bus.base import Delivery, WorkerPort, is_bus_error
 from kvserve.shared.engine.async_engine import AsyncEngine
+from kvserve.shared.engine.failure import RequestFailedError
 from kvserve.shared.engine.outputs import Emitted, RequestOutput
-from kvserve.shared.protocol import AdminRequest, ErrorInfo, GenerateRequest, WorkerInfo
+from kvserve.shared.protocol import (
+    AdminRequest,
+    ErrorInfo,
+    GenerateRequest,
+    WorkerInfo,
+    fence_event,
+)
 from kvserve.shared.sampling_params import InvalidRequestError
 from kvserve.shared.tasks import cancel_all, cancel_and_wait
 from kvserve.shared.telemetry import (
@@ -86,13 +97,20 @@ class EngineWorker:
         self._loops: list[asyncio.Task[None]] = []
         self._cancelling: set[asyncio.Task[None]] = set()  # cancel_and_wait of cancelled requests
         self._failures: dict[str, int] = {}  # bus failures per delivery, while it runs again
+        self.engine_failed = asyncio.Event()  # the engine thread died: the process should end
 
     @property
     def num_running(self) -> int:
         return len(self._running)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "worker_requests": len(self._running)}
+        stats = self.engine.stats()
+        return {
+            **stats,
+            "worker_requests": len(self._running),
+            # the engine's quarantines (failed steps) and the bus's (workers that died)
+            "num_requests_quarantined": stats["num_requests_quarantined"] + self.port.quarantined,
+        }
 
     def info(self) -> WorkerInfo:
         """This worker as a router sees it: its blocks' identity and the store it shares."""
@@ -111,6 +129,7 @@ class EngineWorker:
         )
 
     async def start(self) -> None:
+        self.port.on_taken_over = self._taken_over
         await self.port.start(self.stats, self.info())
         if self.kv_events is not None:
             self.kv_events.start()
@@ -168,6 +187,14 @@ class EngineWorker:
                     log.info("cancelling request", request_id=c.request_id, reason=c.reason)
                     self._cancel(running.task)
 
+    def _taken_over(self, d: Delivery) -> None:
+        """Another worker took the delivery over (this one was paused past the claim timeout):
+        stop running it here; its events since the take-over are stale, and it is not acked."""
+        running = self._running.get(d.request.request_id)
+        if running is not None and running.delivery.message_id == d.message_id:
+            log.warning("request taken over by another worker", request_id=d.request.request_id)
+            self._cancel(running.task)
+
     def _cancel(self, task: asyncio.Task[None]) -> None:
         """Cancel a request's task without waiting for it (the cancel loop reads on)."""
         stopping = asyncio.create_task(cancel_and_wait(task))
@@ -224,10 +251,12 @@ class EngineWorker:
         try:
             with request_span(tracer, "kvserve.worker.generate", req, self.model_name) as span:
                 taken = None
+                if d.redelivered:  # fence off the earlier holder before reading its events
+                    await self.port.emit(fence_event(req.request_id, d.epoch))
                 if d.redelivered or d.message_id in self._failures:
                     taken = taken_over(await self.port.emitted(req.request_id), req.n)
                     span.set_attribute("kvserve.resumed_tokens", taken.output_tokens)
-                emitted = await self._run(req, taken)
+                emitted = await self._run(req, taken, d.epoch)
                 span.set_attribute(GEN_AI_OUTPUT_TOKENS, emitted.output_tokens)
                 set_cached_tokens(span, emitted.cached_tokens)
                 set_cache_sources(span, emitted.cached_tokens_by_source, emitted.store_lookup)
@@ -254,10 +283,13 @@ class EngineWorker:
 
         asyncio.get_running_loop().call_later(pause, again)
 
-    async def _run(self, req: GenerateRequest, taken: TakenOver | None = None) -> TokenEmitter:
-        """Run the request to its end: its outputs, or its error, as events. A request taken
-        over (`taken`: what its earlier run emitted) goes on from the client's last token."""
-        out = TokenEmitter(self.port, req.request_id, len(req.prompt_token_ids), taken)
+    async def _run(
+        self, req: GenerateRequest, taken: TakenOver | None = None, epoch: int = 1
+    ) -> TokenEmitter:
+        """Run the request to its end: its outputs, or its error, as events of `epoch`. A
+        request taken over (`taken`: what its earlier run emitted) goes on from the client's
+        last token."""
+        out = TokenEmitter(self.port, req.request_id, len(req.prompt_token_ids), taken, epoch)
         if taken is not None and taken.ended:
             return out
         if not await self._admissible(req, out.error):
@@ -268,6 +300,9 @@ class EngineWorker:
             await self._emit_outputs(req, out, taken)
         except InvalidRequestError as e:
             await out.error(ErrorInfo(str(e), "invalid_request_error", e.param))
+        except RequestFailedError as e:  # failed alone, the engine goes on (it logged why)
+            log.warning("request failed in the engine", request_id=req.request_id, kind=e.kind)
+            await out.error(ErrorInfo(str(e), "server_error", None, e.kind))
         except asyncio.CancelledError:
             # Cancelled by a Cancel message or shutdown: the engine generator's cleanup has
             # aborted the request. Tell a reader that may still listen, then stop quietly.
@@ -304,10 +339,12 @@ class EngineWorker:
 
     async def _leave_if_engine_failed(self) -> None:
         """The engine thread is dead: leave the bus so /ready says so and no new request is
-        sent here."""
+        sent here, and set `engine_failed` (the process then exits non-zero, for its
+        supervisor to start a new one)."""
         if not self.engine.healthy and self._accepting:
             log.error("engine failed; the worker stops taking requests")
             self._accepting = False
+            self.engine_failed.set()
             await self.port.close()
 
     def _generate(

@@ -26,11 +26,17 @@ class TakenOver:
 
 
 def taken_over(events: list[TokenEvent], n: int) -> TakenOver:
-    """Fold the events emitted so far (duplicates and all) into what the client has: per
+    """Fold the events emitted so far (duplicates and all, in the order they were written)
+    into what the client has, as the gateway reads them (stale epochs dropped): per
     completion index its tokens, its text and whether it finished."""
     first: dict[int, TokenEvent] = {}
+    epoch = 0
     for ev in events:
-        first.setdefault(ev.seq, ev)
+        if ev.epoch < epoch:
+            continue
+        epoch = ev.epoch
+        if not ev.is_fence:
+            first.setdefault(ev.seq, ev)
     out = TakenOver()
     tokens: dict[int, list[int]] = {}
     texts: dict[int, str] = {}
@@ -75,10 +81,12 @@ class TokenEmitter:
         request_id: str,
         num_prompt_tokens: int,
         taken: TakenOver | None = None,
+        epoch: int = 1,
     ) -> None:
         """With `taken` (the request was taken over), numbering goes on after its events and
         the completions that finished there emit nothing more."""
         self.port = port
+        self.epoch = epoch
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.seq = taken.next_seq if taken is not None else 0
@@ -113,11 +121,12 @@ class TokenEmitter:
                     num_cached_tokens=self.cached_tokens,
                     cached_tokens_by_source=dict(self.cached_tokens_by_source),
                     store_lookup=self.store_lookup,
+                    epoch=self.epoch,
                 )
             )
             self.seq += 1
 
     async def error(self, info: ErrorInfo) -> None:
         """The request's terminal event."""
-        await self.port.emit(error_event(self.request_id, self.seq, info))
+        await self.port.emit(error_event(self.request_id, self.seq, info, self.epoch))
         self.seq += 1

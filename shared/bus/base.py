@@ -40,18 +40,22 @@ class Delivery:
     request: Work
     redelivered: bool = False
     stream: str = ""  # the Redis stream it came from ("" in process)
+    epoch: int = 1  # which delivery of the request this is (its events carry it)
 
 
 class EventStream(abc.ABC):
     """One request's token events for the gateway: duplicates (seq already seen) are dropped,
     events are released in seq order, iteration ends after the terminal event (an error, or
-    every completion index finished). `close()` releases what the bus holds for it."""
+    every completion index finished). Events arrive in the order they were written; one whose
+    epoch is below the highest seen so far (a take-over's fence raised it) is dropped.
+    `close()` releases what the bus holds for it."""
 
     def __init__(self, request: Work) -> None:
         self.request = request
         self._next_seq = 0
         self._held: dict[int, TokenEvent] = {}  # arrived ahead of a gap
         self._finished: set[int] = set()
+        self._epoch = 0  # the highest delivery epoch seen: older ones' events are stale
         self.done = False
 
     @abc.abstractmethod
@@ -68,6 +72,9 @@ class EventStream(abc.ABC):
         while not self.done:
             error: TokenEvent | None = None
             for event in await self._receive():
+                if event.epoch < self._epoch:
+                    continue  # from a holder that was taken over since
+                self._epoch = event.epoch
                 if event.error is not None:
                     error = error or event
                 elif event.seq >= self._next_seq:
@@ -100,6 +107,10 @@ class WorkerPort(abc.ABC):
     """A worker's end of the bus."""
 
     name: str
+    quarantined = 0  # requests failed instead of delivered again (their workers kept dying)
+    # Called with a delivery that another worker has taken over from this one (it was paused,
+    # not dead, past the claim timeout): the worker stops that request.
+    on_taken_over: Callable[[Delivery], None] | None = None
 
     @abc.abstractmethod
     async def start(

@@ -31,7 +31,9 @@ class RedisBusConfig:
     worker_ttl_s: float = 10.0  # a worker without a heartbeat for this long is not alive
     out_ttl_s: int = 600  # per-request event streams expire (a gateway that died never reads)
     cancel_ttl_s: int = 600
-    max_deliveries: int = 3  # a request delivered this often is failed, not retried again
+    # A request whose worker died with it this many times is failed (quarantined), not
+    # delivered again: one request costs the fleet at most this many workers.
+    max_deliveries: int = 2
     cancel_stream_maxlen: int = 10_000
     kv_events_maxlen: int = 100_000  # a router that falls further behind resynchronises
     # redis-py 8 gives up on a reply after 5 s; a host whose cores are saturated by the engines

@@ -61,6 +61,8 @@ class RedisWorkerPort(WorkerPort):
         self._info: WorkerInfo | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._last_claim = 0.0
+        self._scripts = _Scripts(redis)
+        self.quarantined = 0  # requests failed instead of delivered again (max_deliveries)
 
     async def start(
         self, stats_source: StatsSource | None = None, info: WorkerInfo | None = None
@@ -95,14 +97,24 @@ class RedisWorkerPort(WorkerPort):
             pipe.hset(self._keys.stats_key, self.name, stats)
         if self._info is not None:
             pipe.hset(self._keys.info_key, self.name, encode(self._info))
+        await pipe.execute()
+        await self._keep_held()
+
+    async def _keep_held(self) -> None:
+        """Reset the idle time of each delivery still ours; one that another worker claimed
+        meanwhile (we were paused past claim_idle_s) is dropped and `on_taken_over` told."""
         by_stream: dict[str, list[str]] = {}
         for d in self._held.values():
             by_stream.setdefault(d.stream, []).append(d.message_id)
         for key, ids in by_stream.items():
-            pipe.xclaim(
-                key, self._cfg.group, self.name, min_idle_time=0, message_ids=ids, justid=True
-            )
-        await pipe.execute()
+            lost = await self._scripts.keep(keys=[key], args=[self._cfg.group, self.name, *ids])
+            for mid in map(text, lost):
+                gone = self._held.pop(mid, None)
+                if gone is not None:
+                    rid = gone.request.request_id
+                    log.warning("request %s was taken over by another worker", rid)
+                    if self.on_taken_over is not None:
+                        self.on_taken_over(gone)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -204,37 +216,53 @@ class RedisWorkerPort(WorkerPort):
         for entry_id, fields in reply[1]:
             if fields is None:  # deleted while pending
                 continue
-            if await self._delivered_too_often(key, entry_id):
+            epoch = await self._times_delivered(key, entry_id)
+            if epoch > self._cfg.max_deliveries:
+                await self._quarantine(key, entry_id, epoch)
                 continue
-            d = await self._delivery(key, entry_id, fields, redelivered=True)
+            d = await self._delivery(key, entry_id, fields, redelivered=True, epoch=epoch)
             if d is not None:
                 out.append(d)
         return out
 
-    async def _delivered_too_often(self, key: str, entry_id: bytes) -> bool:
+    async def _times_delivered(self, key: str, entry_id: bytes) -> int:
+        """How many times the entry was delivered, this claim included: its epoch."""
         info = await self._r.xpending_range(
             key, self._cfg.group, min=entry_id, max=entry_id, count=1
         )
-        if not info or info[0]["times_delivered"] <= self._cfg.max_deliveries:
-            return False
+        return int(info[0]["times_delivered"]) if info else 1
+
+    async def _quarantine(self, key: str, entry_id: bytes, epoch: int) -> None:
+        """The request's workers died with it max_deliveries times: fail it to its client
+        (an error event of this epoch) instead of running it again."""
         d = await self._delivery(key, entry_id, (await self._fields(key, entry_id)) or {}, True)
-        if d is not None:
-            err = ErrorInfo(
-                f"request failed on {self._cfg.max_deliveries} workers; not retried again",
-                "server_error",
-            )
-            await self.emit(error_event(d.request.request_id, 0, err))
-            await self.ack(d)
-        else:
+        self.quarantined += 1
+        if d is None:
             await self._ack_id(key, entry_id)
-        return True
+            return
+        rid = d.request.request_id
+        log.error("quarantining request %s: its workers died %d times", rid, epoch - 1)
+        err = ErrorInfo(
+            f"request quarantined: the workers that ran it died {epoch - 1} times; it is not "
+            "run again",
+            "server_error",
+            None,
+            "quarantined",
+        )
+        await self.emit(error_event(rid, 0, err, epoch))
+        await self.ack(d)
 
     async def _fields(self, key: str, entry_id: bytes) -> dict[bytes, bytes] | None:
         rows = await self._r.xrange(key, min=entry_id, max=entry_id)
         return dict(rows[0][1]) if rows else None
 
     async def _delivery(
-        self, key: str, entry_id: bytes | str, fields: dict[bytes, bytes], redelivered: bool
+        self,
+        key: str,
+        entry_id: bytes | str,
+        fields: dict[bytes, bytes],
+        redelivered: bool,
+        epoch: int = 1,
     ) -> Delivery | None:
         mid = text(entry_id)
         try:
@@ -245,7 +273,7 @@ class RedisWorkerPort(WorkerPort):
             log.warning("dropping malformed request %s: %s", mid, e)
             await self._ack_id(key, mid)
             return None
-        d = Delivery(mid, msg, redelivered, key)
+        d = Delivery(mid, msg, redelivered, key, epoch)
         self._held[mid] = d
         return d
 
@@ -296,10 +324,8 @@ class RedisWorkerPort(WorkerPort):
         await self._ack_id(delivery.stream or self._keys.request_key, delivery.message_id)
 
     async def _ack_id(self, key: str, message_id: bytes | str) -> None:
-        pipe = self._r.pipeline(transaction=False)
-        pipe.xack(key, self._cfg.group, message_id)
-        pipe.xdel(key, message_id)
-        await pipe.execute()
+        """Ack and delete the entry, unless another worker holds it now (took it over)."""
+        await self._scripts.ack(keys=[key], args=[self._cfg.group, self.name, message_id])
 
     async def close(self) -> None:
         """Score ourselves dead (not deregistered): what is left on our own stream goes to a
@@ -308,3 +334,39 @@ class RedisWorkerPort(WorkerPort):
             await cancel_and_wait(self._heartbeat_task)
         with contextlib.suppress(Exception):
             await self._r.zadd(self._keys.workers_key, {self.name: 0})
+
+
+# Both run as one step in Redis, so a take-over cannot slip between the ownership check and
+# the claim or the ack.
+_KEEP_IF_OURS = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if type(p) == 'table' and p.err == nil then
+    if p[1] ~= nil and p[1][2] == ARGV[2] then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    else
+      table.insert(lost, ARGV[i])
+    end
+  end
+end
+return lost
+"""
+_ACK_IF_OURS = """
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if type(p) == 'table' and p.err == nil and p[1] ~= nil and p[1][2] ~= ARGV[2] then
+  return 0
+end
+redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+class _Scripts:
+    """The port's Lua scripts: `keep` (claim again each delivery still ours, return the ids
+    that are not) and `ack` (ack and delete an entry unless another consumer holds it)."""
+
+    def __init__(self, redis: Any) -> None:
+        self.keep = redis.register_script(_KEEP_IF_OURS)
+        self.ack = redis.register_script(_ACK_IF_OURS)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 _CONTROL_TOKEN_TYPE = 3
 _USER_DEFINED_TOKEN_TYPE = 4
+ENDOFTEXT = "<|endoftext|>"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ChatTemplateError(ValueError):
@@ -41,6 +44,7 @@ class KVTokenizer:
         self.info = info
         self.eos_token_ids = info.eos_token_ids
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.document_start_id = _document_start_id(tok, info)
         self.fingerprint = hashlib.sha256(tok.to_str().encode()).hexdigest()
         self._template = None
         if info.chat_template:
@@ -116,7 +120,9 @@ class KVTokenizer:
         return cls(tok, info)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """The text's token ids (no special token added). A lone surrogate (JSON's "\\ud800",
+        which UTF-8 cannot encode) is read as U+FFFD, as a UTF-8 decoder reads a bad byte."""
+        return list(self._tok.encode(_well_formed(text), add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -146,6 +152,25 @@ class KVTokenizer:
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         return self.encode(self.apply_chat_template(messages))
+
+
+def _document_start_id(tok: Tokenizer, info: TokenizerInfo) -> int | None:
+    """The token a new document starts after: `<|endoftext|>` where the vocabulary has it (the
+    separator of the documents GPT-2-style models such as SmolLM2 and Qwen2 were trained on, and
+    what OpenAI's completions API takes an empty prompt to be), else BOS, else the first EOS;
+    None for a tokenizer with none of them."""
+    for token in (ENDOFTEXT, info.bos_token):
+        token_id = None if token is None else tok.token_to_id(token)
+        if token_id is not None:
+            return int(token_id)
+    return info.eos_token_ids[0] if info.eos_token_ids else None
+
+
+def _well_formed(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD (a pair of surrogates joined)."""
+    if not _SURROGATE.search(text):
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _raise_template_error(message: str) -> None:

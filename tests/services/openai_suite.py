@@ -12,6 +12,7 @@ Greedy outputs are compared with `services_engine`, the engine in the test proce
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -216,6 +217,34 @@ class OpenAIApiSuite:
         ]
         assert [c.index for c in r.choices] == [0, 1]
         assert [c.text for c in r.choices] == single
+
+    def test_a_prompt_of_no_tokens_starts_a_new_document(
+        self, http: Http, services_engine: Any, tokenizer: KVTokenizer
+    ) -> None:
+        """As in OpenAI's legacy completions API: "" and control characters that tokenize to
+        nothing run as the document-start token alone (one prompt token each), a lone surrogate
+        as U+FFFD; streamed usage counts the same."""
+        start = tokenizer.document_start_id
+        assert start is not None and tokenizer.encode("\x04\x06") == []
+        kw = {"model": MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        from_start, from_fffd = services_engine.generate(
+            [[start], tokenizer.encode("\ufffd")], params
+        )
+        r = http.post("/v1/completions", json={**kw, "prompt": ["", "\x04\x06", "\ud800"]})
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        expected = [tokenizer.decode(t) for t in (from_start[0], from_start[0], from_fffd[0])]
+        assert [c["text"] for c in reply["choices"]] == expected and expected[0]
+        assert reply["usage"]["prompt_tokens"] == 3
+        assert reply["usage"]["completion_tokens"] == 12
+        raw = http.post(
+            "/v1/completions",
+            json={**kw, "prompt": "", "stream": True, "stream_options": {"include_usage": True}},
+        )
+        events = [json.loads(ln[6:]) for ln in raw.text.split("\n") if ln[6:].startswith("{")]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected[0]
+        assert events[-1]["usage"]["prompt_tokens"] == 1
 
     # ---- prefix caching ----------------------------------------------------------------------
 

@@ -10,13 +10,11 @@ The default run is short (few examples per operation, under a minute on two core
 one is marked slow; both are derandomized, so each run sends the same cases. A random run of
 many more examples is marked `fuzz` (`bash ops/test.sh -m fuzz`), outside both suites.
 
-Two constraints the document cannot state are kept by a hook on the generated cases, each
-changing a case only into another of the same validity: completions are kept to
-MAX_NEW_TOKENS tokens (the document rightly allows up to the context window), and a prompt
-string that the model's tokenizer turns into no tokens at all (a few control characters, here)
-gets a letter appended (the server answers such a prompt 400 "'prompt' must not be empty", as
-vLLM does; test_gateway_unit checks that answer). Afterwards the server must still answer an
-ordinary request and have nothing left running."""
+A hook on the generated cases keeps completions to MAX_NEW_TOKENS tokens (the document rightly
+allows up to the context window), changing a case only into another of the same validity.
+Prompt strings are sent as generated: one that tokenizes to nothing ("", a few control
+characters) runs as the document-start token, as in OpenAI's legacy completions API.
+Afterwards the server must still answer an ordinary request and have nothing left running."""
 
 from __future__ import annotations
 
@@ -70,34 +68,15 @@ def is_whole(v: object) -> bool:
     return type(v) is int or (type(v) is float and v.is_integer())
 
 
-def tokenizes_to_nothing(http: Http, text: str) -> bool:
-    """A string the document allows (not empty) that the tokenizer turns into no token."""
-    if not text:  # below the document's minLength: left invalid
-        return False
-    reply = http.post("/tokenize", json={"prompt": text})
-    return reply.status_code == 200 and reply.json()["count"] == 0
-
-
-def generated_prompts(http: Http, body: dict[str, Any]) -> None:
-    """A completions prompt string (alone or in a list) that tokenizes to nothing gets a
-    letter: still a string, so a valid case stays valid and an invalid one invalid."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) and tokenizes_to_nothing(http, prompt):
-        body["prompt"] = prompt + "a"
-    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        body["prompt"] = [p + "a" if tokenizes_to_nothing(http, p) else p for p in prompt]
-
-
-def small_generations(http: Http, max_model_len: int) -> Callable[[HookContext, Case], Case]:
-    """A `map_case` hook: a generation request asks for at most MAX_NEW_TOKENS tokens, and its
-    prompt strings tokenize to something. Only values the document allows are lowered, and a
-    missing limit is added, so a valid case stays valid and an invalid one invalid."""
+def small_generations(max_model_len: int) -> Callable[[HookContext, Case], Case]:
+    """A `map_case` hook: a generation request asks for at most MAX_NEW_TOKENS tokens. Only
+    values the document allows are lowered, and a missing limit is added, so a valid case
+    stays valid and an invalid one invalid."""
 
     def hook(context: HookContext, case: Case) -> Case:
         if case.operation.path not in GENERATION or not isinstance(case.body, dict):
             return case
         body: dict[str, Any] = case.body
-        generated_prompts(http, body)
         names = ["max_tokens"] + (["max_completion_tokens"] if case.operation.path == CHAT else [])
         for name in names:
             if is_whole(body.get(name)) and MAX_NEW_TOKENS < body[name] < max_model_len:
@@ -119,7 +98,7 @@ def load_schema(server: ServerProcess, http: Http, generation: dict[str, Any]) -
     )
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json", config=config)
     max_model_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
-    schema.hook("map_case")(small_generations(http, max_model_len))
+    schema.hook("map_case")(small_generations(max_model_len))
     return schema
 
 

@@ -246,7 +246,7 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"messages": []}),
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_completion_tokens": 2,
                               "max_tokens": "many"}),
-    ("/v1/completions", {"prompt": ""}),
+    ("/v1/completions", {"prompt": []}),
     ("/v1/completions", {"prompt": ["a", [1]]}),
     ("/v1/completions", {"prompt": "a", "n": 1.5}),
     ("/v1/cache/warmup", {"prefixes": [{"messages": [{}]}]}),
@@ -264,16 +264,18 @@ async def test_requests_outside_the_document_are_refused(
     assert set(reply["error"]) == {"message", "type", "param", "code"}
 
 
-@pytest.mark.parametrize("prompt", ["\x04\x06", ["a", "\x13\x1d"]])
-async def test_a_prompt_that_tokenizes_to_nothing_is_a_clear_400(
-    harness: Harness, tokenizer: KVTokenizer, prompt: str | list[str]
-) -> None:
-    """Valid by the document (any string), but no token to compute: refused, naming the field."""
+def test_a_prompt_of_no_tokens_is_the_document_start_token(tokenizer: KVTokenizer) -> None:
+    """Valid by the document (any string): as in OpenAI's legacy completions API, a prompt
+    string of no tokens runs from the start of a new document (SmolLM2's <|endoftext|>, id 0);
+    a lone surrogate is U+FFFD. An empty token id list stays refused."""
+    info = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size)
     assert tokenizer.encode("\x04\x06") == [] and tokenizer.encode("\x13\x1d") == []
-    status, reply, text = await harness.post("/v1/completions", {"prompt": prompt})
-    assert status == 400, text
-    assert reply["error"]["param"] == "prompt"
-    assert reply["error"]["message"] == "'prompt' must not be empty"
+    assert tokenizer.document_start_id == 0
+    prompts = ["", "\x04\x06", ["a", "\x13\x1d"], "\ud800"]
+    expected = [[[0]], [[0]], [tokenizer.encode("a"), [0]], [tokenizer.encode("\ufffd")]]
+    assert [parse_completion({"prompt": p}, info).prompts for p in prompts] == expected
+    with pytest.raises(APIError, match="'prompt' must not be empty"):
+        parse_completion({"prompt": [[]]}, info)
 
 
 async def test_whole_floats_are_integers_and_tokenize_answers_token_strs(

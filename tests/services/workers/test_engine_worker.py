@@ -136,3 +136,55 @@ async def test_a_request_during_which_the_bus_failed_runs_again(  # type: ignore
     assert failures == {"is_cancelled": 0, "emit": 0}
     assert [e.seq for e in events] == list(range(len(events))) and events[-1].finish_reason
     assert len([t for e in events for t in e.token_ids]) == 4 and port.acks == ["a"]
+
+
+async def test_a_request_that_raises_fails_alone(  # type: ignore[no-untyped-def]
+    setup, engine, chat_prompt_ids, monkeypatch
+) -> None:
+    """An exception in one request's own processing (its stop-string check, patched to raise
+    for it alone) ends that request with a server_error event naming it; the request running
+    beside it in the same steps gets its whole answer, and the worker serves the next one."""
+    from kvserve.shared.engine.output_processor import OutputProcessor
+
+    bus, worker = setup
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = engine.generate([chat_prompt_ids[2]], sp)[0][0]
+    original = OutputProcessor._stop_reason
+
+    def stop_reason(self: Any, seq: Any, comp: Any, token: int) -> Any:
+        if seq.request_id == "bad" and seq.num_output_tokens == 3:
+            raise RuntimeError("a bug in this request's stop check")
+        return original(self, seq, comp, token)
+
+    monkeypatch.setattr(OutputProcessor, "_stop_reason", stop_reason)
+    bad, good = await asyncio.gather(
+        collect(await bus.submit(GenerateRequest("bad", chat_prompt_ids[1], sp))),
+        collect(await bus.submit(GenerateRequest("good", chat_prompt_ids[2], sp))),
+    )
+    err = bad[-1].error
+    assert err is not None and err.type == "server_error" and err.code == "internal_error"
+    assert "bad" in err.message and "RuntimeError" in err.message
+    assert [t for e in good for t in e.token_ids] == expected
+    assert worker.engine.healthy and not worker.engine_failed.is_set()
+    again = await collect(await bus.submit(GenerateRequest("again", chat_prompt_ids[2], sp)))
+    assert [t for e in again for t in e.token_ids] == expected
+    pool = worker.engine.engine.kv.pool
+    await until(lambda: worker.num_running == 0 and pool.num_used == 0)
+    assert worker.stats()["num_requests_failed"] == 1
+
+
+async def test_a_delivery_taken_over_stops_and_frees_blocks(setup, chat_prompt_ids) -> None:  # type: ignore[no-untyped-def]
+    """The port says another worker took the delivery over (as the Redis port's heartbeat
+    finds, tests/shared/bus/test_fencing.py): the request stops here and its blocks free."""
+    bus, worker = setup
+    long = SamplingParams(max_tokens=500, ignore_eos=True)
+    stream = await bus.submit(GenerateRequest("t", chat_prompt_ids[1], long))
+    it = aiter(stream)
+    assert (await anext(it)).token_ids
+    running = worker._running["t"]
+    assert worker.port.on_taken_over is not None
+    worker.port.on_taken_over(running.delivery)
+    pool = worker.engine.engine.kv.pool
+    await until(lambda: worker.num_running == 0 and pool.num_used == 0)
+    assert running.task.done()
+    await stream.close()

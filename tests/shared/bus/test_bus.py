@@ -213,7 +213,8 @@ async def test_poison_request_fails_after_max_deliveries() -> None:
         await b.start()
         assert await b.receive(timeout=0.05) == []  # delivery 2 > max: failed, not run
         (err,) = [ev async for ev in stream]
-        assert err.error is not None and "not retried" in err.error.message
+        assert err.error is not None and err.error.code == "quarantined"
+        assert b.quarantined == 1
         assert (await bus.redis.xpending(bus.keys.request_key, "prefill"))["pending"] == 0
         await b.close()
     finally:
