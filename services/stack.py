@@ -1,5 +1,7 @@
-"""`kvserve stack`: a kvserve topology on this machine, for development, as subprocesses on one
-Redis (the bus, and the prefix store unless `--worker-store local`):
+"""`kvserve stack`: a kvserve topology on this machine, for development, as subprocesses on
+Redis: the bus on `--redis` and the prefix store (unless `--worker-store local`) on
+`--store-redis`, the same server by default (compose.yaml runs two, a bus that Redis never evicts
+and a store that it does; `--store-redis` lays the stack out the same way):
 
 - aggregated (`--workers N`, N >= 1): a gateway and N `kvserve worker` processes (prefill and
   decode in one engine, named `worker-0` ... `worker-{N-1}`); the gateway routes each request
@@ -13,31 +15,47 @@ Every worker gets `--store-format` and the next metrics port from `--metrics-por
 workers share the machine's cores: each gets `--threads-per-worker` torch threads (default: the
 cores divided among them, at least one), so that they do not oversubscribe the cores. With
 `--simulate PROFILE` the workers are simulated (DESIGN.md section 2.2), all of them in one
-`kvserve sim-fleet` process, named as the real ones would be. Ctrl-C / SIGTERM stops them all
-(SIGTERM, then SIGKILL after a grace)."""
+`kvserve sim-fleet` process, named as the real ones would be.
+
+The stack supervises its processes as compose's `restart: unless-stopped` does
+(services/supervisor.py): a worker (or the sim-fleet process) that exits is started again with
+the same command line, so under the same name and metrics port, after a back-off of 1 s
+doubling to 30 s (reset once it has run for a minute), with one line on stderr per restart; the
+requests it held are taken over by the fleet (another worker, or the restarted one, claims them
+and continues each token-exactly). Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after
+`--grace`), exit status 0; so does the gateway exiting, exit status 1."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 
 from kvserve.services.cli_support import CliError
 from kvserve.services.engine_options import check_sim_arguments
 from kvserve.services.gateway.router import POLICIES
+from kvserve.services.supervisor import Supervisor
 from kvserve.shared.config import SIM_PAYLOADS, STORE_FORMATS, default_model_path
 
 DEFAULT_PREFILL = 2
 DEFAULT_DECODE = 1
-WorkerRole = tuple[str, str | None]  # (subcommand, --name; None: the worker's own default)
+REDIS_STORE_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
+WorkerRole = tuple[str, str]  # (subcommand, --name)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stack", help="run a gateway and its workers locally on Redis")
-    p.add_argument("--redis", required=True, help="redis://HOST:PORT/DB: bus and prefix store")
+    p.add_argument(
+        "--redis", required=True, help="redis://HOST:PORT/DB: the bus (and the prefix store)"
+    )
+    p.add_argument(
+        "--store-redis",
+        default=None,
+        metavar="URL",
+        help="the prefix store's Redis (redis://, redis+cluster://); default: --redis",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -79,13 +97,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def worker_roles(args: argparse.Namespace) -> list[WorkerRole]:
-    """Each worker process's subcommand and --name, in start order."""
+    """Each worker process's subcommand and --name, in start order; a name is kept across
+    restarts. Named as sim-fleet names simulated workers: `worker-{i}`, `worker-prefill-{i}`,
+    `worker-decode-{i}`."""
     if args.workers >= 1:
         return [("worker", f"worker-{i}") for i in range(args.workers)]
     prefill = DEFAULT_PREFILL if args.prefill is None else args.prefill
     decode = DEFAULT_DECODE if args.decode is None else args.decode
     counts = (("prefill", prefill), ("decode", decode))
-    return [(role, None) for role, n in counts for _ in range(n)]
+    return [(role, f"worker-{role}-{i}") for role, n in counts for i in range(n)]
+
+
+def process_names(args: argparse.Namespace) -> list[str]:
+    """The name of each of `commands`' processes, in its order (the supervisor's log lines)."""
+    workers = ["sim-fleet"] if args.simulate is not None else [n for _, n in worker_roles(args)]
+    return ["gateway", *workers]
 
 
 def worker_threads(args: argparse.Namespace) -> int:
@@ -94,8 +120,13 @@ def worker_threads(args: argparse.Namespace) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, len(worker_roles(args))))
 
 
+def shared_store(args: argparse.Namespace) -> str:
+    """The Redis URL of the shared prefix store: `--store-redis`, else the bus's."""
+    return args.store_redis or args.redis
+
+
 def worker_store(args: argparse.Namespace) -> str:
-    return args.redis if args.worker_store == "shared" else "memory://"
+    return shared_store(args) if args.worker_store == "shared" else "memory://"
 
 
 def commands(args: argparse.Namespace) -> list[list[str]]:
@@ -118,7 +149,7 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
         command = [*base, role, "--bus", args.redis, "--store", worker_store(args),
                    "--store-format", args.store_format, "--model", args.model,
                    "--metrics-port", metrics, "--threads", threads]  # fmt: skip
-        out.append(command if name is None else [*command, "--name", name])
+        out.append([*command, "--name", name])
     return out
 
 
@@ -147,13 +178,16 @@ def banner(args: argparse.Namespace) -> str:
         topology = "disaggregated"
         workers = f"{roles.count('prefill')} prefill, {roles.count('decode')} decode worker(s)"
     sim = f" simulated on profile {args.simulate}" if args.simulate is not None else ""
+    store = f", store {args.store_redis}" if args.store_redis is not None else ""
     return (
         f"kvserve stack ({topology}): gateway on http://{args.host}:{args.port}/v1 "
-        f"({args.routing} routing), {workers}{sim}, bus {args.redis}; Ctrl-C stops"
+        f"({args.routing} routing), {workers}{sim}, bus {args.redis}{store}; Ctrl-C stops"
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    """Start the processes and keep the workers running until Ctrl-C / SIGTERM (0) or the
+    gateway's exit (1); then stop them all."""
     _check(args)
     stopping = False
 
@@ -163,25 +197,33 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    procs = [subprocess.Popen(cmd) for cmd in commands(args)]
+    names, cmds = process_names(args), commands(args)
+    workers = list(zip(names[1:], cmds[1:], strict=True))
+    supervisor = Supervisor((names[0], cmds[0]), workers, log=_log)
     print(banner(args), flush=True)
-    status = 0
     try:
         while not stopping:
-            if any(p.poll() is not None for p in procs):
-                print("kvserve stack: a process exited; stopping the others", file=sys.stderr)
-                status = 1
-                break
+            if supervisor.step() is not None:
+                return 0 if stopping else 1  # the gateway exits on Ctrl-C too
             time.sleep(0.5)  # polling the children and the stop flag the signals set
+        return 0
     finally:
-        _stop_all(procs, args.grace)
-    return status
+        supervisor.stop(args.grace)
+
+
+def _log(line: str) -> None:
+    print(f"kvserve stack: {line}", file=sys.stderr, flush=True)
 
 
 def _check(args: argparse.Namespace) -> None:
     _check_topology(args)
     if not args.redis.startswith(("redis://", "rediss://")):
         raise CliError(f"--redis must be a redis:// URL, got {args.redis!r}")
+    if args.store_redis is not None:
+        if not args.store_redis.startswith(REDIS_STORE_SCHEMES):
+            raise CliError(f"--store-redis must be a redis:// URL, got {args.store_redis!r}")
+        if args.worker_store == "local":
+            raise CliError("--store-redis is the shared store; --worker-store local has none")
     if args.request_timeout <= 0:
         raise CliError("--request-timeout must be > 0")
     if args.grace < 0:
@@ -203,18 +245,3 @@ def _check_topology(args: argparse.Namespace) -> None:
         raise CliError("--prefill and --decode must be >= 1")
     if args.worker_store == "local":
         raise CliError("--worker-store local needs --workers: prefill and decode meet in the store")
-
-
-def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGTERM to every process still running, SIGKILL to those still running `grace`
-    seconds later."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()

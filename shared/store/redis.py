@@ -3,7 +3,8 @@
 Keys: ``{namespace}:blk:{hex}`` (namespace ``kvserve:v1`` by default) hold the encoded block;
 ``{namespace}:pinned`` is a set of the hex hashes that are pinned. Unpinned blocks are written
 with ``EX ttl``; pinned blocks carry no TTL (``pin`` PERSISTs them, ``unpin`` restores the TTL).
-Redis owns memory eviction (run it with ``maxmemory`` + ``allkeys-lru``); this client never evicts.
+Redis owns memory eviction (run it with ``maxmemory`` + ``allkeys-lru``, on a server apart from
+the bus's, which must never evict: docs/deployment.md); this client never evicts.
 
 Failure policy: redis_shards.py (RedisShards), per shard: the one server here, each master in
 RedisClusterStore.

@@ -1,5 +1,6 @@
-"""compose.yaml, .env, ops/Dockerfile and ops/otel-collector.yaml: Redis (bus + store), the
-gateway, the collector and Jaeger in every profile, and the workers of one of two topologies by
+"""compose.yaml, .env, ops/Dockerfile and ops/otel-collector.yaml: two Redis servers (the bus,
+never evicted, and the prefix store, an LRU cache), the gateway, the collector and Jaeger in every
+profile, and the workers of one of two topologies by
 compose profile: `aggregated` (`worker` replicas behind the routing gateway; the default, set in
 .env) or `disagg` (`prefill` and `decode`, DESIGN.md section 2)."""
 
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 APP_SERVICES = ("gateway", "worker", "prefill", "decode")
 WORKERS = ("worker", "prefill", "decode")
 PROFILES = {"worker": ["aggregated"], "prefill": ["disagg"], "decode": ["disagg"]}
-REDIS_URL = "redis://redis:6379/0"
+BUS_URL = "redis://bus:6379/0"
+STORE_URL = "redis://store:6379/0"
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -42,9 +44,9 @@ def _flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-def test_seven_services(services: dict[str, dict[str, Any]]) -> None:
+def test_eight_services(services: dict[str, dict[str, Any]]) -> None:
     assert set(services) == {
-        "redis", "gateway", "worker", "prefill", "decode", "otel-collector", "jaeger"
+        "bus", "store", "gateway", "worker", "prefill", "decode", "otel-collector", "jaeger"
     }  # fmt: skip
 
 
@@ -65,13 +67,24 @@ def test_replicas(services: dict[str, dict[str, Any]]) -> None:
     assert services["decode"]["deploy"]["replicas"] == 1
 
 
-def test_redis_is_an_lru_cache(services: dict[str, dict[str, Any]]) -> None:
-    redis = services["redis"]
+@pytest.mark.parametrize(
+    ("name", "maxmemory", "policy"),
+    [
+        # The bus: never evicted; at its bound Redis refuses writes.
+        ("bus", "${KVSERVE_BUS_MAXMEMORY:-1gb}", "noeviction"),
+        # The store: recomputable blocks, the least recently used evicted at the bound.
+        ("store", "${KVSERVE_STORE_MAXMEMORY:-2gb}", "allkeys-lru"),
+    ],
+)
+def test_redis_bus_never_evicts_the_store_is_an_lru_cache(
+    services: dict[str, dict[str, Any]], name: str, maxmemory: str, policy: str
+) -> None:
+    redis = services[name]
     assert redis["image"].split(":")[0] == "redis"
     command = [str(c) for c in redis["command"]]
     assert command[0] == "redis-server"
-    assert "2gb" in _flag(command, "--maxmemory")  # ${KVSERVE_REDIS_MAXMEMORY:-2gb}
-    assert _flag(command, "--maxmemory-policy") == "allkeys-lru"
+    assert _flag(command, "--maxmemory") == maxmemory
+    assert _flag(command, "--maxmemory-policy") == policy
     assert _flag(command, "--save") == ""
     assert _flag(command, "--appendonly") == "no"
     assert "redis-cli" in redis["healthcheck"]["test"] and "ping" in redis["healthcheck"]["test"]
@@ -99,14 +112,14 @@ def test_kernels_are_built_once_per_host(services: dict[str, dict[str, Any]]) ->
 def test_commands(services: dict[str, dict[str, Any]]) -> None:
     gateway = [str(c) for c in services["gateway"]["command"]]
     assert gateway[0] == "gateway"
-    assert _flag(gateway, "--bus") == REDIS_URL
+    assert _flag(gateway, "--bus") == BUS_URL and "--store" not in gateway
     assert (_flag(gateway, "--host"), _flag(gateway, "--port")) == ("0.0.0.0", "8000")
     assert _flag(gateway, "--routing") == "cache-aware"
     for name in WORKERS:
         command = [str(c) for c in services[name]["command"]]
         assert command[0] == name
-        assert _flag(command, "--bus") == REDIS_URL
-        assert _flag(command, "--store") == REDIS_URL
+        assert _flag(command, "--bus") == BUS_URL
+        assert _flag(command, "--store") == STORE_URL
         assert _flag(command, "--metrics-port") == "9100"
         # kvserve binds 127.0.0.1 by default; the collector scrapes over the compose network.
         assert _flag(command, "--metrics-host") == "0.0.0.0"
@@ -139,13 +152,14 @@ def test_only_the_gateway_is_published_beyond_the_host(
 def test_gateway_published_and_checked(services: dict[str, dict[str, Any]]) -> None:
     gateway = services["gateway"]
     assert "8000:8000" in [str(p) for p in gateway["ports"]]
-    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert gateway["depends_on"]["bus"]["condition"] == "service_healthy"
     assert any("/health" in str(part) for part in gateway["healthcheck"]["test"])
 
 
 def test_workers_wait_for_redis(services: dict[str, dict[str, Any]]) -> None:
     for name in WORKERS:
-        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+        for redis in ("bus", "store"):
+            assert services[name]["depends_on"][redis]["condition"] == "service_healthy"
 
 
 def test_tracing_env(services: dict[str, dict[str, Any]]) -> None:

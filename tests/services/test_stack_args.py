@@ -62,6 +62,9 @@ def test_workers_share_the_cores() -> None:
         (["stack", "--redis", "redis://h:1/0", "--workers", "-1"], "--workers"),
         (["stack", "--redis", "redis://h:1/0", "--prefill", "0"], "--prefill"),
         (["stack", "--redis", "redis://h:1/0", "--worker-store", "local"], "--worker-store"),
+        (["stack", "--redis", "redis://h:1/0", "--store-redis", "memory://"], "--store-redis"),
+        (["stack", "--redis", "redis://h:1/0", "--workers", "2", "--worker-store", "local",
+          "--store-redis", "redis://h:2/0"], "--store-redis"),
         (["serve", "--threads", "0"], "--threads"),
         (["serve", "--weights", "file", "--dtype", "bfloat16"], "weights 'file'"),
         (["prefill", "--bus", "redis://h:1/0", "--store", "redis://h:1/0", "--threads", "0"],
@@ -90,6 +93,23 @@ def test_aggregated_workers_on_the_shared_store(monkeypatch: pytest.MonkeyPatch)
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "topology", [[], ["--workers", "2"], ["--workers", "2", "--simulate", "gpu"]]
+)
+def test_the_store_on_a_redis_of_its_own(topology: list[str]) -> None:
+    """--store-redis: every worker's --store (the simulated fleet's too), the bus stays on --redis
+    and the gateway, which needs no store, gets the bus alone."""
+    store = "redis://127.0.0.1:6380/0"
+    gateway, *workers = _commands(*topology, "--store-redis", store)
+    assert gateway[gateway.index("--bus") + 1] == REDIS and store not in gateway
+    assert workers and all(w[w.index("--bus") + 1] == REDIS for w in workers)
+    assert all(w[w.index("--store") + 1] == store for w in workers)
+    argv = ["stack", "--redis", REDIS, *topology, "--store-redis", store]
+    assert stack.banner(build_parser(argv).parse_args(argv)).endswith(
+        f"bus {REDIS}, store {store}; Ctrl-C stops"
+    )
+
+
 def test_aggregated_workers_on_local_stores() -> None:
     _, *workers = _commands("--workers", "2", "--worker-store", "local", "--metrics-port", "0")
     assert len(workers) == 2
@@ -104,7 +124,10 @@ def test_aggregated_workers_on_local_stores() -> None:
 def test_disaggregated_by_default() -> None:
     _, *workers = _commands()
     assert [w[4] for w in workers] == ["prefill", "prefill", "decode"]
-    assert all("--name" not in w for w in workers)  # each keeps its role-host-pid name
+    names = ["worker-prefill-0", "worker-prefill-1", "worker-decode-0"]
+    assert [w[-2:] for w in workers] == [["--name", n] for n in names]  # kept on a restart
+    args = build_parser(["stack", "--redis", REDIS]).parse_args(["stack", "--redis", REDIS])
+    assert stack.process_names(args) == ["gateway", *names]
     assert [w[w.index("--metrics-port") + 1] for w in workers] == ["9100", "9101", "9102"]
     assert all(w[w.index("--store") + 1] == REDIS for w in workers)
     _, *workers = _commands("--prefill", "1", "--decode", "2")
@@ -175,6 +198,8 @@ def test_simulated_workers_are_one_sim_fleet_named_as_real_ones() -> None:
     assert args[args.index("--workers") + 1] == "3"
     assert args[args.index("--time-scale") + 1] == "4.0"
     assert args[args.index("--name-prefix") + 1] == "worker"
+    argv = ["stack", "--redis", REDIS, "--workers", "3", "--simulate", "gpu"]
+    assert stack.process_names(build_parser(argv).parse_args(argv)) == ["gateway", "sim-fleet"]
     _, fleet = _commands("--prefill", "2", "--decode", "1", "--simulate", "gpu")
     args = _args(fleet, "sim-fleet")
     assert args[args.index("--prefill") + 1] == "2" and args[args.index("--decode") + 1] == "1"

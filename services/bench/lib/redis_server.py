@@ -51,7 +51,7 @@ async def redis_answers(url: str) -> bool:
 class RedisServer:
     """A redis-server subprocess on a fixed port: no persistence, its own working directory
     (made by `start` and removed by `stop` unless given). With `maxmemory` it is a bounded cache as
-    compose.yaml's: at that size it evicts the least recently used keys (allkeys-lru).
+    compose.yaml's store: at that size it evicts the least recently used keys (allkeys-lru).
 
     `kill` is SIGKILL (a crash); `restart` starts it again on the same port and directory, so a
     cluster node comes back with its `nodes.conf` (and, without persistence, no data). Its log
