@@ -132,30 +132,27 @@ def make_worker(
     from kvserve.shared.bus.redis_layout import RedisBusConfig
 
     stream = "decode" if role == "decode" else "prefill"
-    cfg = RedisBusConfig(
-        request_stream=stream,
-        group=stream,
-        claim_idle_s=args.claim_idle,
-        max_deliveries=getattr(args, "quarantine_after", RedisBusConfig.max_deliveries),
-    )
+    cfg = RedisBusConfig(request_stream=stream, group=stream, claim_idle_s=args.claim_idle)
+    # a taken-over request that killed this many workers is failed (workers/probation.py)
+    quarantine = {"quarantine_after": getattr(args, "quarantine_after", 2)}
     bus = RedisBus(args.bus, cfg, redis)
     worker: Any
     if role == "worker":
         from kvserve.services.workers.engine_worker import EngineWorker
 
-        worker = EngineWorker(bus.worker(name), engine, kv_events=True)
+        worker = EngineWorker(bus.worker(name), engine, kv_events=True, **quarantine)
     elif role == "prefill":
         from kvserve.services.workers.prefill import PrefillWorker
 
         decode_cfg = dataclasses.replace(cfg, request_stream="decode", group="decode")
         out = RedisBus(args.bus, decode_cfg, bus.redis)
-        worker = PrefillWorker(bus.worker(name), engine, out.submit, kv_events=True)
+        worker = PrefillWorker(bus.worker(name), engine, out.submit, kv_events=True, **quarantine)
     else:
         from kvserve.services.workers.decode import DecodeWorker
 
         # Its KV events let a gateway send it the requests whose prefill it computes itself
         # (--pd-threshold) by the blocks it holds.
-        worker = DecodeWorker(bus.worker(name), engine, kv_events=True)
+        worker = DecodeWorker(bus.worker(name), engine, kv_events=True, **quarantine)
     worker.model_name = os.path.basename(args.model).split(".")[0]
     return worker, bus
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from kvserve.services.workers.admin_jobs import run_admin_job
 from kvserve.services.workers.kv_events import KVEventPublisher
+from kvserve.services.workers.probation import Probation
 from kvserve.services.workers.spans import request_span, set_cache_sources, set_cached_tokens
 from kvserve.services.workers.token_events import TakenOver, TokenEmitter, taken_over
 from kvserve.shared.bus.base import Delivery, WorkerPort, is_bus_error
@@ -81,7 +82,10 @@ class EngineWorker:
         max_receive: int = 64,
         poll_s: float = 1.0,
         kv_events: bool = False,
+        quarantine_after: int = 2,
     ) -> None:
+        """`quarantine_after`: a taken-over request whose runs killed this many workers is
+        failed, not run again (services/workers/probation.py)."""
         self.port = port
         self.engine = engine
         self.max_receive = max_receive
@@ -98,6 +102,8 @@ class EngineWorker:
         self._cancelling: set[asyncio.Task[None]] = set()  # cancel_and_wait of cancelled requests
         self._failures: dict[str, int] = {}  # bus failures per delivery, while it runs again
         self.engine_failed = asyncio.Event()  # the engine thread died: the process should end
+        self.probation = Probation(port, quarantine_after, self._start, self._quarantine)
+        self.quarantined = 0  # taken-over requests failed for the workers they killed
 
     @property
     def num_running(self) -> int:
@@ -109,7 +115,9 @@ class EngineWorker:
             **stats,
             "worker_requests": len(self._running),
             # the engine's quarantines (failed steps) and the bus's (workers that died)
-            "num_requests_quarantined": stats["num_requests_quarantined"] + self.port.quarantined,
+            "num_requests_quarantined": stats["num_requests_quarantined"]
+            + self.port.quarantined
+            + self.quarantined,
         }
 
     def info(self) -> WorkerInfo:
@@ -149,6 +157,7 @@ class EngineWorker:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=drain_timeout)
             await cancel_all(pending)
+        await self.probation.stop()
         await cancel_all(self._loops[1:])
         await asyncio.gather(*self._cancelling)  # their requests have ended by now
         if self.kv_events is not None:
@@ -206,6 +215,14 @@ class EngineWorker:
         if rid in self._running:
             log.warning("dropping a redelivery of a running request", request_id=rid)
             return
+        taken_over = d.redelivered and d.message_id not in self._failures
+        if taken_over and isinstance(d.request, GenerateRequest):
+            self.probation.submit(d)  # its worker died: run it on probation
+        else:
+            self._start(d)
+
+    def _start(self, d: Delivery) -> asyncio.Task[None]:
+        rid = d.request.request_id
         work = self._admin(d) if isinstance(d.request, AdminRequest) else self._serve(d)
         task = asyncio.create_task(work, name=f"request-{rid}")
         self._running[rid] = _Running(d, task)
@@ -214,6 +231,34 @@ class EngineWorker:
             self._running.pop(rid, None)
 
         task.add_done_callback(forget)
+        return task
+
+    async def _quarantine(self, d: Delivery, deaths: int) -> None:
+        """Fail a taken-over request whose runs killed `deaths` workers, to its client (an
+        error event of this delivery's epoch, after its fence), and ack it."""
+        req = d.request
+        assert isinstance(req, GenerateRequest)
+        log.error("quarantining a request that killed its workers", request_id=req.request_id,
+                  deaths=deaths)  # fmt: skip
+        self.quarantined += 1
+        info = ErrorInfo(
+            f"request {req.request_id} quarantined: {deaths} workers died running it; it is "
+            "not run again",
+            "server_error",
+            None,
+            "quarantined",
+        )
+        try:
+            await self.port.emit(fence_event(req.request_id, d.epoch))
+            out = TokenEmitter(self.port, req.request_id, len(req.prompt_token_ids), None, d.epoch)
+            await out.error(info)
+        except Exception as e:
+            if not is_bus_error(e):
+                raise
+            log.warning("bus failed quarantining a request; trying again", error=str(e))
+            asyncio.get_running_loop().call_later(self.poll_s, self.probation.submit, d)
+            return
+        await self._ack(d)
 
     async def _ack(self, d: Delivery) -> None:
         """The delivery is done with (finished, failed or cancelled); a bus error here leaves
@@ -333,6 +378,7 @@ class EngineWorker:
                     if decode is None:
                         prefill.end()
                         decode = tracer.start_span("kvserve.decode")
+                        self.probation.first_output(req.request_id)
                     await out.deltas(output)
         finally:
             (prefill if decode is None else decode).end()

@@ -144,6 +144,18 @@ class WorkerPort(abc.ABC):
         never changes worker."""
         return []
 
+    async def strikes(self, request_id: str) -> int:
+        """The request's strikes: workers that died while running it on probation, this
+        call's finding included (a probation held by another incarnation that is gone counts
+        one). 0 in process, where a request never changes worker."""
+        return 0
+
+    async def begin_probation(self, request_id: str) -> None:  # noqa: B027
+        """Record that this worker runs the taken-over request on probation."""
+
+    async def end_probation(self, request_id: str) -> None:  # noqa: B027
+        """Its probation passed (its first output) or ended."""
+
     async def publish_kv_events(self, events: list[KVEvent]) -> None:  # noqa: B027
         """Tell routers which blocks entered or left this worker's tiers (no-op in process)."""
 

@@ -6,7 +6,9 @@ worker's own `{p}:to:{name}` (routed), each read through the consumer group `gro
 events on `{p}:out:{id}` (expiring); cancels on the broadcast stream `{p}:cancel`, plus a
 short-lived `{p}:cancelled:{id}` for requests not yet picked up; the sorted set `{p}:workers`
 (score: last heartbeat), the hashes `{p}:worker_info` and `{p}:worker_stats`; KV events on the
-bounded stream `{p}:kv_events`; a router's snapshot request in `{p}:resync:{name}`.
+bounded stream `{p}:kv_events`; a router's snapshot request in `{p}:resync:{name}`; a
+taken-over request's probation holder and strikes in `{p}:probation:{id}` and `{p}:strikes:{id}`
+(expiring).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class RedisBusConfig:
     worker_ttl_s: float = 10.0  # a worker without a heartbeat for this long is not alive
     out_ttl_s: int = 600  # per-request event streams expire (a gateway that died never reads)
     cancel_ttl_s: int = 600
-    # A request whose worker died with it this many times is failed (quarantined), not
-    # delivered again: one request costs the fleet at most this many workers.
-    max_deliveries: int = 2
+    # A backstop: a request delivered this many times is failed (quarantined) whatever happened
+    # to it. Workers quarantine a request that killed its workers much sooner (strikes, on the
+    # worker's --quarantine-after); this bounds what no strike catches.
+    max_deliveries: int = 8
     cancel_stream_maxlen: int = 10_000
     kv_events_maxlen: int = 100_000  # a router that falls further behind resynchronises
     # redis-py 8 gives up on a reply after 5 s; a host whose cores are saturated by the engines
@@ -66,6 +69,15 @@ class RedisKeys:
 
     def cancelled_key(self, request_id: str) -> str:
         return f"{self.prefix}:cancelled:{request_id}"
+
+    def probation_key(self, request_id: str) -> str:
+        """Which worker incarnation runs the taken-over request on probation (its first
+        step, alone), while it does."""
+        return f"{self.prefix}:probation:{request_id}"
+
+    def strikes_key(self, request_id: str) -> str:
+        """How many workers died while running the request on probation."""
+        return f"{self.prefix}:strikes:{request_id}"
 
     def resync_key(self, worker: str) -> str:
         return f"{self.prefix}:resync:{worker}"

@@ -6,8 +6,9 @@ workers refresh the idle time of what they hold on every heartbeat, so only a de
 messages go stale). A live worker also adopts the own stream of a worker whose heartbeat
 stopped: it claims what that worker held, takes what it never read, and removes its
 registration once the stream is empty. A group that disappeared (Redis restarted empty) is
-created again on the next read. A request delivered more than `max_deliveries` times is failed
-with an error event instead of being run again. Registration, stats and info are refreshed on
+created again on the next read. A request delivered more than `max_deliveries` times (a
+backstop; workers quarantine by strikes, services/workers/engine_worker.py) is failed with an
+error event instead of being run again. Registration, stats and info are refreshed on
 every heartbeat (so a Redis that restarts empty learns them again).
 """
 
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any
 
 import msgpack
@@ -62,6 +64,7 @@ class RedisWorkerPort(WorkerPort):
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._last_claim = 0.0
         self._scripts = _Scripts(redis)
+        self._token = f"{name}:{uuid.uuid4().hex}"  # this incarnation (probation holder)
         self.quarantined = 0  # requests failed instead of delivered again (max_deliveries)
 
     async def start(
@@ -311,6 +314,18 @@ class RedisWorkerPort(WorkerPort):
             )
         await pipe.execute()
 
+    async def strikes(self, request_id: str) -> int:
+        keys = [self._keys.probation_key(request_id), self._keys.strikes_key(request_id)]
+        ttl = self._cfg.out_ttl_s
+        return int(await self._scripts.strike(keys=keys, args=[self._token, ttl]))
+
+    async def begin_probation(self, request_id: str) -> None:
+        key = self._keys.probation_key(request_id)
+        await self._r.set(key, self._token, ex=self._cfg.out_ttl_s)
+
+    async def end_probation(self, request_id: str) -> None:
+        await self._r.delete(self._keys.probation_key(request_id))
+
     async def resync_requested(self) -> bool:
         return bool(await self._r.getdel(self._keys.resync_key(self.name)))
 
@@ -363,10 +378,25 @@ return 1
 """
 
 
+# A probation held by another incarnation (one that died, or was paused past the claim timeout,
+# while running the request on probation) becomes a strike; returns the strikes.
+_STRIKE = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then
+  redis.call('INCR', KEYS[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('DEL', KEYS[1])
+end
+return tonumber(redis.call('GET', KEYS[2]) or '0')
+"""
+
+
 class _Scripts:
     """The port's Lua scripts: `keep` (claim again each delivery still ours, return the ids
-    that are not) and `ack` (ack and delete an entry unless another consumer holds it)."""
+    that are not), `ack` (ack and delete an entry unless another consumer holds it) and
+    `strike` (a dead holder's probation becomes a strike)."""
 
     def __init__(self, redis: Any) -> None:
         self.keep = redis.register_script(_KEEP_IF_OURS)
         self.ack = redis.register_script(_ACK_IF_OURS)
+        self.strike = redis.register_script(_STRIKE)
