@@ -188,3 +188,23 @@ async def test_a_delivery_taken_over_stops_and_frees_blocks(setup, chat_prompt_i
     await until(lambda: worker.num_running == 0 and pool.num_used == 0)
     assert running.task.done()
     await stream.close()
+
+
+async def test_a_dead_engine_ends_the_worker(make_engine, chat_prompt_ids) -> None:  # type: ignore[no-untyped-def]
+    """Failed steps past the engine's bound kill its thread: the request gets an error, the
+    worker leaves the bus and sets `engine_failed` (its process then exits non-zero)."""
+    from kvserve.shared.config import FaultConfig
+
+    faults = FaultConfig(injection=True, max_step_failures=1)
+    bus = InProcessBus()
+    worker = EngineWorker(bus.worker("w"), AsyncEngine(make_engine(faults=faults)), poll_s=0.05)
+    await worker.start()
+    try:
+        sp = SamplingParams(max_tokens=4, fault="raise-step")
+        (ev,) = await collect(await bus.submit(GenerateRequest("x", chat_prompt_ids[0], sp)))
+        assert ev.error is not None and ev.error.type == "server_error"
+        await asyncio.wait_for(worker.engine_failed.wait(), 10)
+        assert not worker.engine.healthy and not await bus.ready()
+    finally:
+        await worker.stop(drain_timeout=0)
+        worker.engine.stop()
