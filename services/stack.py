@@ -39,6 +39,8 @@ from kvserve.services.gateway.router import POLICIES
 from kvserve.services.supervisor import Supervisor
 from kvserve.shared.config import SIM_PAYLOADS, STORE_FORMATS, default_model_path
 
+CLAIM_IDLE_S = 30.0  # the workers' --claim-idle default
+QUARANTINE_AFTER = 2  # the workers' --quarantine-after default
 DEFAULT_PREFILL = 2
 DEFAULT_DECODE = 1
 REDIS_STORE_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
@@ -85,6 +87,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="torch threads of each worker (default: cores // workers, at least 1)",
+    )
+    p.add_argument(
+        "--claim-idle",
+        type=float,
+        default=CLAIM_IDLE_S,
+        help="the workers': seconds before a dead worker's request is taken over",
+    )
+    p.add_argument(
+        "--quarantine-after",
+        type=int,
+        default=QUARANTINE_AFTER,
+        metavar="K",
+        help="the workers': fail a request that killed K workers",
+    )
+    p.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="gateway and workers accept `kvserve_fault` (tests, chaos runs)",
     )
     g = p.add_argument_group("simulation")
     g.add_argument("--simulate", metavar="PROFILE", default=None,
@@ -142,13 +162,20 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
     ]  # fmt: skip
     if args.pd_threshold:
         out[0] += ["--pd-threshold", str(args.pd_threshold)]
+    faults = ["--enable-fault-injection"] if args.enable_fault_injection else []
+    out[0] += faults
+    # the workers' own defaults unless asked otherwise
+    takeover = [] if args.claim_idle == CLAIM_IDLE_S else ["--claim-idle", str(args.claim_idle)]
+    if args.quarantine_after != QUARANTINE_AFTER:
+        takeover += ["--quarantine-after", str(args.quarantine_after)]
     if args.simulate is not None:
         return [*out, sim_fleet_command(args, base)]
     for i, (role, name) in enumerate(worker_roles(args)):
         metrics = str(args.metrics_port + i) if args.metrics_port else "0"
         command = [*base, role, "--bus", args.redis, "--store", worker_store(args),
                    "--store-format", args.store_format, "--model", args.model,
-                   "--metrics-port", metrics, "--threads", threads]  # fmt: skip
+                   "--metrics-port", metrics, "--threads", threads, *takeover,
+                   *faults]  # fmt: skip
         out.append([*command, "--name", name])
     return out
 
@@ -224,8 +251,10 @@ def _check(args: argparse.Namespace) -> None:
             raise CliError(f"--store-redis must be a redis:// URL, got {args.store_redis!r}")
         if args.worker_store == "local":
             raise CliError("--store-redis is the shared store; --worker-store local has none")
-    if args.request_timeout <= 0:
-        raise CliError("--request-timeout must be > 0")
+    if args.request_timeout <= 0 or args.claim_idle <= 0:
+        raise CliError("--request-timeout and --claim-idle must be > 0")
+    if args.quarantine_after < 1:
+        raise CliError("--quarantine-after must be >= 1")
     if args.grace < 0:
         raise CliError("--grace must be >= 0")
     if args.threads_per_worker is not None and args.threads_per_worker < 1:

@@ -203,3 +203,15 @@ def test_simulated_workers_are_one_sim_fleet_named_as_real_ones() -> None:
     _, fleet = _commands("--prefill", "2", "--decode", "1", "--simulate", "gpu")
     args = _args(fleet, "sim-fleet")
     assert args[args.index("--prefill") + 1] == "2" and args[args.index("--decode") + 1] == "1"
+
+
+def test_take_over_and_fault_flags_reach_the_workers() -> None:
+    gateway, *workers = _commands(
+        "--workers", "1", "--claim-idle", "3", "--quarantine-after", "3",
+        "--enable-fault-injection",
+    )  # fmt: skip
+    assert "--enable-fault-injection" in gateway
+    args = _args(workers[0], "worker")
+    assert args[args.index("--claim-idle") + 1] == "3.0"
+    assert args[args.index("--quarantine-after") + 1] == "3"
+    assert "--enable-fault-injection" in args
