@@ -4,7 +4,10 @@ fleet's own: a worker's description (WorkerInfo) and its KV events (KVEvent).
 Each message is a small frozen dataclass; `encode` turns it into a msgpack map (never pickle)
 tagged with its kind and the protocol version, `decode` turns bytes back into the dataclass and
 raises ProtocolError for anything malformed (wrong version, unknown kind, missing or mistyped
-field), so a bad message is rejected at the boundary rather than deep in a worker.
+field, a value out of its range), so a bad message is rejected at the boundary rather than
+deep in a worker. `decode` raises nothing else, whatever the bytes: a ProtocolError's `reason`
+says why ("not_msgpack", "version" or "invalid"), as bus readers count what they drop
+(shared/bus/drops.py).
 
 A generate request's SamplingParams travel as a map of their own (`encode_sampling` /
 `decode_sampling`): every field of SAMPLING_FIELDS, by name, plus the map's version
@@ -40,7 +43,16 @@ SAMPLING_VERSION = 1
 
 
 class ProtocolError(ValueError):
-    """Bytes that are not a valid message of this protocol version."""
+    """Bytes that are not a valid message of this protocol version. `reason`: "not_msgpack"
+    (not msgpack at all, or cut short), "version" (another protocol or sampling-map version,
+    or none) or "invalid" (anything else: not a map, an unknown kind, a missing, unknown or
+    mistyped field, a value out of its range)."""
+
+    REASONS: ClassVar[tuple[str, ...]] = ("not_msgpack", "version", "invalid")
+
+    def __init__(self, message: str, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -306,7 +318,9 @@ def decode_sampling(body: Any) -> SamplingParams:
         raise ProtocolError("sampling must be a map")
     body = dict(body)
     if body.pop("v", None) != SAMPLING_VERSION:
-        raise ProtocolError(f"unsupported sampling version (expected {SAMPLING_VERSION})")
+        raise ProtocolError(
+            f"unsupported sampling version (expected {SAMPLING_VERSION})", "version"
+        )
     _check_sampling_fields(body)
     kw: dict[str, Any] = {k: float(v) if k in _FLOAT_FIELDS else v for k, v in body.items()}
     kw["stop"] = tuple(body["stop"])
@@ -322,7 +336,7 @@ def _check_sampling_fields(body: dict[str, Any]) -> None:
     unknown = set(body) - set(SAMPLING_FIELDS)
     if missing or unknown:
         raise ProtocolError(
-            f"sampling fields: missing {sorted(missing)}, unknown {sorted(unknown)}"
+            f"sampling fields: missing {sorted(missing)}, unknown {sorted(unknown, key=repr)}"
         )
     for name, value in body.items():
         _check_type(f"sampling field {name!r}", value, SAMPLING_FIELDS[name])
@@ -352,14 +366,29 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
+    """The message `encode` wrote; ProtocolError (and nothing else) for any other bytes."""
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"not a msgpack message: {e}") from e
+        raise ProtocolError(f"not a msgpack message: {e}", "not_msgpack") from e
     if not isinstance(body, dict):
         raise ProtocolError("a message is a msgpack map")
     if body.pop("v", None) != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version (expected {PROTOCOL_VERSION})")
+        raise ProtocolError(
+            f"unsupported protocol version (expected {PROTOCOL_VERSION})", "version"
+        )
+    try:
+        return _message(body)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        # The checks above are meant to leave nothing for the constructors to trip on; a
+        # message that still gets this far is refused like any other malformed one.
+        raise ProtocolError(f"bad message: {e}") from e
+
+
+def _message(body: dict[Any, Any]) -> Message:
+    """The message of a map of this protocol version (its "v" taken out)."""
     kind = body.pop("kind", None)
     cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
@@ -379,7 +408,7 @@ def _check_fields(kind: str, body: dict[str, Any]) -> None:
     types = _FIELD_TYPES[kind]
     unknown = set(body) - set(types)
     if unknown:
-        raise ProtocolError(f"{kind} message has unknown fields {sorted(unknown)}")
+        raise ProtocolError(f"{kind} message has unknown fields {sorted(unknown, key=repr)}")
     for name, value in body.items():
         _check_type(f"{kind} message field {name!r}", value, types[name])
     for name in ("prompt_token_ids", "token_ids"):
@@ -389,8 +418,10 @@ def _check_fields(kind: str, body: dict[str, Any]) -> None:
         _check_by_source(kind, body.get("cached_tokens_by_source") or {})
     if kind == "admin":
         _check_admin(body)
-    elif kind == "worker_info" and body.get("role") not in WorkerInfo.ROLES:
-        raise ProtocolError(f"worker_info role must be one of {WorkerInfo.ROLES}")
+    elif kind == "token":
+        _check_token(body)
+    elif kind == "worker_info":
+        _check_worker_info(body)
     elif kind == "kv":
         _check_kv(body)
 
@@ -398,6 +429,40 @@ def _check_fields(kind: str, body: dict[str, Any]) -> None:
 def _check_by_source(kind: str, by_source: dict[Any, Any]) -> None:
     if not all(isinstance(k, str) for k in by_source) or not _all_ints(list(by_source.values())):
         raise ProtocolError(f"{kind} message cached_tokens_by_source must map str to int")
+
+
+def _check_token(body: dict[str, Any]) -> None:
+    """What a gateway reads inside a token event: an index that can be a completion's, numbers
+    for logprobs, [token id, logprob] pairs for the alternatives, string keys for `info`."""
+    if body.get("index", 0) < 0:
+        raise ProtocolError("token event index must be >= 0")
+    if not all(_is_number(v) for v in body.get("logprobs", [])):
+        raise ProtocolError("token event logprobs must hold numbers")
+    for top in body.get("top_logprobs", []):
+        if not isinstance(top, list) or not all(map(_is_pair, top)):
+            raise ProtocolError("token event top_logprobs must hold [token id, logprob] pairs")
+    if not all(isinstance(k, str) for k in body.get("info") or {}):
+        raise ProtocolError("token event info must have string keys")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_pair(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and _all_ints(value[:1])
+        and _is_number(value[1])
+    )
+
+
+def _check_worker_info(body: dict[str, Any]) -> None:
+    if body.get("role") not in WorkerInfo.ROLES:
+        raise ProtocolError(f"worker_info role must be one of {WorkerInfo.ROLES}")
+    if body.get("block_size", 1) < 1:  # a router divides by it
+        raise ProtocolError("worker_info block_size must be >= 1")
 
 
 def _check_kv(body: dict[str, Any]) -> None:

@@ -276,7 +276,12 @@ ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("prefix_cache_hits", "prefix_cache_hits", "counter", "Prompt tokens found cached."),
     ("evicted_blocks", "prefix_cache_evictions", "counter", "Cached blocks evicted."),
     ("num_preemptions", "num_preemptions", "counter", "Sequences preempted."),
-)
+    ("num_requests_failed", "requests_failed", "counter",
+     "Requests the engine failed alone (an exception in their own processing)."),
+    ("num_requests_quarantined", "requests_quarantined", "counter",
+     "Requests failed instead of run again: in too many failed steps, or killed workers."),
+    ("num_step_failures", "step_failures", "counter", "Engine steps that failed as a whole."),
+)  # fmt: skip
 
 
 class EngineStatsCollector(Collector):
@@ -287,11 +292,16 @@ class EngineStatsCollector(Collector):
     the backend's counters as `kvserve:store_backend_<name>`; the lookups by outcome as the
     counter `kvserve:store_lookups_total{outcome}`); `store_latency` (the store
     connector's LatencyStats snapshot) as the histograms `kvserve:store_get_seconds` /
-    `kvserve:store_put_seconds` and the counter `kvserve:store_errors_total{op}`."""
+    `kvserve:store_put_seconds` and the counter `kvserve:store_errors_total{op}`; `bus_dropped`
+    ({stream kind: {reason: count}}: the bus entries the worker refused) as the counter
+    `kvserve:bus_dropped_messages_total{stream, reason}`, beside the owner's own drops
+    (`own_bus_dropped`, set like `snapshot`: a gateway's, with an empty `worker` label). A
+    snapshot is a worker's report (untrusted): a value of the wrong shape is left out."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.snapshot: Mapping[str, Mapping[str, Any]] = {}
+        self.own_bus_dropped: Mapping[str, Mapping[str, int]] = {}
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "worker"]
@@ -320,7 +330,7 @@ class EngineStatsCollector(Collector):
         yield self._store_lookups(labels)
         store: dict[str, GaugeMetricFamily] = {}
         for worker, stats in self.snapshot.items():
-            numbers = {k: v for k, v in (stats.get("store") or {}).items() if k != "lookups"}
+            numbers = {k: v for k, v in _mapping(stats.get("store")).items() if k != "lookups"}
             for key, value in _flat_numbers(numbers):
                 if key not in store:
                     store[key] = GaugeMetricFamily(
@@ -330,6 +340,23 @@ class EngineStatsCollector(Collector):
                 fam.add_metric([self.model_name, worker], value)
         yield from store.values()
         yield from self._store_latency(labels)
+        yield self._bus_dropped(labels)
+
+    def _bus_dropped(self, labels: list[str]) -> Metric:
+        """`kvserve:bus_dropped_messages_total{stream, reason}`: bus entries refused unread."""
+        fam = CounterMetricFamily(
+            PREFIX + "bus_dropped_messages",
+            "Bus messages dropped unread (oversized, missing_field, not_msgpack, version, "
+            "invalid), by stream kind.",
+            labels=[*labels, "stream", "reason"],
+        )
+        sources: list[tuple[str, Any]] = [("", self.own_bus_dropped)]
+        sources += [(w, stats.get("bus_dropped")) for w, stats in self.snapshot.items()]
+        for worker, dropped in sources:
+            for stream, reasons in _mapping(dropped).items():
+                for reason, n in _numbers(reasons):
+                    fam.add_metric([self.model_name, worker, str(stream), reason], n)
+        return fam
 
     def _store_lookups(self, labels: list[str]) -> Metric:
         """`kvserve:store_lookups_total{outcome}`: every store lookup by how it ended."""
@@ -340,7 +367,7 @@ class EngineStatsCollector(Collector):
             labels=[*labels, "outcome"],
         )
         for worker, stats in self.snapshot.items():
-            for outcome, n in _numbers((stats.get("store") or {}).get("lookups") or {}):
+            for outcome, n in _numbers(_mapping(stats.get("store")).get("lookups")):
                 fam.add_metric([self.model_name, worker, outcome], n)
         return fam
 
@@ -359,32 +386,50 @@ class EngineStatsCollector(Collector):
             labels=[*labels, "op"],
         )
         for worker, stats in self.snapshot.items():
-            lat = stats.get("store_latency") or {}
+            lat = _mapping(stats.get("store_latency"))
             bounds = lat.get("bounds") or []
             for op, fam in hists.items():
-                e = lat.get(op)
-                if not isinstance(e, Mapping) or len(e.get("counts", [])) != len(bounds) + 1:
+                e = _mapping(lat.get(op))
+                counts: Any = e.get("counts")
+                if not _all_numbers(bounds, counts) or len(counts) != len(bounds) + 1:
                     continue
                 cum, buckets = 0.0, []
-                for le, c in zip([*map(str, bounds), "+Inf"], e["counts"], strict=True):
+                for le, c in zip([*map(str, bounds), "+Inf"], counts, strict=True):
                     cum += c
                     buckets.append((le, cum))
-                fam.add_metric([self.model_name, worker], buckets, float(e.get("sum", 0.0)))
-                errors.add_metric([self.model_name, worker, op], float(e.get("errors", 0)))
+                fam.add_metric([self.model_name, worker], buckets, _number(e.get("sum")))
+                errors.add_metric([self.model_name, worker, op], _number(e.get("errors")))
         yield from hists.values()
         yield errors
 
 
-def _numbers(d: Mapping[str, Any]) -> Iterable[tuple[str, float]]:
-    for k, v in d.items():
-        if isinstance(v, int | float) and not isinstance(v, bool):
+def _mapping(value: Any) -> Mapping[Any, Any]:
+    """`value` when it is a mapping, else an empty one (a report is untrusted)."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> float:
+    return float(value) if _is_number(value) else 0.0
+
+
+def _all_numbers(*lists: Any) -> bool:
+    return all(isinstance(v, list) and all(map(_is_number, v)) for v in lists)
+
+
+def _numbers(d: Any) -> Iterable[tuple[str, float]]:
+    for k, v in _mapping(d).items():
+        if _is_number(v):
             yield str(k), float(v)
 
 
 def _flat_numbers(d: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, float]]:
     """Numbers of a nested stats dict as metric-name-safe keys: the store connector's counters
     as they are, its backend's under `backend_` (for example `backend_get_errors`)."""
-    for k, v in d.items():
+    for k, v in _mapping(d).items():
         key = _METRIC_UNSAFE.sub("_", prefix + ("backend" if k == "store" else str(k)))
         if isinstance(v, Mapping):
             yield from _flat_numbers(v, key + "_")

@@ -5,6 +5,7 @@ POST /v1/cache/flush (drop the workers' unreferenced device blocks and host tier
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from typing import Any
 
@@ -38,7 +39,7 @@ class CacheAdmin:
         ctx = self.ctx
         workers = await ctx.bus.stats()
         totals: dict[str, float] = {
-            k: sum(int(s.get(k, 0)) for s in workers.values()) for k in STAT_TOTALS
+            k: sum(_count(s.get(k)) for s in workers.values()) for k in STAT_TOTALS
         }
         q = totals["prefix_cache_queries"]
         totals["prefix_cache_hit_rate"] = totals["prefix_cache_hits"] / q if q else 0.0
@@ -49,6 +50,7 @@ class CacheAdmin:
                     "in_flight": ctx.admission.in_flight,
                     "max_in_flight": ctx.admission.max_in_flight,
                     "draining": ctx.admission.draining,
+                    "bus_dropped": ctx.bus.dropped(),
                 },
                 "totals": totals,
                 "workers": workers,
@@ -128,3 +130,8 @@ class CacheAdmin:
         except TimeoutError:
             raise APIError(504, "the flush timed out", "timeout", None, "timeout") from None
         return info
+
+
+def _count(value: object) -> int:
+    """A count from a worker's report (untrusted): 0 for anything but a number."""
+    return int(value) if isinstance(value, int | float) and math.isfinite(value) else 0

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvserve.services.gateway.errors import APIError
 from kvserve.services.gateway.schema import GenerationPlan
-from kvserve.shared.bus.base import Bus, EventStream
+from kvserve.shared.bus.base import Bus, BusFullError, EventStream
 from kvserve.shared.protocol import GenerateRequest, TokenEvent
 from kvserve.shared.tasks import cancel_all
 from kvserve.shared.telemetry import current_traceparent, get_logger
@@ -79,7 +79,13 @@ class BusGeneration:
             )
             self.decisions.append(decision)
             worker = decision.worker if decision is not None else None
-            self.streams.append(await self.bus.submit(req, worker))
+            try:
+                self.streams.append(await self.bus.submit(req, worker))
+            except BusFullError as e:
+                raise APIError(
+                    503, "The event bus is full; retry shortly.", "server_error", None,
+                    "bus_full", headers={"Retry-After": "1"},
+                ) from e  # fmt: skip
 
     @property
     def all_done(self) -> bool:

@@ -1,6 +1,6 @@
 """The operations routes: GET /health (liveness), /ready (readiness: a worker is up and the
 gateway is not draining), /metrics (Prometheus, with the workers' engine stats fetched at
-scrape time) and /version."""
+scrape time, and the bus messages the gateway dropped) and /version."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class HealthRoutes:
         metrics = self.ctx.metrics
         with contextlib.suppress(Exception):  # a bus hiccup must not fail the scrape
             metrics.engine.snapshot = await self.ctx.bus.stats()
+        metrics.engine.own_bus_dropped = self.ctx.bus.dropped()
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -90,7 +90,12 @@ CACHE_STATS = _object(
     {
         "object": {"const": "cache.stats"},
         "gateway": _object(
-            {"in_flight": _INT, "max_in_flight": _INT, "draining": {"type": "boolean"}}
+            {
+                "in_flight": _INT,
+                "max_in_flight": _INT,
+                "draining": {"type": "boolean"},
+                "bus_dropped": {"type": "object"},
+            }
         ),
         "totals": {"type": "object"},
         "workers": {"type": "object"},

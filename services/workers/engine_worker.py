@@ -114,6 +114,7 @@ class EngineWorker:
         return {
             **stats,
             "worker_requests": len(self._running),
+            "bus_dropped": self.port.dropped(),  # bus entries refused unread
             # the engine's quarantines (failed steps) and the bus's (workers that died)
             "num_requests_quarantined": stats["num_requests_quarantined"]
             + self.port.quarantined

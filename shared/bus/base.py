@@ -163,6 +163,11 @@ class WorkerPort(abc.ABC):
         """Has a router asked for a snapshot of this worker's blocks since the last call?"""
         return False
 
+    def dropped(self) -> dict[str, dict[str, int]]:
+        """The bus entries this port's readers refused, {stream kind: {reason: count}}
+        (shared/bus/drops.py); none in process, where nothing is decoded."""
+        return {}
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Deregister. Unacked deliveries stay pending (Redis) for another worker."""
@@ -170,6 +175,10 @@ class WorkerPort(abc.ABC):
 
 class BusUnavailableError(ConnectionError):
     """The bus itself (Redis) cannot be reached."""
+
+
+class BusFullError(BusUnavailableError):
+    """The bus refuses writes: its Redis is at its memory bound (`noeviction`)."""
 
 
 def is_bus_error(error: BaseException) -> bool:
@@ -217,6 +226,11 @@ class Bus(abc.ABC):
 
     async def request_resync(self, worker: str) -> None:  # noqa: B027
         """Ask `worker` to publish a snapshot of its blocks (a router missed some events)."""
+
+    def dropped(self) -> dict[str, dict[str, int]]:
+        """The bus entries the gateway's readers refused, {stream kind: {reason: count}}
+        (shared/bus/drops.py); none in process, where nothing is decoded."""
+        return {}
 
     @abc.abstractmethod
     def worker(self, name: str | None = None) -> WorkerPort: ...

@@ -4,30 +4,42 @@ redis_port.RedisWorkerPort).
 Requests go on the shared stream or on a worker's own (routed); token events on a per-request
 stream that a gateway reads for all its requests in one blocking XREAD (woken through its
 `{prefix}:wake:{id}` when it submits one); cancels on the broadcast stream that every worker
-reads. The gateway owns a request's event stream (it deletes the key on close).
+reads. The gateway owns a request's event stream (it deletes the key on close). Whatever the
+gateway reads (token events, KV events, the workers' info and stats) may be malformed: it is
+dropped and counted in `drops` (shared/bus/drops.py), and the reader goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
 from typing import Any
 
 import msgpack
-from kvserve.shared.bus.base import Bus, BusUnavailableError, EventStream, WorkerPort
+from kvserve.shared.bus.base import (
+    Bus,
+    BusFullError,
+    BusUnavailableError,
+    EventStream,
+    WorkerPort,
+)
+from kvserve.shared.bus.drops import BusDrops
 from kvserve.shared.bus.redis_layout import (
     RedisBusConfig,
     RedisKeys,
     read_messages,
     registered_workers,
+    text,
 )
 from kvserve.shared.bus.redis_port import RedisWorkerPort
 from kvserve.shared.protocol import (
     Cancel,
     KVEvent,
+    Message,
     ProtocolError,
     TokenEvent,
     Work,
@@ -52,17 +64,32 @@ class _RedisEventStream(EventStream):
         self._inbox: asyncio.Queue[list[TokenEvent] | BaseException] = asyncio.Queue()
 
     def deliver(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        """Hand the request's events on; any other entry is dropped (and counted)."""
+        drops = self._bus.drops
         events = []
         for entry_id, fields in entries:
             self.last_id = entry_id
-            try:
-                msg = decode(fields[b"m"])
-            except (ProtocolError, KeyError):
-                log.warning("dropping a malformed event on %s", self.key)
+            where = f"{self.key} {text(entry_id)}"
+            msg = drops.message("events", fields or {}, where)
+            if msg is None:
                 continue
-            if isinstance(msg, TokenEvent) and msg.request_id == self.request.request_id:
-                events.append(msg)
+            why = self._foreign(msg)
+            if why is not None:
+                drops.record("events", "invalid", where, why)
+                continue
+            assert isinstance(msg, TokenEvent)
+            events.append(msg)
         self._inbox.put_nowait(events)
+
+    def _foreign(self, msg: Message) -> str | None:
+        """Why `msg` is not an event of this request (None when it is one)."""
+        if not isinstance(msg, TokenEvent):
+            return f"a {msg.KIND} message"
+        if msg.request_id != self.request.request_id:
+            return f"an event of {msg.request_id!r}"
+        if msg.index >= self.request.n:
+            return f"completion index {msg.index} of {self.request.n}"
+        return None
 
     def fail(self, error: BaseException) -> None:
         self._inbox.put_nowait(error)
@@ -147,11 +174,26 @@ class _EventReader:
         self._open.clear()
 
 
+def _is_oom(error: BaseException) -> bool:
+    from redis.exceptions import OutOfMemoryError
+
+    return isinstance(error, OutOfMemoryError)
+
+
 class RedisBus(Bus):
-    def __init__(self, url: str, config: RedisBusConfig | None = None, redis: Any = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        config: RedisBusConfig | None = None,
+        redis: Any = None,
+        drops: BusDrops | None = None,
+    ) -> None:
+        """`drops`: where the bus and the worker ports it makes count what they refuse (a
+        BusDrops of its own by default)."""
         import redis.asyncio as aioredis
 
         self.config = config or RedisBusConfig()
+        self.drops = drops or BusDrops(self.config.max_message_bytes)
         self.redis: Any = redis or aioredis.Redis.from_url(
             url,
             socket_timeout=self.config.socket_timeout_s,
@@ -176,8 +218,10 @@ class RedisBus(Bus):
         pipe.expire(self.reader.wake_key, self.config.out_ttl_s)
         try:
             await pipe.execute()
-        except BaseException:
+        except BaseException as e:
             self.reader.discard(stream)
+            if _is_oom(e):
+                raise BusFullError(f"the bus refuses writes: {e}") from e
             raise
         return stream
 
@@ -212,26 +256,38 @@ class RedisBus(Bus):
         if not names:
             return {}
         raw = await self.redis.hmget(self.keys.stats_key, names)
-        return {
-            n: msgpack.unpackb(r, raw=False) if r else {} for n, r in zip(names, raw, strict=True)
-        }
+        out: dict[str, dict[str, Any]] = {}
+        for name, data in zip(names, raw, strict=True):
+            where = f"{self.keys.stats_key} {name}"
+            report = None
+            if data:
+                report = self.drops.check(
+                    "worker_stats", data, where, _stats_report, repeat_key=where
+                )
+            out[name] = report or {}
+        return out
 
     async def workers(self) -> dict[str, WorkerInfo]:
         names = await self.live_workers()
         raw = await self.redis.hmget(self.keys.info_key, names) if names else []
         out: dict[str, WorkerInfo] = {}
         for name, data in zip(names, raw, strict=True):
-            with contextlib.suppress(ProtocolError, TypeError):
-                msg = decode(data)
-                if isinstance(msg, WorkerInfo) and msg.name == name:
-                    out[name] = msg
+            if data is None:
+                continue  # registered, not described yet
+            where = f"{self.keys.info_key} {name}"
+            parse = functools.partial(_worker_info, name=name)
+            info = self.drops.check("worker_info", data, where, parse, repeat_key=where)
+            if info is not None:
+                out[name] = info
         return out
 
     async def kv_events(self, block_ms: int = 1000) -> list[KVEvent]:
         reply = await self.redis.xread(
             {self.keys.kv_events_key: self._kv_cursor}, count=4096, block=block_ms
         )
-        events, self._kv_cursor = read_messages(reply, KVEvent, self._kv_cursor)
+        events, self._kv_cursor = read_messages(
+            reply, KVEvent, self._kv_cursor, self.drops, "kv_events"
+        )
         self._kv_read = bool(events)
         return events
 
@@ -245,12 +301,46 @@ class RedisBus(Bus):
         return max(0.0, time.time() - ms / 1000)
 
     def worker(self, name: str | None = None) -> WorkerPort:
-        return RedisWorkerPort(
-            self.redis, self.keys, self.config, name or f"worker-{uuid.uuid4().hex[:8]}"
-        )
+        """A worker port on this bus's client, counting what it refuses in `drops`."""
+        name = name or f"worker-{uuid.uuid4().hex[:8]}"
+        return RedisWorkerPort(self.redis, self.keys, self.config, name, self.drops)
+
+    def dropped(self) -> dict[str, dict[str, int]]:
+        return self.drops.snapshot()
 
     async def close(self) -> None:
         await self.reader.close()
         with contextlib.suppress(Exception):
             await self.redis.delete(self.reader.wake_key)
         await self.redis.aclose()
+
+
+def _worker_info(data: Any, name: str) -> WorkerInfo:
+    """The WorkerInfo `name` published; ProtocolError for anything else."""
+    msg = decode(data)
+    if not isinstance(msg, WorkerInfo) or msg.name != name:
+        raise ProtocolError(f"not a WorkerInfo of {name!r}")
+    return msg
+
+
+def _stats_report(data: Any) -> dict[str, Any]:
+    """A worker's published stats: a msgpack map of plain values (string keys; numbers,
+    strings, booleans, None, and lists and maps of them); ProtocolError for anything else."""
+    try:
+        report = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"not a msgpack stats report: {e}", "not_msgpack") from e
+    if not isinstance(report, dict) or not _plain(report):
+        raise ProtocolError("a stats report is a map of numbers, strings, lists and maps")
+    return report
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Is `value` JSON-like (what /v1/cache/stats can show as it is), at most 8 levels deep?"""
+    if isinstance(value, dict):
+        return depth < 8 and all(
+            isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return depth < 8 and all(_plain(v, depth + 1) for v in value)
+    return value is None or isinstance(value, bool | int | float | str)

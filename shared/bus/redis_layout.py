@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvserve.shared.protocol import ProtocolError, decode
+from kvserve.shared.bus.drops import BusDrops
 
 M = TypeVar("M")
 
@@ -50,6 +50,13 @@ class RedisBusConfig:
     # How long the gateway's one XREAD waits before it is issued again (a new request wakes it
     # at once); below socket_timeout_s.
     read_block_ms: int = 1000
+    # An entry (or hash value) longer than this is dropped unread (shared/bus/drops.py). The
+    # largest legitimate message is a request of a full context window: at most 5 bytes per
+    # token id in msgpack (uint32), so 1M tokens (8x Llama 3.1's 128K window, the longest of
+    # the Llama models it loads) take 5 MB; the rest leaves room for its sampling map, for a
+    # warm-up job's prefixes (bounded by the gateway's request body limit, 1 MiB by default)
+    # and for a token event.
+    max_message_bytes: int = 8 << 20
 
 
 class RedisKeys:
@@ -94,22 +101,30 @@ async def registered_workers(
     heartbeat that stopped, or a worker that closed)."""
     since = time.time() - config.worker_ttl_s
     low, high = (since, "+inf") if alive else (0, since)
-    return [text(n) for n in await redis.zrangebyscore(keys.workers_key, low, high)]
+    names = []
+    for n in await redis.zrangebyscore(keys.workers_key, low, high):
+        with contextlib.suppress(UnicodeDecodeError):  # not text: no worker's name
+            names.append(text(n))
+    return names
 
 
 def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def read_messages(reply: Any, kind: type[M], cursor: Any) -> tuple[list[M], Any]:
-    """The messages of `kind` in an XREAD reply (malformed entries skipped) and the id of the
-    last entry read (`cursor` when there was none)."""
+def read_messages(
+    reply: Any, kind: type[M], cursor: Any, drops: BusDrops, stream: str
+) -> tuple[list[M], Any]:
+    """The messages of `kind` in an XREAD reply and the id of the last entry read (`cursor`
+    when there was none); any other entry is dropped and counted in `drops` under `stream`."""
     out: list[M] = []
-    for _stream, entries in reply or []:
+    for key, entries in reply or []:
         for entry_id, fields in entries:
             cursor = entry_id
-            with contextlib.suppress(ProtocolError, KeyError):
-                msg = decode(fields[b"m"])
-                if isinstance(msg, kind):
-                    out.append(msg)
+            where = f"{text(key)} {text(entry_id)}"
+            msg = drops.message(stream, fields or {}, where)
+            if isinstance(msg, kind):
+                out.append(msg)
+            elif msg is not None:
+                drops.record(stream, "invalid", where, f"a {msg.KIND} message, not {kind.__name__}")
     return out, cursor

@@ -9,7 +9,9 @@ registration once the stream is empty. A group that disappeared (Redis restarted
 created again on the next read. A request delivered more than `max_deliveries` times (a
 backstop; workers quarantine by strikes, services/workers/engine_worker.py) is failed with an
 error event instead of being run again. Registration, stats and info are refreshed on
-every heartbeat (so a Redis that restarts empty learns them again).
+every heartbeat (so a Redis that restarts empty learns them again). Whatever the port reads
+(requests, cancels, a request's earlier events, its resync key) may be malformed: it is dropped
+and counted in `drops` (shared/bus/drops.py); a dropped request is acked and deleted.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import msgpack
 from kvserve.shared.bus.base import Delivery, StatsSource, WorkerPort
+from kvserve.shared.bus.drops import BusDrops
 from kvserve.shared.bus.redis_layout import (
     RedisBusConfig,
     RedisKeys,
@@ -36,10 +39,8 @@ from kvserve.shared.protocol import (
     ErrorInfo,
     GenerateRequest,
     KVEvent,
-    ProtocolError,
     TokenEvent,
     WorkerInfo,
-    decode,
     encode,
     error_event,
 )
@@ -51,8 +52,16 @@ log = logging.getLogger("kvserve.shared.bus")
 class RedisWorkerPort(WorkerPort):
     """A worker's end of the Redis bus (see the bus's module for what it guarantees)."""
 
-    def __init__(self, redis: Any, keys: RedisKeys, config: RedisBusConfig, name: str) -> None:
+    def __init__(
+        self,
+        redis: Any,
+        keys: RedisKeys,
+        config: RedisBusConfig,
+        name: str,
+        drops: BusDrops | None = None,
+    ) -> None:
         self.name = name
+        self.drops = drops or BusDrops(config.max_message_bytes)  # what its readers refused
         self._r: Any = redis
         self._keys = keys
         self._cfg = config
@@ -268,12 +277,11 @@ class RedisWorkerPort(WorkerPort):
         epoch: int = 1,
     ) -> Delivery | None:
         mid = text(entry_id)
-        try:
-            msg = decode(fields[b"m"])
-            if not isinstance(msg, GenerateRequest | AdminRequest):
-                raise ProtocolError(f"expected a generate request, got {type(msg).__name__}")
-        except (ProtocolError, KeyError) as e:
-            log.warning("dropping malformed request %s: %s", mid, e)
+        msg = self.drops.message("requests", fields, f"{key} {mid}")
+        if msg is not None and not isinstance(msg, GenerateRequest | AdminRequest):
+            self.drops.record("requests", "invalid", f"{key} {mid}", f"a {msg.KIND} message")
+            msg = None
+        if msg is None:  # never delivered again
             await self._ack_id(key, mid)
             return None
         d = Delivery(mid, msg, redelivered, key, epoch)
@@ -288,7 +296,9 @@ class RedisWorkerPort(WorkerPort):
             count=256,
             block=max(1, int(timeout * 1000)),
         )
-        out, self._cancel_cursor = read_messages(reply, Cancel, self._cancel_cursor)
+        out, self._cancel_cursor = read_messages(
+            reply, Cancel, self._cancel_cursor, self.drops, "cancel"
+        )
         return out
 
     async def is_cancelled(self, request_id: str) -> bool:
@@ -327,12 +337,30 @@ class RedisWorkerPort(WorkerPort):
         await self._r.delete(self._keys.probation_key(request_id))
 
     async def resync_requested(self) -> bool:
-        return bool(await self._r.getdel(self._keys.resync_key(self.name)))
+        from redis.exceptions import ResponseError
+
+        key = self._keys.resync_key(self.name)
+        try:
+            return bool(await self._r.getdel(key))
+        except ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+        # Not a string (no router wrote it): removed, so that a router's next request counts.
+        await self._r.delete(key)
+        self.drops.record("resync", "invalid", key, "not a string key")
+        return False
 
     async def emitted(self, request_id: str) -> list[TokenEvent]:
         key = self._keys.out_key(request_id)
-        events, _ = read_messages([(key, await self._r.xrange(key))], TokenEvent, None)
+        reply = [(key, await self._r.xrange(key))]
+        events, _ = read_messages(reply, TokenEvent, None, self.drops, "events")
+        for e in events:
+            if e.request_id != request_id:
+                self.drops.record("events", "invalid", key, f"an event of {e.request_id!r}")
         return [e for e in events if e.request_id == request_id]
+
+    def dropped(self) -> dict[str, dict[str, int]]:
+        return self.drops.snapshot()
 
     async def ack(self, delivery: Delivery) -> None:
         self._held.pop(delivery.message_id, None)

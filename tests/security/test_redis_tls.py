@@ -43,7 +43,10 @@ PASSWORD = "correct-horse-battery-staple"
 # The ACL rule of docs/deployment.md, after `ACL SETUSER kvserve on >PASSWORD`: kvserve's keys
 # (bus and store share the `kvserve:` prefix), no pub/sub channels, and the read, write, keyspace
 # and connection commands less the dangerous ones.
-ACL_RULE = "~kvserve:* resetchannels -@all +@read +@write +@keyspace +@connection -@dangerous"
+ACL_RULE = (
+    "~kvserve:* resetchannels -@all +@read +@write +@keyspace +@connection "
+    "+eval +evalsha +script|load -@dangerous"
+)
 READY_TIMEOUT_S = 10.0
 
 META = BlockMeta("m", "float32", block_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
@@ -221,11 +224,16 @@ def test_the_acl_confines_kvserve_to_its_keys(tls_redis: TlsRedis) -> None:
             ("CONFIG", "GET", "maxmemory"),
             ("ACL", "LIST"),
             ("RESTORE", "kvserve:restored", "0", "not a dump"),
-            ("EVAL", "return 1", "0"),
+            ("EVAL", "return redis.call('GET', KEYS[1])", "1", "elsewhere"),
+            ("SCRIPT", "FLUSH"),
             ("PUBLISH", "kvserve:x", "1"),
         ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 client.execute_command(*command)
+        # A script may run (the bus's own), but not reach another key.
+        with pytest.raises(redis.exceptions.ResponseError, match="can't access"):
+            client.eval("return redis.call('GET', 'elsewhere')", 0)
+        assert client.eval("return redis.call('GET', KEYS[1])", 1, "kvserve:probe") == b"1"
     finally:
         client.close()
 

@@ -15,11 +15,19 @@ import pytest
 from kvserve.services.bench.lib.http import Http
 from kvserve.services.bench.lib.process import ServerProcess
 from kvserve.services.bench.lib.readiness import poll_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.services.openai_suite import MODEL, NUM_BLOCKS
 from tests.services.server_state import idle
 
 PROMPTS = [f"Question {i}: what is {i} plus {i + 1}?" for i in range(4)]
+
+
+def metric(http: Http, name: str) -> float:
+    text = http.get("/metrics").text
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    )
 
 
 def greedy(client: openai.OpenAI, prompt: str, fault: str | None = None) -> Any:
@@ -71,6 +79,8 @@ def test_a_bad_request_fails_alone(
     totals = poll_until(lambda: idle(http), 30, "the server to go idle")
     assert totals["num_used_blocks"] == 0
     assert greedy(client, PROMPTS[0]) == calm[0]  # the engine serves on
+    counter = "requests_failed" if code == "internal_error" else "requests_quarantined"
+    assert metric(http, f"kvserve:{counter}_total") >= 1
 
 
 def test_the_fault_field_is_refused_without_the_flag(start_server) -> None:  # type: ignore[no-untyped-def]

@@ -8,6 +8,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvserve.shared.protocol import (
     PROTOCOL_VERSION,
     SAMPLING_FIELDS,
@@ -240,3 +242,116 @@ def test_admin_and_top_logprobs_messages_round_trip() -> None:
         except ProtocolError:
             continue
         raise AssertionError(f"accepted {bad}")
+
+
+# ---- nothing but ProtocolError, whatever the bytes (bus input is untrusted) ------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"\xc1", "not_msgpack"),
+        (b"", "not_msgpack"),
+        (encode(Cancel("r"))[:-1], "not_msgpack"),
+        (encode(Cancel("r")) + b"\x00", "not_msgpack"),  # trailing bytes
+        (_raw(kind="cancel", v=99, request_id="r"), "version"),
+        (_raw(kind="cancel", request_id="r"), "version"),
+        (bytes(msgpack.packb([1, 2])), "invalid"),
+        (bytes(msgpack.packb(None)), "invalid"),
+        (_raw(kind="cancel", v=PROTOCOL_VERSION, request_id=5), "invalid"),
+        (_raw(kind=["cancel"], v=PROTOCOL_VERSION, request_id="r"), "invalid"),
+    ],
+)
+def test_a_refusal_says_why(data: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError) as refused:
+        decode(data)
+    assert refused.value.reason == reason
+
+
+def _with_bytes_keys(body: dict[Any, Any]) -> bytes:
+    return bytes(msgpack.packb(body, use_bin_type=True))
+
+
+_INFO_BYTES_KEY = _with_bytes_keys({**msgpack.unpackb(_token()), "info": {b"done": 1}})
+_MIXED_UNKNOWN = _with_bytes_keys({**msgpack.unpackb(encode(Cancel("r"))), b"x": 1, "y": 2})
+_WORKER_INFO = msgpack.unpackb(encode(WorkerInfo("w", "worker", "i", 16, "m", "t", "f")))
+_BLOCK_SIZE_0 = _raw(**{**_WORKER_INFO, "block_size": 0})
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (_token(index=-1), "index must be >= 0"),
+        (_token(logprobs=["-1.5"]), "logprobs must hold numbers"),
+        (_token(logprobs=[True]), "logprobs must hold numbers"),
+        (_token(top_logprobs=[[[5, "x"]]]), "top_logprobs"),
+        (_token(top_logprobs=[[[5]]]), "top_logprobs"),
+        (_token(top_logprobs=[[5, -0.1]]), "top_logprobs"),
+        (_token(top_logprobs=[{"5": -0.1}]), "top_logprobs"),
+        (_INFO_BYTES_KEY, "info must have string keys"),
+        (_MIXED_UNKNOWN, "unknown fields"),
+        (_BLOCK_SIZE_0, "block_size must be >= 1"),
+    ],
+)
+def test_what_a_reader_would_trip_on_is_rejected(data: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message) as refused:
+        decode(data)
+    assert refused.value.reason == "invalid"
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_truncation_of_a_message_is_not_msgpack(msg: Any) -> None:
+    data = encode(msg)
+    for end in range(len(data)):
+        with pytest.raises(ProtocolError) as refused:
+            decode(data[:end])
+        assert refused.value.reason == "not_msgpack", end
+
+
+_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=6)
+    | st.binary(max_size=6)
+)
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(max_size=4) | st.binary(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def _mutate(body: dict[Any, Any], data: st.DataObject) -> None:
+    """Set, add or delete one field of the message (or of its sampling map)."""
+    target = body
+    if "sampling" in body and data.draw(st.booleans()):
+        target = body["sampling"]
+    name = data.draw(st.sampled_from([*target, "extra", b"extra"]))
+    if data.draw(st.integers(0, 4)) == 0:
+        target.pop(name, None)
+    else:
+        target[name] = data.draw(_VALUES)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(MESSAGES), st.data())
+def test_a_mutated_message_decodes_or_is_a_protocol_error(msg: Any, data: st.DataObject) -> None:
+    """A field set to any msgpack value, added or removed, or a byte of the encoding changed:
+    decode returns a message or raises ProtocolError, never anything else."""
+    if data.draw(st.booleans()):
+        body = msgpack.unpackb(encode(msg), raw=False)
+        _mutate(body, data)
+        raw = bytes(msgpack.packb(body, use_bin_type=True))
+    else:
+        raw = bytearray(encode(msg))
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+        raw = bytes(raw)
+    try:
+        decode(raw)
+    except ProtocolError as e:
+        assert e.reason in ProtocolError.REASONS
