@@ -146,7 +146,7 @@ def make_worker(
 
         decode_cfg = dataclasses.replace(cfg, request_stream="decode", group="decode")
         out = RedisBus(args.bus, decode_cfg, bus.redis, drops=bus.drops)
-        worker = PrefillWorker(bus.worker(name), engine, out.submit, kv_events=True, **quarantine)
+        worker = PrefillWorker(bus.worker(name), engine, out.send, kv_events=True, **quarantine)
     else:
         from kvserve.services.workers.decode import DecodeWorker
 

@@ -198,6 +198,11 @@ class Bus(abc.ABC):
         readable from the returned stream at once."""
 
     @abc.abstractmethod
+    async def send(self, request: Work, worker: str | None = None) -> None:
+        """Queue a request as `submit` does, without reading its events (a prefill worker
+        forwarding its hand-off: the gateway reads them)."""
+
+    @abc.abstractmethod
     async def cancel(self, request_id: str, reason: str = "client") -> None: ...
 
     @abc.abstractmethod

@@ -72,6 +72,9 @@ class InProcessBus(Bus):
         self._requests.put_nowait(encode(request))
         return stream
 
+    async def send(self, request: Work, worker: str | None = None) -> None:
+        self._requests.put_nowait(encode(request))
+
     async def cancel(self, request_id: str, reason: str = "client") -> None:
         self._cancelled.add(request_id)
         data = encode(Cancel(request_id, reason))

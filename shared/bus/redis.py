@@ -225,6 +225,15 @@ class RedisBus(Bus):
             raise
         return stream
 
+    async def send(self, request: Work, worker: str | None = None) -> None:
+        key = self.keys.to_key(worker) if worker else self.keys.request_key
+        try:
+            await self.redis.xadd(key, {b"m": encode(request)})
+        except Exception as e:
+            if _is_oom(e):
+                raise BusFullError(f"the bus refuses writes: {e}") from e
+            raise
+
     async def cancel(self, request_id: str, reason: str = "client") -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.cancelled_key(request_id), reason, ex=self.config.cancel_ttl_s)

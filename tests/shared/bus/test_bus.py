@@ -374,3 +374,19 @@ async def test_a_failed_read_fails_every_open_stream(redis_server: Any) -> None:
     await stream.close()
     await port.close()
     await bus.close()
+
+
+async def test_send_queues_without_listening(bus: Bus) -> None:
+    """What a prefill worker forwards is read by the gateway that submitted it: `send` leaves
+    no event stream behind on the forwarding side."""
+    await bus.send(request("fwd"))
+    port = bus.worker("w")
+    await port.start()
+    got = await port.receive(timeout=5)
+    while not got:
+        got = await port.receive(timeout=5)
+    assert [d.request.request_id for d in got] == ["fwd"]
+    if isinstance(bus, RedisBus):
+        assert not bus.reader._open
+    await port.ack(got[0])
+    await port.close()
