@@ -65,6 +65,10 @@ class EventStream(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
+    def _stale(self, event: TokenEvent) -> None:  # noqa: B027 - optional hook
+        """An event of an epoch below the highest seen was dropped (counted where the bus
+        counts its drops)."""
+
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._iterate()
 
@@ -73,7 +77,8 @@ class EventStream(abc.ABC):
             error: TokenEvent | None = None
             for event in await self._receive():
                 if event.epoch < self._epoch:
-                    continue  # from a holder that was taken over since
+                    self._stale(event)  # from a holder that was taken over since
+                    continue
                 self._epoch = event.epoch
                 if event.error is not None:
                     error = error or event

@@ -7,6 +7,8 @@ on with the next one, when it is
 
 - "oversized": longer than `max_message_bytes` (checked before anything is decoded);
 - "missing_field": a stream entry without its `m` field;
+- "stale": a token event of a delivery that was taken over since (its epoch is below the
+  fence's: a paused worker's late event);
 - "not_msgpack": not msgpack, or msgpack cut short;
 - "version": of another protocol (or sampling-map) version, or of none;
 - "invalid": anything else (not a map, an unknown kind, a missing, unknown or mistyped field, a
@@ -39,7 +41,7 @@ from kvserve.shared.protocol import Message, ProtocolError, decode
 log = logging.getLogger("kvserve.shared.bus")
 
 STREAMS = ("requests", "cancel", "events", "kv_events", "worker_info", "worker_stats", "resync")
-REASONS = ("oversized", "missing_field", *ProtocolError.REASONS)
+REASONS = ("oversized", "missing_field", "stale", *ProtocolError.REASONS)
 _MAX_REPEAT_KEYS = 4096  # hash fields remembered as refused (one per live worker and hash)
 
 T = TypeVar("T")

@@ -94,6 +94,10 @@ class _RedisEventStream(EventStream):
     def fail(self, error: BaseException) -> None:
         self._inbox.put_nowait(error)
 
+    def _stale(self, event: TokenEvent) -> None:
+        detail = f"epoch {event.epoch} after a fence of epoch {self._epoch}"
+        self._bus.drops.record("events", "stale", f"{self.key} seq {event.seq}", detail)
+
     async def _receive(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         item = await self._inbox.get()

@@ -75,6 +75,7 @@ async def test_a_stale_holder_is_fenced_off_and_told() -> None:
         got = [ev async for ev in stream]
         assert "".join(e.text for e in got) == "abcd"
         assert [e.epoch for e in got] == [1, 1, 2, 2]
+        assert bus.drops.count("events", "stale") == 2
         # A later reader (a third take-over) folds the same view.
         assert taken_over(await fresh.emitted("r1"), 1).completions[0].text == "abcd"
         # Its next heartbeat tells `stale` the delivery is gone; its ack leaves fresh's alone.
