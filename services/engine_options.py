@@ -15,6 +15,7 @@ from kvserve.shared.config import (
     POPULATE_MODES,
     SIM_PAYLOADS,
     WEIGHT_MODES,
+    StoreConfig,
 )
 
 # --attention-backend's choices (EngineConfig.attention_backend)
@@ -74,6 +75,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="fail a request instead of running it again once K of its runs failed (steps "
         "of this engine that failed as a whole, or in a fleet workers that died running it)",
     )
+    p.add_argument(
+        "--host-tier-mb",
+        type=int,
+        default=StoreConfig.host_tier_bytes >> 20,
+        help="the host-RAM tier (blocks evicted from the device cache, kept for reuse), MiB",
+    )
     add_fault_injection_argument(p)
     p.add_argument("--log-level", default=None)
 
@@ -121,6 +128,8 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     check_at_least_one(
         args, ("block_size", "max_num_seqs", "num_blocks", "threads", "quarantine_after")
     )
+    if args.host_tier_mb < 0:
+        raise CliError("--host-tier-mb must be >= 0")
     try:
         EngineConfig(dtype=args.dtype, matmul_dtype=args.matmul_dtype, weights=args.weights)
     except ValueError as e:
@@ -184,7 +193,9 @@ def engine_config(args: argparse.Namespace) -> Any:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
             ),
-            store=StoreConfig(url=store, format=args.store_format),
+            store=StoreConfig(
+                url=store, format=args.store_format, host_tier_bytes=args.host_tier_mb << 20
+            ),
             simulate=sim_config(args),
             faults=FaultConfig(
                 quarantine_after=args.quarantine_after, injection=args.enable_fault_injection

@@ -215,3 +215,17 @@ def test_take_over_and_fault_flags_reach_the_workers() -> None:
     assert args[args.index("--claim-idle") + 1] == "3.0"
     assert args[args.index("--quarantine-after") + 1] == "3"
     assert "--enable-fault-injection" in args
+
+
+def test_engine_failure_and_host_tier_flags_reach_the_engine_config() -> None:
+    from kvserve.services.engine_options import engine_config
+
+    argv = ["worker", "--bus", "redis://h:1/0", "--store", "redis://h:1/0", "--host-tier-mb",
+            "64", "--quarantine-after", "3", "--enable-fault-injection"]  # fmt: skip
+    config = engine_config(build_parser(argv).parse_args(argv))
+    assert config.store.host_tier_bytes == 64 << 20
+    assert (config.faults.quarantine_after, config.faults.injection) == (3, True)
+    argv = ["serve"]
+    config = engine_config(build_parser(argv).parse_args(argv))
+    assert config.store.host_tier_bytes == 512 << 20
+    assert (config.faults.quarantine_after, config.faults.injection) == (2, False)
