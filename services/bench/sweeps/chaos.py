@@ -4,9 +4,14 @@ faults are injected one at a time, and per fault what became of every request.
 Targets (`--targets`): `serve` (`kvserve serve --store redis://...`), `fleet` (`kvserve
 gateway` + 2 `kvserve worker`s on the Redis bus and shared store) and `disagg` (`kvserve
 gateway` + 2 `kvserve prefill` + 2 `kvserve decode`), the last two started here one process
-each so that one can be killed. Redis is a redis-server of the tool's own behind a FaultProxy
-(lib/tcp_proxy.py): every byte between kvserve and Redis crosses it. Stores use the native format,
-so that a greedy answer is the same whichever tier served its prefix.
+each so that one can be killed. Redis is laid out as in compose.yaml: a bus (`noeviction`, 1 GB)
+and a store (`allkeys-lru`, 2 GB), each a redis-server of the tool's own behind a FaultProxy of
+its own (lib/tcp_proxy.py): every byte between kvserve and Redis crosses one (`serve` has the
+store alone: its bus is in the process). Stores use the native format, so that a greedy answer
+is the same whichever tier served its prefix. Every process runs with
+`--enable-fault-injection`, the front with `--stream-stall-timeout 5`, the workers with
+`--claim-idle 3`. The bench supervises the target's processes as compose does: one that dies
+is started again 1 s later and counted as a worker lost (not one a fault ends on purpose).
 
 Load: `--rate` requests/s, cycling through streaming and non-streaming, greedy and sampled
 (temperature 1.0) /v1/completions of a shared system prompt + one of QUESTIONS, `--max-tokens`
@@ -15,27 +20,45 @@ each. Before any fault, every question's greedy answer is taken once (the fault-
 Faults (`--faults`), each: `--calm-s` of load, the fault for `--fault-s`, `--recover-s` of load,
 then the load pauses until the server is idle, and blocks and RSS are read:
 - redis-kill: SIGKILL, restarted empty after the fault window; redis-pause: SIGSTOP / SIGCONT;
-  redis-oom: maxmemory at what is used now with `noeviction`, restored after;
+  redis-oom: maxmemory at what is used now with `noeviction`, restored after (each on every
+  Redis of the target at once);
+- redis-full: the store's maxmemory at what it uses now (still `allkeys-lru`: it evicts to stay
+  there), restored after;
 - net-delay (50 ms each way per chunk), net-cut (every connection closed at once),
-  net-blackhole (nothing forwarded; stalled connections closed at the end);
+  net-blackhole (nothing forwarded; stalled connections closed at the end), on every proxy;
 - worker-kill (fleet), prefill-kill, decode-kill (disagg): SIGKILL worker-1 / prefill-1 /
   decode-1, restarted after the window; gateway-term (SIGTERM the gateway or the serve
   process: it drains and exits; restarted after the window);
 - client-disconnect (8 streams dropped after their first chunk), burst (4 x --max-queue requests
-  at once).
+  at once);
+- poison-raise: 4 poisoned requests (one of each kind, `"kvserve_fault": "raise"`: it raises in
+  its own processing) spread over the window; poison-kill (fleet, disagg): one poisoned request
+  that SIGKILLs each worker that runs it, until a worker taking it over quarantines it;
+- worker-stop: SIGSTOP worker-1 (fleet), decode-1 (disagg) or the serve process, once 4 greedy
+  streams are under way, for the window (longer than the workers' --claim-idle), then SIGCONT;
+- slow-reader: 4 streams opened on sockets that are never read (big events: 20 logprobs a token),
+  held until the front has aborted each as stalled;
+- bad-message (fleet, disagg): garbage written straight into every bus stream its readers read
+  and into the workers' info and stats hashes (sweeps/chaos_garbage.py).
+A fault that does not apply to a target is reported skipped, with why.
 
 `--soak-min N` first runs the load without faults for N minutes; after each minute the load
 pauses until the server is idle and it reads the KV blocks in use, the servers' RSS, their open
-file descriptors, Redis's connected clients and the error lines logged; it reports them per
+file descriptors, Redis's connected clients and memory used (each server), every bus stream's
+length and its consumer groups' pending entries, and the error lines logged; it reports them per
 minute and their least-squares slopes (`--faults none`: the soak alone).
 
 A request's outcome: `ok` (finished; greedy ones compared with the reference: `wrong` if the
 text differs), `http_NNN` (an error status; Retry-After noted), `stream_error` (an error event),
 `refused` (no server listening), `disconnected` (the client dropped it on purpose), `lost` (no
-terminal answer within --timeout, or a stream cut without one). Per fault, for requests sent
-from its start to the end of its recovery: sent, ok, wrong, lost, failed by kind, p99 TTFT
-against the calm period's, seconds until the store took writes again after Redis came back, KV
-blocks in use when idle after the fault against before the run (0 leaked), RSS growth.
+terminal answer within --timeout, or a stream cut without one); a failure's error code is
+kept. Per fault, for requests sent from its start to the end of its recovery: sent, ok, wrong,
+lost, failed by kind, the poisoned requests apart (how each ended, with its code), the processes
+that died, p99 TTFT against the calm period's (its requests that ended before the fault),
+seconds until the store took writes again after Redis came back, KV blocks in use when idle
+after the fault against before the run (0 leaked), RSS growth, and the fault's counters
+(sweeps/chaos_counters.py: streams aborted as stalled, bus messages dropped, keys evicted per
+Redis, requests the stopped worker found taken over).
 Prints a table per target; the last line printed is one JSON object; `--out DIR` keeps the
 servers' logs, requests.jsonl and chaos.json.
 """
@@ -49,13 +72,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvserve.services.bench.lib.redis_server import RedisServer
-from kvserve.services.bench.lib.tcp_proxy import ThreadedFaultProxy
-from kvserve.services.bench.sweeps.chaos_faults import FAULTS, KILLS, Rig, run_fault
+from kvserve.services.bench.sweeps.chaos_faults import FAULTS, run_fault, skip_reason
 from kvserve.services.bench.sweeps.chaos_load import Load
+from kvserve.services.bench.sweeps.chaos_redis import RedisNode
 from kvserve.services.bench.sweeps.chaos_report import FaultReport, soak_table, table
+from kvserve.services.bench.sweeps.chaos_rig import Rig
 from kvserve.services.bench.sweeps.chaos_soak import run_soak
-from kvserve.services.bench.sweeps.chaos_target import TARGETS, Target, idle
+from kvserve.services.bench.sweeps.chaos_supervisor import Supervisor
+from kvserve.services.bench.sweeps.chaos_target import CLAIM_IDLE_S, TARGETS, Target, idle
 from kvserve.services.cli_support import CliError
 
 
@@ -88,6 +112,10 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         raise CliError("--soak-min must be >= 0")
     if args.max_tokens < 1 or args.max_queue < 1:
         raise CliError("--max-tokens and --max-queue must be >= 1")
+    if "worker-stop" in faults and args.fault_s <= CLAIM_IDLE_S:
+        raise CliError(
+            f"worker-stop: --fault-s must exceed the workers' --claim-idle ({CLAIM_IDLE_S:g} s)"
+        )
     return targets, faults
 
 
@@ -98,34 +126,36 @@ async def _faults(rig: Rig, faults: list[str], args: argparse.Namespace) -> dict
     reports: list[FaultReport] = []
     result: dict[str, Any] = {"target": kind, "faults": reports}
     sender = asyncio.create_task(load.run())
+    supervisor = asyncio.create_task(rig.supervisor.run())
     try:
         if args.soak_min:
             result["soak"] = await run_soak(rig, args)
         for fault in faults:
-            if fault in KILLS and KILLS[fault] not in rig.target.procs:
-                continue  # no such process in this topology
+            if (why := skip_reason(fault, rig.target)) is not None:
+                reports.append(FaultReport(fault, skipped=why))
+                continue
             print(f"[{kind}] {fault} ...", flush=True)
             reports.append(await run_fault(rig, fault, args, base))
             print(f"[{kind}] {fault}: {asdict(reports[-1])}", flush=True)
     finally:
         sender.cancel()
+        supervisor.cancel()
+        await asyncio.gather(sender, supervisor, return_exceptions=True)
     return result
 
 
 async def _load_target(
-    parts: tuple[RedisServer, ThreadedFaultProxy, Target],
-    faults: list[str],
-    args: argparse.Namespace,
-    out: Path,
+    redis: list[RedisNode], target: Target, faults: list[str], args: argparse.Namespace
 ) -> dict[str, Any]:
     """The reference answers, then the faults; every request a line of out/requests.jsonl."""
     import aiohttp
 
-    redis_server, proxy, target = parts
+    out = args.out / target.kind
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
         load = Load(target.base_url, target.kind, args, http)
         await load.references()
-        result = await _faults(Rig(redis_server, proxy, target, load), faults, args)
+        rig = Rig(redis, target, load, Supervisor(target.procs))
+        result = await _faults(rig, faults, args)
         with (out / "requests.jsonl").open("w") as f:
             for o in load.outcomes:
                 f.write(json.dumps(asdict(o)) + "\n")
@@ -133,21 +163,25 @@ async def _load_target(
 
 
 async def run_target(kind: str, faults: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """One topology on a Redis of its own behind the fault proxy, started, loaded, stopped."""
+    """One topology on Redis servers of its own behind fault proxies, started, loaded,
+    stopped."""
     out = args.out / kind
     out.mkdir(parents=True, exist_ok=True)
-    redis_server = RedisServer(maxmemory="2gb", log=out / "redis.log")
-    redis_server.start()
-    proxy = ThreadedFaultProxy("127.0.0.1", redis_server.port)
-    proxy.start()
-    target = Target(kind, f"redis://127.0.0.1:{proxy.port}/0", args, out)
+    roles = ("store",) if kind == "serve" else ("bus", "store")
+    redis = [RedisNode(role, out / f"redis-{role}.log") for role in roles]
     try:
-        await asyncio.to_thread(target.start)
-        result = await _load_target((redis_server, proxy, target), faults, args, out)
+        for node in redis:
+            node.start()
+        bus = redis[0].url if kind != "serve" else None
+        target = Target(kind, (bus, redis[-1].url), args, out)
+        try:
+            await asyncio.to_thread(target.start)
+            result = await _load_target(redis, target, faults, args)
+        finally:
+            await asyncio.to_thread(target.stop)
     finally:
-        await asyncio.to_thread(target.stop)
-        proxy.close()
-        redis_server.stop()
+        for node in redis:
+            node.stop()
     result["faults"] = [asdict(r) for r in result["faults"]]
     return result
 

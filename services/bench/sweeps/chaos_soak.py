@@ -1,8 +1,9 @@
 """`kvserve bench chaos --soak-min N`: the load without faults for N minutes; after each minute
 the load pauses until the server is idle and the minute's figures are read (KV blocks in use,
-the servers' RSS and open file descriptors, Redis's connected clients, the error lines logged,
-the requests' outcomes, the device cache's cached and evicted blocks), then their
-least-squares slopes per minute."""
+the servers' RSS and open file descriptors, the connected clients of the Redis servers and the
+memory each uses, the error lines logged, the requests' outcomes, the device cache's cached and
+evicted blocks; with a Redis bus, every bus stream's length and its consumer groups' pending
+entries, and their totals), then their least-squares slopes per minute."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from collections import Counter
 from typing import Any
 
 from kvserve.services.bench.lib.fleet import Fleet
-from kvserve.services.bench.sweeps.chaos_faults import Rig
+from kvserve.services.bench.sweeps.chaos_redis import PREFIX, bus_streams
+from kvserve.services.bench.sweeps.chaos_rig import Rig
 from kvserve.services.bench.sweeps.chaos_target import idle
 
-SLOPES = ("rss_mb", "fds", "redis_clients", "used_blocks")
+# What the slopes are taken of (those a target has: the bus's only with a Redis bus).
+SLOPES = ("rss_mb", "fds", "redis_clients", "used_blocks", "store_used_mb", "bus_used_mb",
+          "stream_len", "pending")  # fmt: skip
+OUT = f"{PREFIX}:out:"
 
 
 def errors_logged(fleet: Fleet) -> int:
@@ -39,12 +44,34 @@ def slope(ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in enumerate(ys)) / sum((x - mx) ** 2 for x in range(n))
 
 
-def _redis_clients(rig: Rig) -> int:
-    r = rig.redis_client()
-    try:
-        return int(r.info("clients")["connected_clients"])
-    finally:
-        r.close()
+def _redis(rig: Rig) -> dict[str, Any]:
+    """Each Redis server's memory used, their connected clients, and with a bus every bus
+    stream's length and pending entries (`streams`) and their totals."""
+    row: dict[str, Any] = {
+        "redis_clients": sum(int(n.info("clients").get("connected_clients", 0)) for n in rig.redis)
+    }
+    for n in rig.redis:
+        row[f"{n.role}_used_mb"] = n.used_mb()
+    if rig.bus is not None:
+        streams = bus_streams(rig.bus)
+        row["stream_len"] = sum(s["len"] for s in streams.values())
+        row["pending"] = sum(s["pending"] for s in streams.values())
+        row["streams"] = fold_out(streams)
+    return row
+
+
+def fold_out(streams: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The per-request token-event streams (`kvserve:out:ID`, hundreds) as one entry
+    `kvserve:out:*` with their count; every other stream as it is."""
+    out = {k: v for k, v in streams.items() if not k.startswith(OUT)}
+    events = [v for k, v in streams.items() if k.startswith(OUT)]
+    if events:
+        out[OUT + "*"] = {
+            "len": sum(v["len"] for v in events),
+            "pending": sum(v["pending"] for v in events),
+            "streams": len(events),
+        }
+    return out
 
 
 async def _minute(rig: Rig, m: int) -> dict[str, Any]:
@@ -63,7 +90,7 @@ async def _minute(rig: Rig, m: int) -> dict[str, Any]:
         "evicted_blocks": int(totals.get("evicted_blocks", -1)),
         "rss_mb": target.rss_mb(),
         "fds": target.fleet.open_fds(),
-        "redis_clients": _redis_clients(rig),
+        **await asyncio.to_thread(_redis, rig),
         "errors_logged": errors_logged(target.fleet),
         "outcomes": dict(outcomes),
     }
@@ -79,5 +106,7 @@ async def run_soak(rig: Rig, args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{rig.target.kind}] soak {json.dumps(row)}", flush=True)
     return {
         "minutes": minutes,
-        "slopes_per_min": {k: slope([float(row[k]) for row in minutes]) for k in SLOPES},
+        "slopes_per_min": {
+            k: slope([float(row[k]) for row in minutes]) for k in SLOPES if k in minutes[0]
+        },
     }

@@ -1,7 +1,10 @@
 """The topologies `kvserve bench chaos` loads and breaks, one process each (so that one can be
-killed) on the proxied Redis: `serve`, `fleet` (a gateway and 2 workers) or `disagg` (a gateway,
-2 prefill and 2 decode workers). Stores use the native format, so that a greedy answer is the
-same whichever tier served its prefix."""
+killed) on the proxied Redis servers: `serve` (its store on the store Redis; its bus is in the
+process), `fleet` (a gateway and 2 workers) or `disagg` (a gateway, 2 prefill and 2 decode
+workers), whose bus is the bus Redis and whose store the store Redis, as in compose.yaml.
+Stores use the native format, so that a greedy answer is the same whichever tier served its
+prefix. Every process accepts poisoned requests (`--enable-fault-injection`), and the front
+aborts a stream whose client stopped reading after STALL_S (`--stream-stall-timeout`)."""
 
 from __future__ import annotations
 
@@ -14,51 +17,76 @@ from typing import Any
 from kvserve.services.bench.lib.fleet import Fleet
 from kvserve.services.bench.lib.http import gateway_stats
 from kvserve.services.bench.lib.process import HttpReady, ServerProcess, StartError, free_port
+from kvserve.services.bench.lib.readiness import server_ready
 from kvserve.services.cli_support import CliError
 
+STALL_S = 5.0  # the front's --stream-stall-timeout in every chaos target
 TARGETS = ("serve", "fleet", "disagg")
 ROLES = {"fleet": ["worker"] * 2, "disagg": ["prefill"] * 2 + ["decode"] * 2}
+CLAIM_IDLE_S = 3.0  # the workers' --claim-idle
 WORKER_FLAGS = ("--store-format", "native", "--threads", "1", "--metrics-port", "0",
-                "--claim-idle", "3", "--drain-timeout", "5")  # fmt: skip
+                "--claim-idle", str(CLAIM_IDLE_S), "--drain-timeout", "5")  # fmt: skip
 
 
 class Target:
-    """A kvserve topology on the proxied Redis at `redis_url`; its logs in `out`. The front
-    process (`serve`, or `gateway`) is ready once /ready answers and, for a gateway, it lists
-    every worker; the workers log only warnings, so they are spawned, never waited for alone."""
+    """A kvserve topology on the bus at `bus_url` (None for `serve`) and the store at
+    `store_url`; its logs in `out`. The front process (`serve`, or `gateway`) is ready once
+    /ready answers and, for a gateway, it lists every worker; the workers log only warnings, so
+    they are spawned, never waited for alone."""
 
-    def __init__(self, kind: str, redis_url: str, args: argparse.Namespace, out: Path) -> None:
+    def __init__(
+        self,
+        kind: str,
+        urls: tuple[str | None, str],
+        args: argparse.Namespace,
+        out: Path,
+    ) -> None:
+        bus_url, store_url = urls
         self.kind = kind
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.fleet = Fleet(args.model, out)
-        engine = ["--num-blocks", "512", "--log-level", "warning"]
-        http = ["--port", str(self.port), "--max-queue", str(args.max_queue)]
+        faults = ["--enable-fault-injection"]
+        engine = ["--num-blocks", "512", "--log-level", "warning", *faults]
+        http = ["--port", str(self.port), "--max-queue", str(args.max_queue),
+                "--stream-stall-timeout", str(STALL_S)]  # fmt: skip
         roles = ROLES.get(kind, [])
         self.workers = len(roles)
         ready = HttpReady("/ready", self.workers)
         if kind == "serve":
             self.front = "serve"
-            self.fleet.process("serve", ["serve"], *http, *engine, "--store", redis_url,
+            self.fleet.process("serve", ["serve"], *http, *engine, "--store", store_url,
                                "--store-format", "native", "--threads", "2",
                                ready=ready, url=self.base_url)  # fmt: skip
             return
         self.front = "gateway"
-        self.fleet.process("gateway", ["gateway"], *http, "--bus", redis_url,
+        assert bus_url is not None, f"{kind} needs a bus"
+        self.fleet.process("gateway", ["gateway"], *http, "--bus", bus_url, *faults,
                            "--log-level", "warning", ready=ready, url=self.base_url)  # fmt: skip
         for i, role in enumerate(roles):
             name = f"{role}-{i % 2}"
-            self.fleet.process(name, [role], "--bus", redis_url, "--store", redis_url, *engine,
+            self.fleet.process(name, [role], "--bus", bus_url, "--store", store_url, *engine,
                                "--name", name, *WORKER_FLAGS)  # fmt: skip
 
     @property
     def procs(self) -> dict[str, ServerProcess]:
         return self.fleet.procs
 
-    def start(self) -> None:
+    def start(self, timeout: float = 300.0) -> None:
+        """Spawn every process and wait until the front is ready; CliError as soon as one of
+        them exits (with the end of its log), or after `timeout`."""
         for p in self.fleet:
             p.spawn()
-        self.wait_ready()
+        deadline = time.monotonic() + timeout
+        while not server_ready(self.base_url, self.base_url + "/ready", self.workers):
+            if dead := [p for p in self.fleet if not p.running]:
+                raise CliError(
+                    f"{self.kind}: {dead[0].name} exited while starting (log {dead[0].log}):\n"
+                    + dead[0].tail(5)
+                )
+            if time.monotonic() > deadline:
+                raise CliError(f"{self.kind}: not ready after {timeout:.0f} s (logs: --out)")
+            time.sleep(0.5)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         try:
