@@ -92,6 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recover-s", type=float, default=15.0)
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--max-queue", type=int, default=8, help="the gateway's bound (burst fault)")
+    p.add_argument("--num-blocks", type=int, default=512, help="each engine's KV-cache blocks")
+    p.add_argument("--host-tier-mb", type=int, default=512, help="each engine's host tier")
     p.add_argument("--timeout", type=float, default=120.0, help="a request's, seconds")
     p.add_argument("--model", default=None, help="GGUF (default: the default model)")
     p.add_argument("--out", type=Path, default=Path("bench-chaos"))
@@ -110,6 +112,8 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         raise CliError("--rate, --fault-s, --recover-s and --timeout must be > 0, --calm-s >= 0")
     if args.soak_min < 0:
         raise CliError("--soak-min must be >= 0")
+    if args.num_blocks < 1 or args.host_tier_mb < 0:
+        raise CliError("--num-blocks must be >= 1 and --host-tier-mb >= 0")
     if args.max_tokens < 1 or args.max_queue < 1:
         raise CliError("--max-tokens and --max-queue must be >= 1")
     if "worker-stop" in faults and args.fault_s <= CLAIM_IDLE_S:

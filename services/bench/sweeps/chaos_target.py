@@ -47,7 +47,8 @@ class Target:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.fleet = Fleet(args.model, out)
         faults = ["--enable-fault-injection"]
-        engine = ["--num-blocks", "512", "--log-level", "warning", *faults]
+        engine = ["--num-blocks", str(args.num_blocks), "--host-tier-mb", str(args.host_tier_mb),
+                  "--log-level", "warning", *faults]  # fmt: skip
         http = ["--port", str(self.port), "--max-queue", str(args.max_queue),
                 "--stream-stall-timeout", str(STALL_S)]  # fmt: skip
         roles = ROLES.get(kind, [])
