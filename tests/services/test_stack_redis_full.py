@@ -30,7 +30,7 @@ from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.slow]  # a real stack: ~20 s
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("worker-0", "worker-1")

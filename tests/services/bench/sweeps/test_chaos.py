@@ -294,6 +294,7 @@ def test_the_soak_reads_every_bus_stream_and_its_pending_entries(tmp_path: Path)
 
 
 @pytest.mark.redis
+@pytest.mark.slow  # a real serve under the bench: ~15 s
 def test_poisoned_requests_fail_alone_against_serve(tmp_path: Path) -> None:
     """A real short run (about 15 s here): each poisoned request fails with its code, every
     other request is ok, no process dies, no block leaks."""
