@@ -89,9 +89,16 @@ class RedisWorkerPort(WorkerPort):
     async def _create_groups(self, keys: tuple[str, ...]) -> None:
         """The consumer group on each stream, reading from its first entry (so requests added
         before the group existed are delivered); one that exists already stays."""
+        from redis.exceptions import ResponseError
+
         for key in keys:
-            with contextlib.suppress(Exception):  # BUSYGROUP: it exists already
+            try:
                 await self._r.xgroup_create(key, self._cfg.group, id="0", mkstream=True)
+            except ResponseError as e:
+                # BUSYGROUP: it exists already. Anything else (the bus full, refusing writes)
+                # goes to the caller: a read that found no group must not retry at once.
+                if "BUSYGROUP" not in str(e):
+                    raise
 
     async def _init_cancel_cursor(self) -> None:
         """Read cancels from now on (older ones reach us through the cancelled keys)."""

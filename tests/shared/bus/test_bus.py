@@ -390,3 +390,29 @@ async def test_send_queues_without_listening(bus: Bus) -> None:
         assert not bus.reader._open
     await port.ack(got[0])
     await port.close()
+
+
+async def test_a_group_that_cannot_be_created_is_an_error_not_a_spin(redis_server: Any) -> None:
+    """The group went away (its stream evicted, or Redis restarted empty) and the bus refuses
+    writes: the read says so (the worker's receive loop then backs off) instead of returning
+    nothing at once, again and again."""
+    from redis.exceptions import OutOfMemoryError
+
+    bus = RedisBus(redis_server.url, RedisBusConfig(prefix="kvtest-oom"))
+    port = bus.worker("w")
+    await port.start()
+    try:
+        await bus.redis.delete(bus.keys.request_key, port.own_key)  # type: ignore[attr-defined]
+        await bus.redis.config_set("maxmemory-policy", "noeviction")
+        await bus.redis.config_set("maxmemory", "1")
+        try:
+            with pytest.raises(OutOfMemoryError):
+                await port.receive(timeout=0.05)
+        finally:
+            await bus.redis.config_set("maxmemory", "0")
+        assert await port.receive(timeout=0.05) == []  # the group is created again
+        groups = await bus.redis.xinfo_groups(bus.keys.request_key)
+        assert [g["name"] for g in groups] == [b"prefill"]
+    finally:
+        await port.close()
+        await bus.close()
