@@ -121,6 +121,7 @@ def test_a_conversation_follows_its_cache(client: openai.OpenAI, fleet: SimFleet
     assert fleet.router()["decisions"].get("cache", 0) - before >= 3
 
 
+@pytest.mark.slow  # ~17 s (the claim timeout); the real fleet's take-over tests run by default
 def test_a_killed_worker_mid_stream_is_taken_over_with_the_same_words(
     client: openai.OpenAI, fleet: SimFleet
 ) -> None:
