@@ -6,9 +6,12 @@ are its `Http` (kvserve.services.bench.lib.http)."""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import psutil
 from kvserve.services.bench.lib.http import Http
 
 
@@ -35,3 +38,25 @@ def read_spans(path: Path) -> list[dict[str, Any]]:
         return []
     lines = path.read_text().split("\n")[:-1]  # the part after the last newline is unfinished
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def read_to_end(sock: socket.socket, timeout: float = 30.0) -> bytes:
+    """Everything the connection still delivers, until the server's side has closed it."""
+    sock.settimeout(timeout)
+    data = bytearray()
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(data)
+
+
+def kill_stack(proc: subprocess.Popen[Any], children: list[psutil.Process]) -> None:
+    """Kill what is left of a `kvserve stack` process and the children it started."""
+    for c in children:
+        if c.is_running():
+            c.kill()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)

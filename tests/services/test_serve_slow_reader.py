@@ -6,8 +6,6 @@ as when it runs alone, never waiting on the stalled one."""
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 from typing import Any
 
@@ -16,10 +14,11 @@ import pytest
 from kvserve.services.bench.lib.http import Http
 from kvserve.services.bench.lib.process import ServerProcess
 from kvserve.services.bench.lib.readiness import poll_until
+from kvserve.services.bench.sweeps.chaos_slow_reader import open_unread_stream
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.services.openai_suite import MODEL, NUM_BLOCKS
-from tests.services.server_state import cache_totals, idle
+from tests.services.server_state import cache_totals, idle, read_to_end
 
 STALL_S = 2.0
 STALLED_EVENT = "stream stalled, request aborted"
@@ -44,48 +43,6 @@ def http(server: ServerProcess) -> Http:
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def open_unread_stream(url: str) -> socket.socket:
-    """A streamed chat request on a socket that is then never read. Its receive buffer is small
-    and so is its segment size, from which the kernel sizes the server's send buffer, so the
-    kernel's buffers are full after a few hundred KB; each token's chunk carries 20
-    alternatives (about 1.7 KB) and the completion ignores EOS: the server keeps writing."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Count from one to a thousand."}],
-            "max_tokens": 2000,
-            "temperature": 0,
-            "ignore_eos": True,
-            "logprobs": True,
-            "top_logprobs": 20,
-            "stream": True,
-        }
-    ).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-    sock.connect((host, int(port)))
-    sock.sendall(head + body)
-    return sock
-
-
-def read_to_end(sock: socket.socket, timeout: float = 30.0) -> bytes:
-    """Everything the connection still delivers, until the server's side has closed it."""
-    sock.settimeout(timeout)
-    data = bytearray()
-    try:
-        while chunk := sock.recv(1 << 16):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return bytes(data)
 
 
 def stalls(http: Http) -> float:

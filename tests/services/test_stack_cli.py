@@ -25,6 +25,8 @@ from kvserve.services.bench.lib.process import free_port
 from kvserve.services.bench.lib.readiness import poll_until
 from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_present
 
+from tests.services.server_state import kill_stack
+
 # slow: ~25-40 s for a path test_stack_e2e.py already covers process by process.
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -68,12 +70,7 @@ def test_stack_serves_and_stops_on_sigint(model_path: Path) -> None:
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"still running after SIGINT: {alive}"
     finally:
-        for c in children:
-            if c.is_running():
-                c.kill()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        kill_stack(proc, children)
         redis.stop()
 
 

@@ -30,6 +30,8 @@ from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
 
+from tests.services.server_state import kill_stack
+
 pytestmark = [pytest.mark.redis, pytest.mark.slow]  # a real stack: ~20 s
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,11 +150,6 @@ def test_a_full_store_evicts_blocks_never_the_bus(
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, log.read_text(errors="replace")[-4000:]
     finally:
-        for c in children:
-            if c.is_running():
-                c.kill()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        kill_stack(proc, children)
         bus.close()
         store.close()

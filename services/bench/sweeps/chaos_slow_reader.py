@@ -16,7 +16,7 @@ import contextlib
 import json
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from kvserve.services.bench.sweeps.chaos_counters import read
@@ -32,28 +32,34 @@ MAX_TOKENS = 2000
 
 def open_unread_stream(base_url: str) -> socket.socket:
     """A streamed chat request sent on a socket that is then never read."""
+    body = {
+        "messages": [{"role": "user", "content": "Count from one to a thousand."}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": MAX_TOP,
+        "stream": True,
+    }
+    return post_unread(base_url, "/v1/chat/completions", body)
+
+
+def post_unread(base_url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """POST `body` as JSON on a socket that is then never read: a small receive buffer, and a
+    small segment size, from which the kernel sizes the server's send buffer, so that the
+    kernel's buffers are full after a few hundred KB."""
     url = urlsplit(base_url)
     host, port = url.hostname or "127.0.0.1", url.port or 80
-    body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": "Count from one to a thousand."}],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "logprobs": True,
-            "top_logprobs": MAX_TOP,
-            "stream": True,
-        }
-    ).encode()
+    data = json.dumps(body).encode()
     head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     ).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     sock.connect((host, port))
-    sock.sendall(head + body)
+    sock.sendall(head + data)
     return sock
 
 

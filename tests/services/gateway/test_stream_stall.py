@@ -7,7 +7,6 @@ the timeout, shared by `serve` and `gateway`."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from kvserve.services.bench.lib.redis_server import RedisServer
+from kvserve.services.bench.sweeps.chaos_slow_reader import post_unread
 from kvserve.services.cli import build_parser
 from kvserve.services.cli_support import CliError
 from kvserve.services.gateway.app import Gateway, GatewayConfig
@@ -26,6 +26,8 @@ from kvserve.shared.bus.redis import RedisBus
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.protocol import Cancel, TokenEvent
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.services.server_state import read_to_end
 
 STALL_S = 0.5
 MAX_EVENTS = 4000  # 16 MB of text: far more than the socket buffers hold
@@ -45,34 +47,6 @@ async def flood_until_cancelled(port: WorkerPort) -> tuple[str, int]:
         await port.emit(TokenEvent(rid, seq, 0, [42], TEXT, num_prompt_tokens=3))
     await port.emit(TokenEvent(rid, MAX_EVENTS, 0, [42], "", "length", num_prompt_tokens=3))
     return rid, MAX_EVENTS
-
-
-def open_unread_stream(host: str, port: int) -> socket.socket:
-    """A streamed completion on a socket that is then never read (a small receive buffer, and a
-    small segment size, from which the kernel sizes the server's send buffer)."""
-    body = b'{"prompt": "hi", "max_tokens": 5000, "stream": true}'
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-    sock.connect((host, port))
-    sock.sendall(head + body)
-    return sock
-
-
-def read_to_end(sock: socket.socket, timeout: float = 30.0) -> bytes:
-    """Everything the connection still delivers, until the server's side has closed it."""
-    sock.settimeout(timeout)
-    data = bytearray()
-    try:
-        while chunk := sock.recv(1 << 16):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return bytes(data)
 
 
 async def cancel_of(port: WorkerPort, rid: str, timeout: float = 10.0) -> Cancel:
@@ -116,7 +90,8 @@ async def test_a_stalled_stream_is_cancelled_on_the_redis_bus(
     await port.start()
     worker = asyncio.create_task(flood_until_cancelled(port))
     try:
-        sock = open_unread_stream("127.0.0.1", server.port or 0)
+        body = {"prompt": "hi", "max_tokens": 5000, "stream": True}
+        sock = post_unread(f"http://127.0.0.1:{server.port}", "/v1/completions", body)
         with sock:
             rid, emitted = await asyncio.wait_for(worker, 60)
             assert emitted < MAX_EVENTS
