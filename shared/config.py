@@ -133,7 +133,7 @@ class SchedulerConfig:
 
 STORE_FORMATS = ("auto", "native", "bf16", "fp16", "int8", "fp8", "compact")
 DEFAULT_STORE = "default"  # memory tier + disk tier under cache_dir()/store
-# Stores whose blocks leave the process (to other workers): "auto" stores int8 + zstd there.
+# Stores whose blocks leave the process (to other workers).
 REMOTE_STORE_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
@@ -153,15 +153,14 @@ class StoreConfig:
         if self.format not in STORE_FORMATS:
             raise ValueError(f"store format must be one of {STORE_FORMATS}, got {self.format!r}")
 
-    @property
-    def frame_format(self) -> str:
-        """The codec format of the store's frames: "auto" is int8 (+ zstd) for a store other
-        processes read (Redis, Redis Cluster: half the bytes of fp16, KLD 0.0003) and native
-        for one of the process's own (memory, disk: exact, nothing crosses a network)."""
+    def frame_format(self, kv_dtype: str) -> str:
+        """The codec format of the store's frames for a cache of `kv_dtype` (CacheConfig's):
+        "auto" is the cache's own format, so that a block loaded from the store is bit for bit
+        the block the engine computed, and every path a request's KV takes gives the same
+        output (native for the model's dtype; int8 / fp8 frames for an int8 / fp8 cache)."""
         if self.format != "auto":
             return self.format
-        scheme = (self.url or "").split("://", 1)[0].lower()
-        return "int8" if scheme in REMOTE_STORE_SCHEMES else "native"
+        return "native" if kv_dtype == "auto" else kv_dtype
 
 
 SIM_PAYLOADS = ("auto", "true", "small")

@@ -4,7 +4,7 @@ One frame holds one full block: its token ids and the K/V of every layer. A fram
 map with exactly the fields of `FRAME_FIELDS`:
 
     v, model_fp, kv_format, block_size, num_layers, num_kv_heads, head_dim,  -- header
-    token_ids, parent, fmt, dtype, scales, payload, checksum
+    token_ids, parent, fmt, dtype, scales, comp, payload, checksum
 
 - `parent`: the chain hash of the previous block (the root for block 0); a reader that knows
   only the key's hash checks `chain_hash(parent, token_ids) == key_hash`.
@@ -12,14 +12,20 @@ map with exactly the fields of `FRAME_FIELDS`:
   `dtype`: the dtype of the tensors handed to the encoder (`float32`, `bfloat16`, `float16`).
 - `scales`: float32 per-(layer, token, head) scales, K's then V's, for `int8` / `fp8`; the
   compact format's float32 steps (store/quant.py); empty otherwise.
-- `payload`: zstd(bytes of K then V), each [num_layers, block_size, num_kv_heads, head_dim] in
-  the element type of `fmt` (fp8 e4m3 as its raw bytes); for `compact`, zstd of the sections
-  that store/quant.py lays out. The zstd frame records its size.
+- `comp`: how the payload is packed: `zstd` (one zstd frame that records its size) or `none`
+  (the bytes as they are). `COMPRESS` says which each format gets (the measurement behind it
+  is in docs/store_formats.md): only `compact`, whose bytes are made for an entropy coder,
+  pays its CPU back; the others save 0-8% of their bytes for more CPU than the transfer of
+  those bytes takes at 10 Gb/s.
+- `payload`: the bytes of K then V, each [num_layers, block_size, num_kv_heads, head_dim] in
+  the element type of `fmt` (fp8 e4m3 as its raw bytes), packed as `comp` says; for `compact`,
+  the sections that store/quant.py lays out, zstd-compressed.
 - `checksum`: xxh3-128 over msgpack([the header fields, token_ids, parent, fmt, dtype]) and
   then, in place (no copy, no re-pack), the scales' length, the scales and the payload. It
   guards the bytes against corruption at memory speed; identity stays with the SHA-256 chain
-  hash, which the reader checks against the key. `v` is FRAME_VERSION (2 since the checksum
-  became xxh3; a frame of another version is a miss).
+  hash, which the reader checks against the key. `v` is FRAME_VERSION (3 since `comp`); a
+  version-2 frame (the same fields without `comp`, its payload always zstd) still reads; a
+  frame of any other version is a miss.
 
 Invariants of `decode_block`:
 - it never raises, whatever the input bytes; every failure is a `Miss` with a reason from
@@ -28,7 +34,9 @@ Invariants of `decode_block`:
   `BlockMeta`, the scales and the decompressed payload have exactly the sizes the shape requires,
   and the token ids hash, under the frame's parent, to the key's hash;
 - it never unpickles and never decompresses more than the shape requires (the frame size, each
-  msgpack field and the zstd output are all bounded).
+  msgpack field and the zstd output are all bounded);
+- `dequantize=False` returns K/V (and scales) as stored, views of the frame's own bytes where
+  the payload is not compressed: read-only, no copy (the loader copies them into the cache).
 
 Byte order is the host's (little-endian on every supported platform).
 """
@@ -39,6 +47,7 @@ import dataclasses
 import functools
 import hmac
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, ParamSpec
@@ -52,13 +61,17 @@ from kvserve.shared.store import quant
 from kvserve.shared.store.hashing import SCHEMA_VERSION, BlockHash, chain_hash
 
 P = ParamSpec("P")
+# Uncompressed payloads are read in place, as tensors over the frame's immutable bytes, which
+# nothing writes into (torch warns once that it cannot mark such a tensor read-only).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 MAX_FRAME_BYTES: Final = 8 * 1024 * 1024
 MAX_TOKENS: Final = 4096  # upper bound on block_size a frame may carry
 MAX_STR_LEN: Final = 256
 HASH_LEN: Final = 32
 CHECKSUM_LEN: Final = 16
-FRAME_VERSION: Final = 2
+FRAME_VERSION: Final = 3
+READABLE_VERSIONS: Final = (2, 3)
 _UNHASHED: Final = frozenset({"scales", "payload", "checksum"})  # fed to the checksum in place
 ZSTD_LEVEL: Final = 3
 
@@ -94,9 +107,22 @@ FRAME_FIELDS: Final = (
     "fmt",
     "dtype",
     "scales",
+    "comp",
     "payload",
     "checksum",
 )
+# The fields of each readable version (2: no `comp`, the payload always zstd).
+_VERSION_FIELDS: Final = {2: tuple(n for n in FRAME_FIELDS if n != "comp"), 3: FRAME_FIELDS}
+COMPRESSIONS: Final = ("zstd", "none")
+# Whether each format's payload is zstd-compressed (docs/store_formats.md has the measurement).
+COMPRESS: Final[dict[str, bool]] = {
+    "native": False,
+    "bf16": False,
+    "fp16": False,
+    "int8": False,
+    "fp8": False,
+    "compact": True,
+}
 
 MissReason = Literal[
     "too_large",  # frame longer than MAX_FRAME_BYTES
@@ -107,7 +133,7 @@ MissReason = Literal[
     "wrong_format",  # kv_format differs from the reader's
     "wrong_block_size",  # block_size differs from the reader's
     "wrong_shape",  # num_layers / num_kv_heads / head_dim differ from the reader's
-    "bad_payload",  # scales or payload not of the size the shape requires, or not zstd
+    "bad_payload",  # scales or payload not of the size the shape requires, or not zstd (comp)
     "hash_mismatch",  # chain_hash(parent, token_ids) != the key's hash
     "internal_error",  # anything unforeseen: still a miss, never an exception
 ]
@@ -134,7 +160,8 @@ class BlockMeta:
 
 @dataclass(frozen=True)
 class DecodedBlock:
-    """A verified block: `k`, `v` float32 [num_layers, block_size, num_kv_heads, head_dim].
+    """A verified block: `k`, `v` float32 [num_layers, block_size, num_kv_heads, head_dim]
+    (with `decode_block(dequantize=False)`: as stored, possibly read-only views of the frame).
 
     `is_first` is True when the frame's parent is the root (block 0 of its chain)."""
 
@@ -157,8 +184,10 @@ class Miss:
 
 
 def frame_checksum(fields: dict[str, Any]) -> bytes:
-    """xxh3-128 over msgpack of the small fields, then the scales and payload bytes in place."""
-    h = xxhash.xxh3_128(msgpack.packb([fields[n] for n in FRAME_FIELDS if n not in _UNHASHED]))
+    """xxh3-128 over msgpack of the small fields (those of the frame's version), then the
+    scales and payload bytes in place."""
+    names = _VERSION_FIELDS.get(fields["v"], FRAME_FIELDS)
+    h = xxhash.xxh3_128(msgpack.packb([fields[n] for n in names if n not in _UNHASHED]))
     scales, payload = _raw_bytes(fields["scales"]), _raw_bytes(fields["payload"])
     h.update(len(scales).to_bytes(8, "little"))
     h.update(scales)
@@ -184,8 +213,11 @@ def _tensor_from(buf: bytes | bytearray | memoryview, dtype: torch.dtype, shape:
     return raw.view(dtype).view(shape)
 
 
-def _tensor_in(buf: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]):
-    """A tensor of `dtype` and `shape` over `buf`'s bytes from `offset`, without a copy."""
+def _tensor_in(
+    buf: bytes | bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor of `dtype` and `shape` over `buf`'s bytes from `offset`, without a copy (over
+    `bytes`, read-only: nothing writes into a frame)."""
     count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return (
         torch.frombuffer(buf, dtype=torch.uint8, count=count, offset=offset).view(dtype).view(shape)
@@ -220,19 +252,28 @@ def encode_block(
     parent: BlockHash,
     *,
     root: BlockHash | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    compress: bool | None = None,
 ) -> bytes:
     """One frame for the block whose tokens are `token_ids` and whose chain parent is `parent`
     (the previous block's hash, or the root for block 0).
 
     k, v: [num_layers, block_size, num_kv_heads, head_dim], float32 / bfloat16 / float16, the
-    same dtype. `root`, when given, tells the `compact` format that a block whose parent is the
-    root starts a sequence: its first token is the attention sink and is coded more finely (the
-    frame decodes the same either way). Raises ValueError on inputs that do not match `meta` or
-    are not finite for `compact` (a writer bug, not data).
+    same dtype; or, with `scales` (K's and V's, [num_layers, block_size, num_kv_heads]
+    float32), already quantized in the element type of `fmt` (int8 / fp8): an int8 / fp8
+    cache's own bytes, stored as they are (a reader with that cache gets them back bit for
+    bit). `root`, when given, tells the `compact` format that a block whose parent is the root
+    starts a sequence: its first token is the attention sink and is coded more finely (the
+    frame decodes the same either way). `compress`: zstd the payload (default: COMPRESS[fmt]).
+    Raises ValueError on inputs that do not match `meta` or are not finite for `compact` (a
+    writer bug, not data).
     """
-    _check_block(meta, token_ids, k, v, fmt, parent)
+    _check_block(meta, token_ids, k, v, fmt, parent, scales)
     first = root is not None and bytes(parent) == bytes(root)
-    scales, payload = _encode_payload(k, v, fmt, first)
+    compress = COMPRESS[fmt] if compress is None else compress
+    if fmt == "compact" and not compress:
+        raise ValueError("encode_block: the compact format is always compressed")
+    scale_bytes, payload = _encode_payload(k, v, fmt, first, scales, compress)
     fields: dict[str, Any] = {
         "v": FRAME_VERSION,
         "model_fp": meta.model_fp,
@@ -244,8 +285,9 @@ def encode_block(
         "token_ids": [int(t) for t in token_ids],
         "parent": bytes(parent),
         "fmt": fmt,
-        "dtype": _DTYPE_NAMES[k.dtype],
-        "scales": scales,
+        "dtype": "float32" if scales is not None else _DTYPE_NAMES[k.dtype],
+        "scales": scale_bytes,
+        "comp": "zstd" if compress else "none",
         "payload": payload,
     }
     fields["checksum"] = frame_checksum(fields)
@@ -262,12 +304,18 @@ def _check_block(
     v: torch.Tensor,
     fmt: str,
     parent: BlockHash,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"encode_block: unknown format {fmt!r}")
     if k.shape != meta.block_shape or v.shape != meta.block_shape:
         raise ValueError(f"encode_block: k/v shape {tuple(k.shape)} != {meta.block_shape}")
-    if k.dtype != v.dtype or k.dtype not in _DTYPE_NAMES:
+    if scales is not None:
+        if fmt not in _QUANTIZED or k.dtype != _FMT_DTYPES[fmt] or v.dtype != k.dtype:
+            raise ValueError(f"encode_block: quantized k/v must be {fmt}'s element type")
+        if any(s.shape != meta.block_shape[:3] or s.dtype != torch.float32 for s in scales):
+            raise ValueError("encode_block: scales must be float32 [layers, tokens, heads]")
+    elif k.dtype != v.dtype or k.dtype not in _DTYPE_NAMES:
         raise ValueError(f"encode_block: unsupported k/v dtypes {k.dtype}, {v.dtype}")
     if len(token_ids) != meta.block_size or not all(0 <= t < 2**32 for t in token_ids):
         raise ValueError("encode_block: need block_size token ids in [0, 2**32)")
@@ -275,13 +323,24 @@ def _check_block(
         raise ValueError("encode_block: parent must be a 32-byte block hash")
 
 
-def _encode_payload(k: torch.Tensor, v: torch.Tensor, fmt: str, first: bool) -> tuple[bytes, bytes]:
-    """(scales, zstd payload) of K and V in `fmt`; `compact` codes its own payload."""
+def _encode_payload(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fmt: str,
+    first: bool,
+    stored_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    compress: bool,
+) -> tuple[bytes, bytes]:
+    """(scales, payload) of K and V in `fmt`, the payload zstd-compressed if `compress`;
+    `compact` codes (and compresses) its own payload."""
     if fmt == "compact":
         block = quant.encode(k, v, first=first)
         return block.scales, block.payload
     scales = b""
-    if fmt in _QUANTIZED:
+    if stored_scales is not None:
+        raw = _tensor_bytes(k) + _tensor_bytes(v)
+        scales = _tensor_bytes(stored_scales[0]) + _tensor_bytes(stored_scales[1])
+    elif fmt in _QUANTIZED:
         qdtype = _FMT_DTYPES[fmt]
         kq, ks = quantize_kv(k, qdtype)
         vq, vs = quantize_kv(v, qdtype)
@@ -291,6 +350,8 @@ def _encode_payload(k: torch.Tensor, v: torch.Tensor, fmt: str, first: bool) -> 
         raw = _tensor_bytes(k) + _tensor_bytes(v)
     else:
         raw = _tensor_bytes(k.to(_FMT_DTYPES[fmt])) + _tensor_bytes(v.to(_FMT_DTYPES[fmt]))
+    if not compress:
+        return scales, raw
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
     return scales, cctx.compress(raw)
 
@@ -299,9 +360,10 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_types(obj: object) -> dict[str, Any] | None:
-    """The frame's fields if `obj` is a map of exactly FRAME_FIELDS with the right types."""
-    if not isinstance(obj, dict) or set(obj) != set(FRAME_FIELDS):
+def _check_types(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The frame's fields if `obj` is a map of exactly its version's fields with the right
+    types (a version-2 frame gets `comp` = "zstd")."""
+    if set(obj) != set(_VERSION_FIELDS[obj["v"]]):
         return None
     if not all(_is_int(obj[n]) for n in ("v", "block_size", "num_layers", "num_kv_heads")):
         return None
@@ -317,6 +379,10 @@ def _check_types(obj: object) -> dict[str, Any] | None:
     if len(obj["parent"]) != HASH_LEN or len(obj["checksum"]) != CHECKSUM_LEN:
         return None
     if obj["fmt"] not in FORMATS or obj["dtype"] not in NATIVE_DTYPES:
+        return None
+    if obj["v"] == 2:  # before `comp`: every payload was zstd
+        obj["comp"] = "zstd"
+    elif obj["comp"] not in COMPRESSIONS:
         return None
     return obj
 
@@ -393,7 +459,9 @@ def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[s
     except Exception:  # msgpack raises ValueError / its own errors / TypeError on bad input
         return Miss("not_msgpack")
     # The version is checked first: another version may define its fields differently.
-    if not isinstance(obj, dict) or obj.get("v") != FRAME_VERSION:
+    if not isinstance(obj, dict) or obj.get("v") not in READABLE_VERSIONS:
+        return Miss("bad_schema")
+    if not _is_int(obj["v"]):  # True == 1, 3.0 == 3
         return Miss("bad_schema")
     f = _check_types(obj)
     return Miss("bad_schema") if f is None else f
@@ -415,15 +483,18 @@ def _identity_miss(f: dict[str, Any], expected: BlockMeta) -> Miss | None:
     return None
 
 
-def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytearray | Miss:
-    """The payload's raw bytes, decompressed straight into a buffer of exactly the format's
-    size for this shape (the frame's declared size is checked first: nothing larger is ever
-    allocated or written). The payload must be one zstd frame of exactly that size: a frame
-    that decodes past its declared size, or anything decodable after it, is a miss once one
-    byte too many has come out. zstd's own window is bounded too (`_max_window`)."""
+def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytes | bytearray | Miss:
+    """The payload's raw bytes: as they are when not compressed (exactly the format's size for
+    this shape), else decompressed straight into a buffer of exactly that size (the frame's
+    declared size is checked first: nothing larger is ever allocated or written). A compressed
+    payload must be one zstd frame of exactly that size: a frame that decodes past its declared
+    size, or anything decodable after it, is a miss once one byte too many has come out.
+    zstd's own window is bounded too (`_max_window`)."""
     scales_len, raw_len = _sizes(f["fmt"], NATIVE_DTYPES[f["dtype"]], shape)
     if len(f["scales"]) != scales_len:
         return Miss("bad_payload")
+    if f["comp"] == "none":
+        return f["payload"] if len(f["payload"]) == raw_len else Miss("bad_payload")
     buf = bytearray(raw_len)
     try:
         if zstandard.frame_content_size(f["payload"]) != raw_len:
@@ -449,13 +520,14 @@ def _max_window(raw_len: int) -> int:
 
 def _tensors(
     f: dict[str, Any],
-    raw: bytearray,
+    raw: bytes | bytearray,
     shape: tuple[int, int, int, int],
     root: BlockHash,
     dequantize: bool = True,
 ) -> DecodedBlock | Miss:
-    """K and V as float32 from the payload in the frame's format (views of `raw` where the
-    stored type is float32 already: no copy)."""
+    """K and V as float32 from the payload in the frame's format (views of a decompressed
+    `raw` where the stored type is float32 already; copies of the frame's own bytes), or with
+    `dequantize=False` as stored (views of `raw`, read-only where it is the frame's bytes)."""
     fmt, native = f["fmt"], NATIVE_DTYPES[f["dtype"]]
     if fmt == "compact":
         kv = quant.decode(f["scales"], bytes(raw), _compact_layout(shape))
@@ -474,8 +546,9 @@ def _tensors(
             return dataclasses.replace(_block(f, k, v, root), scales=s)
         k = dequantize_kv(k, s[0], torch.float32)
         v = dequantize_kv(v, s[1], torch.float32)
-    else:
-        k, v = k.float(), v.float()
+    elif dequantize:
+        copy = isinstance(raw, bytes) and stored == torch.float32  # never a view of the frame
+        k, v = (k.clone(), v.clone()) if copy else (k.float(), v.float())
     return _block(f, k, v, root)
 
 

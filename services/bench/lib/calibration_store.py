@@ -93,7 +93,7 @@ def measure_store(make: Callable[[], Engine], grid: Grid) -> StoreMeasure:
     conn = a.kv.connector
     assert conn is not None
     frame_bytes = conn.encoded_bytes / conn.encoded_tokens
-    fmt = a.config.store.frame_format
+    fmt = a.config.store.frame_format(a.config.cache.kv_dtype)
     prompts = [p + d.tokens(SUFFIX) for p in prefixes]
     a.close()
     del a, d  # A's cache goes before B's is made

@@ -33,6 +33,11 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if kv_dtype == "auto" else QUANTIZED_KV_DTYPES[kv_dtype]
 
 
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """CacheConfig.kv_dtype of a cache of `dtype`: "int8" / "fp8", or "auto" (the model's)."""
+    return next((n for n, d in QUANTIZED_KV_DTYPES.items() if d == dtype), "auto")
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V (and scales, when quantized) one token occupies across all layers."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -219,8 +224,13 @@ class KVCache:
     ) -> None:
         """Overwrite `blocks` with k, v [num_layers, len(blocks), block_size, num_kv_heads,
         head_dim] in the cache dtype (and, for int8 / fp8 caches, their scales [num_layers,
-        len(blocks), block_size, num_kv_heads]): one copy per layer. Touches only those
+        len(blocks), block_size, num_kv_heads]): one copy per layer. A float cache also takes
+        int8 / fp8 k, v with their scales: dequantized on the way in, straight into the blocks
+        when they are consecutive, else through a small per-layer buffer. Touches only those
         blocks, so a store load's worker threads write while the engine runs others."""
+        if not self.quantized and k_scale is not None and v_scale is not None:
+            self._dequantize_into(blocks, k, v, k_scale, v_scale)
+            return
         dev = self.k[0].device
         idx = torch.tensor(list(blocks), dtype=torch.long, device=dev)
 
@@ -236,6 +246,41 @@ class KVCache:
         if self.quantized:
             scatter(self.k_scale, k_scale)
             scatter(self.v_scale, v_scale)
+
+    def _dequantize_into(
+        self,
+        blocks: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+    ) -> None:
+        dev = self.k[0].device
+        first, n = blocks[0], len(blocks)
+        consecutive = list(blocks) == list(range(first, first + n))
+        idx = None if consecutive else torch.tensor(list(blocks), dtype=torch.long, device=dev)
+        buf = None if consecutive else _layer_buffer((n, *self.k[0].shape[1:]), self.dtype, dev)
+        for caches, q, scale in ((self.k, k, k_scale), (self.v, v, v_scale)):
+            q, scale = q.to(dev), scale.to(dev)
+            for layer, t in enumerate(caches):
+                out = t[first : first + n] if buf is None else buf
+                out.copy_(q[layer])
+                out.mul_(scale[layer].unsqueeze(-1))
+                if idx is not None:
+                    t.index_copy_(0, idx, out)
+
+
+_buffers = threading.local()  # each writing thread's dequantization buffer
+
+
+def _layer_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This thread's buffer of one layer's worth of blocks (reused: it stays in the CPU's cache)."""
+    key = (shape, dtype, device)
+    if getattr(_buffers, "key", None) != key:
+        _buffers.key = key
+        _buffers.t = torch.empty(shape, dtype=dtype, device=device)
+    buf: torch.Tensor = _buffers.t
+    return buf
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -50,9 +50,15 @@ from typing import Any
 
 import torch
 from kvserve.shared.engine.kv.latency import LatencyStats
-from kvserve.shared.engine.kv.load import BatchLoader, LoadedBatch, LoadJob, WriteStacked
+from kvserve.shared.engine.kv.load import (
+    BatchLoader,
+    LoadedBatch,
+    LoadJob,
+    WriteStacked,
+    block_data,
+)
 from kvserve.shared.store.base import BlockStore
-from kvserve.shared.store.block_data import BlockData, KVTail
+from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData, KVTail
 from kvserve.shared.store.codec import BlockMeta, Miss, decode_block, encode_block
 from kvserve.shared.store.hashing import BlockHash, padded_tail, tail_hash, tail_parent
 
@@ -65,6 +71,7 @@ TAIL_TTL_S = 30  # an abandoned hand-off's tail key expires after this
 # the sequence parked for a step) outweigh one block's prefill (bench store --parts breakeven:
 # 38-48 ms to load one block against 25-28 ms to recompute it; loading wins from 4 blocks).
 MIN_FETCH_BLOCKS = 2
+_FORMAT_OF = {dtype: name for name, dtype in QUANTIZED_KV_DTYPES.items()}  # int8 / fp8 caches
 LOOKUP_OUTCOMES = ("hit", "absent", "recompute", "timeout", "evicted", "corrupt",
                    "wrong_identity", "unavailable", "breaker_open")  # fmt: skip
 # Codec misses of a frame that is damaged (the rest name another block's identity).
@@ -192,9 +199,8 @@ class StoreConnector:
         """Write a prompt's tail block (in the store's format) under its per-request key;
         blocking."""
         bs = self.meta.block_size
-        k, v = tail.data.to_float()
         toks = padded_tail(tail.token_ids, bs)
-        frame = encode_block(self.meta, toks, k, v, self.fmt, tail_parent(request_id))
+        frame = self._frame(toks, tail.data, tail_parent(request_id), None)
         h = tail_hash(request_id, tail.token_ids, bs)
         coro = self._timed("put", self.store.put_many([(h, frame)], ttl_s=TAIL_TTL_S))
         return bool(asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout))
@@ -221,11 +227,11 @@ class StoreConnector:
             self.counters["tail_misses"] += 1
             return None
         await self.store.delete([h])
-        got = decode_block(frame, self.meta, h, tail_parent(request_id))
+        got = decode_block(frame, self.meta, h, tail_parent(request_id), dequantize=False)
         if isinstance(got, Miss):
             self.miss_reasons[got.reason] += 1
             return None
-        return KVTail(list(token_ids), BlockData.from_float(got.k, got.v, self.cache_dtype))
+        return KVTail(list(token_ids), block_data(got, self.cache_dtype))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued block has been written (or skipped). False on timeout."""
@@ -289,12 +295,27 @@ class StoreConnector:
         self.counters["published_blocks"] += written
         self.counters["skipped_writes"] += len(batch) - written
 
+    def _frame(
+        self, token_ids: list[int], data: BlockData, parent: BlockHash, root: BlockHash | None
+    ) -> bytes:
+        """The block's frame in the store's format: an int8 / fp8 cache's own bytes and scales
+        when the format is the cache's, else from its K/V as floats."""
+        if (
+            data.k_scale is not None
+            and data.v_scale is not None
+            and self.fmt == _FORMAT_OF.get(self.cache_dtype)
+        ):
+            scales = (data.k_scale, data.v_scale)
+            return encode_block(
+                self.meta, token_ids, data.k, data.v, self.fmt, parent, scales=scales
+            )
+        k, v = data.to_float()
+        return encode_block(self.meta, token_ids, k, v, self.fmt, parent, root=root)
+
     def _encode(self, batch: list[BlockWrite]) -> list[tuple[BlockHash, bytes]]:
         out = []
         for p in batch:
-            k, v = p.data.to_float()
-            root = p.parent if p.first else None
-            frame = encode_block(self.meta, p.token_ids, k, v, self.fmt, p.parent, root=root)
+            frame = self._frame(p.token_ids, p.data, p.parent, p.parent if p.first else None)
             self.encoded_bytes += len(frame)
             self.encoded_tokens += len(p.token_ids)
             out.append((p.h, frame))
@@ -392,7 +413,7 @@ class StoreConnector:
         verification and decoding overlap, and run on every core). `res.loaded`: the leading
         run written, up to the first missing or bad frame (deleted from the store)."""
 
-        loader = BatchLoader(self.meta, self.cache_dtype, root, write, job)
+        loader = BatchLoader(self.meta, self.cache_dtype, root, write, job, self.fmt)
 
         async def batch(i: int) -> LoadedBatch:
             part = hashes[i : i + FETCH_BATCH]
@@ -404,6 +425,8 @@ class StoreConnector:
 
         done = await asyncio.gather(*(batch(i) for i in range(0, len(hashes), FETCH_BATCH)))
         res.timings["decode_cpu_s"] = sum(d.seconds for d in done)
+        res.timings["verify_cpu_s"] = sum(d.verify_s for d in done)
+        res.timings["write_cpu_s"] = sum(d.write_s for d in done)
         res.outcome, res.loaded = "hit", 0
         for d in done:
             res.loaded += d.written

@@ -1,9 +1,12 @@
 """A store load's writes into the engine's cache blocks, on the loader threads.
 
-Each fetched batch is verified and decoded (`BatchLoader.write`), an int8 / fp8 frame
-dequantized straight into a staging buffer in the cache's dtype (each thread reuses its own),
-and written with one copy per layer, under a LoadJob: once stopped, no write starts, and once
-quiescent none is running, so the engine may give the blocks to someone else.
+Each fetched batch is verified (`BatchLoader.write`) and its blocks gathered, as stored, into
+a staging buffer (each thread reuses its own): an int8 / fp8 frame's bytes and scales as they
+are, a float frame's K/V in the cache's dtype. The batch is then written with one copy per
+layer, under a LoadJob: once stopped, no write starts, and once quiescent none is running, so
+the engine may give the blocks to someone else. An int8 / fp8 cache takes its own format's
+frames as a byte copy (bit-exact with what the engine wrote); a float cache dequantizes them
+on the way in (KVCache.write_stacked); anything else is converted block by block.
 """
 
 from __future__ import annotations
@@ -14,25 +17,81 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from kvserve.kernels.reference import dequantize_kv
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
-from kvserve.shared.store.codec import BlockMeta, Miss, decode_block
+from kvserve.shared.store.codec import BlockMeta, DecodedBlock, Miss, decode_block
 from kvserve.shared.store.hashing import BlockHash
 
 # KVCache.write_stacked: (blocks, k, v, k_scale, v_scale), K/V [num_layers, n, ...].
 WriteStacked = Callable[
     [list[int], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None
 ]
-_staging = threading.local()  # each load thread's reusable K/V buffers
+_staging = threading.local()  # each load thread's reusable staging buffers
 
 
-def _buffers(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """This thread's K and V staging buffers of `shape` (reused: no fresh pages per batch)."""
-    key = (shape, dtype)
+def _buffers(shape: tuple[int, ...], dtype: torch.dtype, scales: bool) -> Staging:
+    """This thread's staging buffers of `shape` (reused: no fresh pages per batch)."""
+    key = (shape, dtype, scales)
     if getattr(_staging, "key", None) != key:
         _staging.key = key
-        _staging.kv = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-    kv: tuple[torch.Tensor, torch.Tensor] = _staging.kv
-    return kv
+        raw = torch.uint8 if dtype == torch.float8_e4m3fn else dtype
+        k, v = (torch.empty(shape, dtype=raw).view(dtype) for _ in range(2))
+        s = torch.empty((2, *shape[:-1]), dtype=torch.float32) if scales else None
+        _staging.buffers = Staging(k, v, s)
+    staging: Staging = _staging.buffers
+    return staging
+
+
+@dataclass(frozen=True)
+class Staging:
+    """K and V [num_layers, n, block_size, num_kv_heads, head_dim] as stored (an int8 / fp8
+    frame's element type, with `scales` [2, num_layers, n, block_size, num_kv_heads]) or in a
+    float dtype (`scales` None)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: torch.Tensor | None
+
+    def put(self, j: int, block: DecodedBlock) -> None:
+        """Block j of the batch from a verified frame, converted to the staging's form."""
+        if self.scales is None:
+            for out, stored, i in ((self.k, block.k, 0), (self.v, block.v, 1)):
+                out[:, j].copy_(stored)
+                if block.scales is not None:
+                    out[:, j].mul_(block.scales[i].unsqueeze(-1))
+            return
+        k, v, scales = block.k, block.v, block.scales
+        if scales is None or k.dtype != self.k.dtype:  # another format: quantize it here
+            data = BlockData.from_float(*_as_float(block), self.k.dtype)
+            assert data.k_scale is not None and data.v_scale is not None
+            k, v, scales = data.k, data.v, torch.stack([data.k_scale, data.v_scale])
+        _raw(self.k[:, j]).copy_(_raw(k))
+        _raw(self.v[:, j]).copy_(_raw(v))
+        self.scales[:, :, j].copy_(scales)
+
+
+def block_data(block: DecodedBlock, dtype: torch.dtype) -> BlockData:
+    """A verified block (decoded with dequantize=False) as a cache of `dtype` holds it: an
+    int8 / fp8 frame of that dtype as stored (copied), anything else through floats."""
+    if block.scales is not None and block.k.dtype == dtype:
+        k, v, s = (_raw(t).clone().view(t.dtype) for t in (block.k, block.v, block.scales))
+        return BlockData(k, v, s[0], s[1])
+    return BlockData.from_float(*_as_float(block), dtype)
+
+
+def _as_float(block: DecodedBlock) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 copies of the block's K and V (never views of the frame)."""
+    if block.scales is None:
+        return block.k.to(torch.float32, copy=True), block.v.to(torch.float32, copy=True)
+    return (
+        dequantize_kv(block.k, block.scales[0], torch.float32),
+        dequantize_kv(block.v, block.scales[1], torch.float32),
+    )
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 as uint8 (CPU torch cannot copy between fp8 views); anything else as is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 class LoadJob:
@@ -75,19 +134,23 @@ class LoadedBatch:
     written: int = 0
     miss: str | None = None
     bad: BlockHash | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the batch's time on its thread: verify_s + write_s
+    verify_s: float = 0.0  # verification and gathering into the staging buffer
+    write_s: float = 0.0  # copies (and dequantization) into the cache blocks
 
 
 @dataclass(frozen=True)
 class BatchLoader:
     """Verifies one load's fetched batches and writes them into the engine's cache blocks,
-    from the loader threads; every write runs under `job` (none starts once it is stopped)."""
+    from the loader threads; every write runs under `job` (none starts once it is stopped).
+    `fmt` is the store's frame format: an int8 / fp8 one is staged as stored."""
 
     meta: BlockMeta
     cache_dtype: torch.dtype
     root: BlockHash  # the chain's root, which block 0's frame names as its parent
     write_stacked: WriteStacked
     job: LoadJob
+    fmt: str = "native"
 
     def write(
         self, hashes: list[BlockHash], frames: list[bytes | None], dst: list[int]
@@ -95,32 +158,36 @@ class BatchLoader:
         """Verify each frame, up to the first missing or bad one, and write those blocks into
         theirs (a worker thread: it touches only its own blocks)."""
         t0 = time.perf_counter()
-        quantized = self.cache_dtype in QUANTIZED_KV_DTYPES.values()
-        L, *rest = self.meta.block_shape
-        k, v = _buffers(
-            (L, len(hashes), *rest), self.cache_dtype if not quantized else torch.float32
-        )
-        got = self._decode(hashes, frames, k, v)
+        staging = self._staging(len(hashes))
+        got = self._decode(hashes, frames, staging)
+        t1 = time.perf_counter()
         n = got.written
         if n and self.job.begin():
             try:
-                self._write(dst[:n], k[:, :n], v[:, :n], quantized)
+                self._write(dst[:n], staging, n)
             finally:
                 self.job.end()
         elif n:
             got.written, got.miss, got.bad = 0, "stopped", None
-        got.seconds = time.perf_counter() - t0
+        t2 = time.perf_counter()
+        got.seconds, got.verify_s, got.write_s = t2 - t0, t1 - t0, t2 - t1
         return got
 
+    def _staging(self, n: int) -> Staging:
+        """Frames of an int8 / fp8 format stay as stored unless the cache is quantized
+        otherwise; float frames are staged in the cache's dtype (float32 for a quantized one)."""
+        L, *rest = self.meta.block_shape
+        shape = (L, n, *rest)
+        stored = QUANTIZED_KV_DTYPES.get(self.fmt)
+        quantized_cache = self.cache_dtype in QUANTIZED_KV_DTYPES.values()
+        if stored is not None and (not quantized_cache or stored == self.cache_dtype):
+            return _buffers(shape, stored, scales=True)
+        return _buffers(shape, torch.float32 if quantized_cache else self.cache_dtype, False)
+
     def _decode(
-        self,
-        hashes: list[BlockHash],
-        frames: list[bytes | None],
-        k: torch.Tensor,  # [num_layers, len(hashes), block_size, num_kv_heads, head_dim]
-        v: torch.Tensor,
+        self, hashes: list[BlockHash], frames: list[bytes | None], staging: Staging
     ) -> LoadedBatch:
-        """The leading verified frames' K/V into k[:, j], v[:, j] (an int8 / fp8 frame
-        dequantized there, in the buffers' dtype)."""
+        """The leading verified frames' blocks into the staging's column j."""
         got = LoadedBatch()
         for j, (h, frame) in enumerate(zip(hashes, frames, strict=True)):
             if frame is None:
@@ -130,23 +197,22 @@ class BatchLoader:
             if isinstance(decoded, Miss):
                 got.miss, got.bad = decoded.reason, h
                 break
-            for out, stored, i in ((k, decoded.k, 0), (v, decoded.v, 1)):
-                out[:, j].copy_(stored)
-                if decoded.scales is not None:
-                    out[:, j].mul_(decoded.scales[i].unsqueeze(-1))
+            staging.put(j, decoded)
             got.written += 1
         return got
 
-    def _write(self, dst: list[int], k: torch.Tensor, v: torch.Tensor, quantized: bool) -> None:
-        """One copy per layer into the cache; a quantized cache takes the blocks requantized
-        to its own scales."""
-        if not quantized:
+    def _write(self, dst: list[int], staging: Staging, n: int) -> None:
+        """One copy per layer into the cache (a float cache dequantizes int8 / fp8 on the
+        way in); a quantized cache given float blocks takes them quantized block by block."""
+        k, v, s = staging.k[:, :n], staging.v[:, :n], staging.scales
+        if s is not None:
+            self.write_stacked(dst, k, v, s[0, :, :n], s[1, :, :n])
+        elif self.cache_dtype not in QUANTIZED_KV_DTYPES.values():
             self.write_stacked(dst, k, v, None, None)
-            return
-        n = len(dst)
-        blocks = [BlockData.from_float(k[:, j], v[:, j], self.cache_dtype) for j in range(n)]
-        ks = torch.stack([b.k_scale for b in blocks if b.k_scale is not None], 1)
-        vs = torch.stack([b.v_scale for b in blocks if b.v_scale is not None], 1)
-        kq = torch.stack([b.k for b in blocks], 1)
-        vq = torch.stack([b.v for b in blocks], 1)
-        self.write_stacked(dst, kq, vq, ks, vs)
+        else:
+            blocks = [BlockData.from_float(k[:, j], v[:, j], self.cache_dtype) for j in range(n)]
+            ks = torch.stack([b.k_scale for b in blocks if b.k_scale is not None], 1)
+            vs = torch.stack([b.v_scale for b in blocks if b.v_scale is not None], 1)
+            kq = torch.stack([b.k for b in blocks], 1)
+            vq = torch.stack([b.v for b in blocks], 1)
+            self.write_stacked(dst, kq, vq, ks, vs)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.shared.config import DEFAULT_STORE, StoreConfig, cache_dir
-from kvserve.shared.engine.kv.cache import KVCache
+from kvserve.shared.engine.kv.cache import KVCache, kv_dtype_name
 from kvserve.shared.engine.kv.connector import BlockWrite, FetchResult, StoreConnector
 from kvserve.shared.engine.kv.events import TierLog
 from kvserve.shared.engine.kv.fetches import StoreFetches
@@ -94,7 +94,7 @@ class KVCacheManager:
             self.connector = StoreConnector(
                 open_backend(store_url(url)),
                 identity.meta,
-                store.frame_format,
+                store.frame_format(kv_dtype_name(cache.dtype)),
                 cache.dtype,
                 store.write_queue_blocks,
                 store.fetch_timeout_s,

@@ -185,8 +185,75 @@ def test_non_bytes_input_misses() -> None:
 
 def test_another_frame_version_misses() -> None:
     """Version 1 frames (SHA-256 over a re-pack of every field) are misses, not misreads."""
-    assert msgpack.unpackb(FRAMES["native"], raw=False)["v"] == FRAME_VERSION == 2
+    assert msgpack.unpackb(FRAMES["native"], raw=False)["v"] == FRAME_VERSION == 3
     _miss(decode_block(_resign(FRAMES["native"], v=1), META, KEY, ROOT), "bad_schema")
+    _miss(decode_block(_resign(FRAMES["native"], v=4), META, KEY, ROOT), "bad_schema")
+    _miss(decode_block(_resign(FRAMES["native"], v=3.0), META, KEY, ROOT), "bad_schema")
+
+
+def _version_2(frame: bytes) -> bytes:
+    """The frame as version 2 wrote it: no `comp` field, the payload always zstd."""
+    fields = msgpack.unpackb(frame, raw=False)
+    if fields.pop("comp") == "none":
+        cctx = zstandard.ZstdCompressor(level=3, write_content_size=True)
+        fields["payload"] = cctx.compress(fields["payload"])
+    fields["v"] = 2
+    fields["checksum"] = frame_checksum(fields)
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_version_2_frames_still_read(fmt: str) -> None:
+    new = decode_block(FRAMES[fmt], META, KEY, ROOT)
+    old = decode_block(_version_2(FRAMES[fmt]), META, KEY, ROOT)
+    assert isinstance(new, DecodedBlock) and isinstance(old, DecodedBlock)
+    assert torch.equal(new.k, old.k) and torch.equal(new.v, old.v)
+    # A version-2 frame with a `comp` field is not a version-2 frame.
+    fields = msgpack.unpackb(_version_2(FRAMES[fmt]), raw=False)
+    fields["comp"] = "zstd"
+    _miss(decode_block(msgpack.packb(fields, use_bin_type=True), META, KEY, ROOT), "bad_schema")
+
+
+@pytest.mark.parametrize("fmt", ["native", "fp16", "int8", "fp8"])
+def test_compressed_and_plain_payloads_decode_the_same(fmt: str) -> None:
+    frames = [encode_block(META, TOKENS, K, V, fmt, ROOT, compress=c) for c in (True, False)]
+    comps = [msgpack.unpackb(f, raw=False)["comp"] for f in frames]
+    assert comps == ["zstd", "none"]
+    a, b = (decode_block(f, META, KEY, ROOT) for f in frames)
+    assert isinstance(a, DecodedBlock) and isinstance(b, DecodedBlock)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+def test_comp_must_match_the_payload() -> None:
+    plain = encode_block(META, TOKENS, K, V, "int8", ROOT, compress=False)
+    packed = encode_block(META, TOKENS, K, V, "int8", ROOT, compress=True)
+    _miss(decode_block(_resign(plain, comp="zstd"), META, KEY, ROOT), "bad_payload")
+    _miss(decode_block(_resign(packed, comp="none"), META, KEY, ROOT), "bad_payload")
+    _miss(decode_block(_resign(plain, comp="lz4"), META, KEY, ROOT), "bad_schema")
+    _miss(decode_block(_resign(plain, comp=1), META, KEY, ROOT), "bad_schema")
+    with pytest.raises(ValueError, match="compact"):
+        encode_block(META, TOKENS, K, V, "compact", ROOT, compress=False)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_quantized_cache_block_round_trips_bit_exactly(fmt: str) -> None:
+    """An int8 / fp8 cache's own bytes and scales go into the frame as they are and come back
+    as they were: no widening, no requantization."""
+    qdtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(3)
+    q = [torch.randint(-127, 128, META.block_shape, generator=g, dtype=torch.int8)] * 2
+    if fmt == "fp8":
+        q = [torch.randn(META.block_shape, generator=g).to(qdtype) for _ in range(2)]
+    scales = tuple(torch.rand(META.block_shape[:3], generator=g) for _ in range(2))
+    frame = encode_block(META, TOKENS, q[0], q[1], fmt, ROOT, scales=scales)
+    out = decode_block(frame, META, KEY, ROOT, dequantize=False)
+    assert isinstance(out, DecodedBlock) and out.scales is not None
+    assert out.k.dtype == qdtype
+    assert torch.equal(out.k.view(torch.uint8), q[0].view(torch.uint8))
+    assert torch.equal(out.v.view(torch.uint8), q[1].view(torch.uint8))
+    assert torch.equal(out.scales[0], scales[0]) and torch.equal(out.scales[1], scales[1])
+    with pytest.raises(ValueError, match="element type"):
+        encode_block(META, TOKENS, K, V, fmt, ROOT, scales=scales)
 
 
 def test_extra_or_missing_field_misses() -> None:
@@ -242,7 +309,7 @@ def test_tokens_that_do_not_hash_to_the_key_miss() -> None:
 
 
 def test_bad_payload_misses() -> None:
-    good = FRAMES["int8"]
+    good = encode_block(META, TOKENS, K, V, "int8", ROOT, compress=True)
     fields = msgpack.unpackb(good, raw=False)
     raw = zstandard.ZstdDecompressor().decompress(fields["payload"])
     cctx = zstandard.ZstdCompressor()
@@ -259,6 +326,10 @@ def test_bad_payload_misses() -> None:
     ):
         _miss(decode_block(_resign(good, **change), META, KEY, ROOT), "bad_payload")
     _miss(decode_block(_resign(FRAMES["fp16"], scales=b"\x00" * 4), META, KEY, ROOT), "bad_payload")
+    plain = FRAMES["int8"]
+    payload = msgpack.unpackb(plain, raw=False)["payload"]
+    for bad in (payload[:-1], payload + b"\x00", b""):
+        _miss(decode_block(_resign(plain, payload=bad), META, KEY, ROOT), "bad_payload")
 
 
 # --- decompression bombs ----------------------------------------------------------------------
@@ -288,14 +359,18 @@ def _rle_frame(expands_to: int, declared: int | None, window_log: int = 17) -> b
     return header + b"".join(blocks)
 
 
+ZSTD_INT8 = encode_block(META, TOKENS, K, V, "int8", ROOT, compress=True)
+
+
 def _int8_frame_with(payload: bytes) -> bytes:
-    return _resign(FRAMES["int8"], payload=payload)
+    """META's int8 frame with a zstd payload of our own."""
+    return _resign(ZSTD_INT8, payload=payload)
 
 
 def bomb_frames() -> dict[str, bytes]:
     """zstd payloads for META's int8 frame: ones that decode past the 180 KiB it needs (most to
     1 GiB), and an honest one of zeros (`exact`)."""
-    good = msgpack.unpackb(FRAMES["int8"], raw=False)["payload"]
+    good = msgpack.unpackb(ZSTD_INT8, raw=False)["payload"]
     return {
         "declares_its_size_then_expands_further": _rle_frame(GIB, INT8_RAW),
         "declares_no_size": _rle_frame(GIB, None),

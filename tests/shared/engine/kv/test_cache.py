@@ -106,3 +106,25 @@ def test_exit_stops_every_background_population() -> None:
 def test_an_unknown_populate_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="populate must be one of"):
         KVCache(CONFIG, 4, 16, torch.float32, populate="soon")
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("blocks", [[3, 4, 5], [6, 1, 4]], ids=["consecutive", "scattered"])
+def test_a_float_cache_dequantizes_stacked_blocks_into_place(qdtype, blocks) -> None:  # type: ignore[no-untyped-def]
+    """write_stacked of int8 / fp8 K/V with scales: each block holds exactly
+    dequantize_kv of its own, and no other block changes."""
+    from kvserve.kernels.reference import dequantize_kv
+
+    config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    cache = KVCache(config, num_blocks=8, block_size=4, dtype=torch.float32, populate="lazy")
+    g = torch.Generator().manual_seed(0)
+    shape = (2, len(blocks), 4, config.num_kv_heads, config.head_dim)
+    k, v = (torch.randn(shape, generator=g).mul(50).to(qdtype) for _ in range(2))
+    ks, vs = (torch.rand(shape[:-1], generator=g) for _ in range(2))
+    cache.write_stacked(blocks, k, v, ks, vs)
+    got = cache.read_blocks(blocks)
+    for j, block in enumerate(got):
+        assert torch.equal(block.k, dequantize_kv(k[:, j], ks[:, j], torch.float32))
+        assert torch.equal(block.v, dequantize_kv(v[:, j], vs[:, j], torch.float32))
+    others = [b for b in range(8) if b not in blocks]
+    assert all(not b.k.any() and not b.v.any() for b in cache.read_blocks(others))

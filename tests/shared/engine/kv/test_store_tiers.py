@@ -13,6 +13,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgpack
+import pytest
+import torch
 from kvserve.shared.config import StoreConfig
 from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.sampling_params import SamplingParams
@@ -431,38 +434,53 @@ def test_a_single_stored_block_is_recomputed(make_engine, prompts, tmp_path: Pat
         b.close()
 
 
-def test_int8_frames_are_dequantized_straight_into_the_cache_blocks(  # type: ignore[no-untyped-def]
-    make_engine, prompts, tmp_path: Path
-) -> None:
-    """A float cache holds exactly the frames' dequantized K/V after a load; an int8 cache
-    holds them requantized (to within its own rounding)."""
-    import torch
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("comp", [False, True])
+def test_quantized_frames_load_exactly(
+    make_engine, prompts, tmp_path: Path, fmt: str, comp: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """An int8 / fp8 cache loads frames of its own format as a copy of their bytes and scales:
+    bit for bit what the writing engine's cache held, with or without zstd. A float cache holds
+    exactly the frames' dequantized K/V."""
+    from kvserve.shared.store import codec
     from kvserve.shared.store.codec import DecodedBlock, decode_block
 
-    for kv_dtype in ("auto", "int8"):
-        store = StoreConfig(f"file://{tmp_path / kv_dtype}", format="int8")
-        a = make_engine(store=store, kv_dtype=kv_dtype)
-        run_one(a, "a", prompts[0], GREEDY)
-        a.close()
-        root, hashes = _root_and_hashes(a, prompts[0])
-        disk = DiskStore(str(tmp_path / kv_dtype))
-        frames = asyncio.run(disk.get_many(hashes))
-        asyncio.run(disk.close())
-        b = make_engine(store=store, kv_dtype=kv_dtype)
-        try:
-            _, cached = run_one(b, "b", prompts[0], GREEDY)
-            assert cached == len(hashes) * b.block_size
-            assert b.prefix_cache_stats["hits_tokens_store"] == cached
-            for h, frame in zip(hashes, frames, strict=True):
-                assert frame is not None
-                want = decode_block(frame, b.kv.connector.meta, h, root)
-                assert isinstance(want, DecodedBlock)
-                (got,) = b.kv.cache.read_blocks([b.kv.pool.index.block_of(h)])
-                k, v = got.to_float()
-                if kv_dtype == "auto":
-                    assert torch.equal(k, want.k) and torch.equal(v, want.v)
-                else:
-                    assert torch.allclose(k, want.k, atol=float(want.k.abs().amax()) / 100)
-                    assert torch.allclose(v, want.v, atol=float(want.v.abs().amax()) / 100)
-        finally:
-            b.close()
+    monkey = pytest.MonkeyPatch()
+    monkey.setitem(codec.COMPRESS, fmt, comp)
+    try:
+        for kv_dtype in ("auto", fmt):
+            store = StoreConfig(f"file://{tmp_path / kv_dtype / str(comp)}", format=fmt)
+            a = make_engine(store=store, kv_dtype=kv_dtype)
+            run_one(a, "a", prompts[0], GREEDY)
+            root, hashes = _root_and_hashes(a, prompts[0])
+            written = a.kv.cache.read_blocks([a.kv.pool.index.block_of(h) for h in hashes])
+            a.close()
+            disk = DiskStore(str(tmp_path / kv_dtype / str(comp)))
+            frames = asyncio.run(disk.get_many(hashes))
+            asyncio.run(disk.close())
+            b = make_engine(store=store, kv_dtype=kv_dtype)
+            try:
+                _, cached = run_one(b, "b", prompts[0], GREEDY)
+                assert cached == len(hashes) * b.block_size
+                assert b.prefix_cache_stats["hits_tokens_store"] == cached
+                loaded = b.kv.cache.read_blocks([b.kv.pool.index.block_of(h) for h in hashes])
+                for h, frame, mine, theirs in zip(hashes, frames, loaded, written, strict=True):
+                    assert frame is not None and msgpack.unpackb(frame)["comp"] == (
+                        "zstd" if comp else "none"
+                    )
+                    if kv_dtype != "auto":
+                        for x, y in zip(_raw_parts(mine), _raw_parts(theirs), strict=True):
+                            assert torch.equal(x, y)
+                        continue
+                    want = decode_block(frame, b.kv.connector.meta, h, root)
+                    assert isinstance(want, DecodedBlock)
+                    assert torch.equal(mine.k, want.k) and torch.equal(mine.v, want.v)
+            finally:
+                b.close()
+    finally:
+        monkey.undo()
+
+
+def _raw_parts(block):  # type: ignore[no-untyped-def]
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            for t in (block.k, block.v, block.k_scale, block.v_scale)]  # fmt: skip
