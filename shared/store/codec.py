@@ -59,6 +59,7 @@ import zstandard
 from kvserve.kernels.reference import dequantize_kv, quantize_kv
 from kvserve.shared.store import quant
 from kvserve.shared.store.hashing import SCHEMA_VERSION, BlockHash, chain_hash
+from kvserve.shared.store.msgpack_view import Limits, unpack
 
 P = ParamSpec("P")
 # Uncompressed payloads are read in place, as tensors over the frame's immutable bytes, which
@@ -114,6 +115,13 @@ FRAME_FIELDS: Final = (
 # The fields of each readable version (2: no `comp`, the payload always zstd).
 _VERSION_FIELDS: Final = {2: tuple(n for n in FRAME_FIELDS if n != "comp"), 3: FRAME_FIELDS}
 COMPRESSIONS: Final = ("zstd", "none")
+_BINS: Final = ("parent", "scales", "payload", "checksum")
+_LIMITS: Final = Limits(
+    max_bin_len=MAX_FRAME_BYTES,
+    max_str_len=MAX_STR_LEN,
+    max_array_len=MAX_TOKENS,
+    max_map_len=len(FRAME_FIELDS),
+)
 # Whether each format's payload is zstd-compressed (docs/store_formats.md has the measurement).
 COMPRESS: Final[dict[str, bool]] = {
     "native": False,
@@ -214,11 +222,11 @@ def _tensor_from(buf: bytes | bytearray | memoryview, dtype: torch.dtype, shape:
 
 
 def _tensor_in(
-    buf: bytes | bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+    buf: memoryview | bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """A tensor of `dtype` and `shape` over `buf`'s bytes from `offset`, without a copy (over
     `bytes`, read-only: nothing writes into a frame)."""
-    count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    count = math.prod(shape) * dtype.itemsize
     return (
         torch.frombuffer(buf, dtype=torch.uint8, count=count, offset=offset).view(dtype).view(shape)
     )
@@ -226,7 +234,7 @@ def _tensor_in(
 
 def _element_size(fmt: str, native: torch.dtype) -> int:
     dtype = native if fmt == "native" else _FMT_DTYPES[fmt]
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _compact_layout(shape: tuple[int, int, int, int]) -> quant.CompactLayout:
@@ -371,8 +379,10 @@ def _check_types(obj: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if not all(isinstance(obj[n], str) for n in ("model_fp", "kv_format", "fmt", "dtype")):
         return None
-    if not all(isinstance(obj[n], bytes) for n in ("parent", "scales", "payload", "checksum")):
+    if not all(isinstance(obj[n], memoryview) for n in _BINS):
         return None
+    for n in ("parent", "scales", "checksum"):  # small: copied out of the frame
+        obj[n] = bytes(obj[n])
     toks = obj["token_ids"]
     if not isinstance(toks, list) or not all(_is_int(t) and 0 <= t < 2**32 for t in toks):
         return None
@@ -439,24 +449,15 @@ def decode_block(
 
 
 def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[str, Any] | Miss:
-    """The frame's fields, bounded by the limits before anything is allocated."""
+    """The frame's fields, bounded by the limits before anything is allocated; its bin fields
+    are views of `data` (msgpack_view: the payload is not copied)."""
     if not isinstance(data, bytes | bytearray | memoryview):
         return Miss("not_msgpack")
     if len(data) > MAX_FRAME_BYTES:
         return Miss("too_large")
     try:
-        obj = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_bin_len=MAX_FRAME_BYTES,
-            max_str_len=MAX_STR_LEN,
-            max_array_len=MAX_TOKENS,
-            max_map_len=len(FRAME_FIELDS),
-            max_ext_len=0,
-        )
-    except Exception:  # msgpack raises ValueError / its own errors / TypeError on bad input
+        obj = unpack(data, _LIMITS)
+    except Exception:  # ValueError / msgpack's own errors / TypeError on bad input
         return Miss("not_msgpack")
     # The version is checked first: another version may define its fields differently.
     if not isinstance(obj, dict) or obj.get("v") not in READABLE_VERSIONS:
@@ -483,7 +484,9 @@ def _identity_miss(f: dict[str, Any], expected: BlockMeta) -> Miss | None:
     return None
 
 
-def _decompress(f: dict[str, Any], shape: tuple[int, int, int, int]) -> bytes | bytearray | Miss:
+def _decompress(
+    f: dict[str, Any], shape: tuple[int, int, int, int]
+) -> memoryview | bytearray | Miss:
     """The payload's raw bytes: as they are when not compressed (exactly the format's size for
     this shape), else decompressed straight into a buffer of exactly that size (the frame's
     declared size is checked first: nothing larger is ever allocated or written). A compressed
@@ -520,7 +523,7 @@ def _max_window(raw_len: int) -> int:
 
 def _tensors(
     f: dict[str, Any],
-    raw: bytes | bytearray,
+    raw: memoryview | bytearray,
     shape: tuple[int, int, int, int],
     root: BlockHash,
     dequantize: bool = True,
@@ -547,7 +550,7 @@ def _tensors(
         k = dequantize_kv(k, s[0], torch.float32)
         v = dequantize_kv(v, s[1], torch.float32)
     elif dequantize:
-        copy = isinstance(raw, bytes) and stored == torch.float32  # never a view of the frame
+        copy = not isinstance(raw, bytearray) and stored == torch.float32  # not the frame's
         k, v = (k.clone(), v.clone()) if copy else (k.float(), v.float())
     return _block(f, k, v, root)
 

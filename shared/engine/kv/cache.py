@@ -228,18 +228,25 @@ class KVCache:
         int8 / fp8 k, v with their scales: dequantized on the way in, straight into the blocks
         when they are consecutive, else through a small per-layer buffer. Touches only those
         blocks, so a store load's worker threads write while the engine runs others."""
+        if not blocks:
+            return
         if not self.quantized and k_scale is not None and v_scale is not None:
             self._dequantize_into(blocks, k, v, k_scale, v_scale)
             return
         dev = self.k[0].device
-        idx = torch.tensor(list(blocks), dtype=torch.long, device=dev)
+        first, n = blocks[0], len(blocks)
+        consecutive = list(blocks) == list(range(first, first + n))
+        idx = None if consecutive else torch.tensor(list(blocks), dtype=torch.long, device=dev)
 
         def scatter(ts: Sequence[torch.Tensor | None], src: torch.Tensor | None) -> None:
             assert src is not None
             src = src.to(dev)
             for layer, t in enumerate(ts):
                 assert t is not None
-                _raw(t).index_copy_(0, idx, _raw(src[layer]))
+                if idx is None:
+                    _raw(t)[first : first + n].copy_(_raw(src[layer]))
+                else:
+                    _raw(t).index_copy_(0, idx, _raw(src[layer]))
 
         scatter(self.k, k)
         scatter(self.v, v)

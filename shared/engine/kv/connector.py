@@ -14,11 +14,12 @@ Invariants:
   transfer and decode, both running averages of what loads really took) is below the
   estimated time to recompute them (the caller's prefill seconds per block). Every decision is
   counted and logged.
-- A load (`load`) gets the run in batches of FETCH_BATCH, all asked at once; each batch is
-  verified and decoded on one of the loader threads (one per core) as soon as it arrives, an
-  int8 / fp8 frame dequantized straight into a staging buffer in the cache's dtype, and
-  written into the engine's device blocks with one copy per layer (load.BatchLoader, under a
-  LoadJob: once stopped, no write starts). A frame that fails to decode (any codec Miss: corrupt,
+- A load (`load`) gets the run in batches of FETCH_BATCH, GETS_IN_FLIGHT at a time (so that
+  they arrive one after the other); each batch is verified on the loader thread as soon as it
+  arrives, gathered as stored into a staging buffer and written into the engine's device
+  blocks with one copy per layer, an int8 / fp8 frame as a copy of its bytes into a cache of
+  its own format or dequantized into a float one (load.BatchLoader, under a LoadJob: once
+  stopped, no write starts). A frame that fails to decode (any codec Miss: corrupt,
   wrong model or format, hash mismatch) ends the run there, is counted by reason and deleted
   from the store; `loaded` counts only the verified leading run.
 - Every stage finishes within `fetch_timeout_s` (then nothing is loaded: recompute).
@@ -39,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import queue
 import threading
 import time
@@ -56,6 +56,7 @@ from kvserve.shared.engine.kv.load import (
     LoadJob,
     WriteStacked,
     block_data,
+    loader_pool,
 )
 from kvserve.shared.store.base import BlockStore
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData, KVTail
@@ -65,7 +66,15 @@ from kvserve.shared.store.hashing import BlockHash, padded_tail, tail_hash, tail
 log = logging.getLogger("kvserve.store")
 
 WRITE_BATCH = 32
-FETCH_BATCH = 16  # blocks per get of a fetch; a fetch's batches are asked for at once
+FETCH_BATCH = 16  # blocks per get of a load
+# Gets of one load outstanding at once: a server answering many at once interleaves their
+# replies, so that every batch would arrive at the end; two keep the link busy and the batches
+# arriving one after the other, each verified and written while the next one comes.
+GETS_IN_FLIGHT = 2
+# Threads that verify and write a load's batches: one. On two cores the store's server and this
+# process's reads take most of one core while a load runs; a second loader thread only contends
+# for the other (and for the GIL) and made loads slower (docs/architecture.md).
+LOAD_THREADS = 1
 TAIL_TTL_S = 30  # an abandoned hand-off's tail key expires after this
 # A single stored block is recomputed: a fetch's fixed costs (two round trips, a thread hop,
 # the sequence parked for a step) outweigh one block's prefill (bench store --parts breakeven:
@@ -127,10 +136,8 @@ class StoreConnector:
         self.fetch_s_per_block = 0.005
         self.encoded_bytes = 0
         self.encoded_tokens = 0
-        # Loads verify and write their batches on one thread per core.
-        self._decoders = concurrent.futures.ThreadPoolExecutor(
-            max(2, os.cpu_count() or 1), thread_name_prefix="kvserve-load"
-        )
+        # Loads verify and write their batches on these threads (LOAD_THREADS).
+        self._decoders = loader_pool(LOAD_THREADS, "kvserve-load")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvserve-store")
         self._thread.daemon = True
@@ -408,19 +415,21 @@ class StoreConnector:
         job: LoadJob,
         res: FetchResult,
     ) -> None:
-        """Get the blocks in batches of FETCH_BATCH, all asked at once, each verified and
-        written into its cache block in a worker thread as soon as it arrives (so transfer,
-        verification and decoding overlap, and run on every core). `res.loaded`: the leading
+        """Get the blocks in batches of FETCH_BATCH, GETS_IN_FLIGHT at a time, each verified and
+        written into its cache block on the loader thread as soon as it arrives (transfer,
+        verification and copies overlap). `res.loaded`: the leading
         run written, up to the first missing or bad frame (deleted from the store)."""
 
         loader = BatchLoader(self.meta, self.cache_dtype, root, write, job, self.fmt)
+        window = asyncio.Semaphore(GETS_IN_FLIGHT)  # FIFO: the batches arrive in order
 
         async def batch(i: int) -> LoadedBatch:
             part = hashes[i : i + FETCH_BATCH]
-            with self.latency.time("get"):
-                frames = await self.store.get_many(part)
+            async with window:
+                with self.latency.time("get"):
+                    frames = await self.store.get_many(part)
             return await asyncio.get_running_loop().run_in_executor(
-                self._decoders, loader.write, part, frames, dst[i : i + FETCH_BATCH]
+                self._decoders, loader.load, part, frames, dst[i : i + FETCH_BATCH]
             )
 
         done = await asyncio.gather(*(batch(i) for i in range(0, len(hashes), FETCH_BATCH)))

@@ -11,6 +11,7 @@ on the way in (KVCache.write_stacked); anything else is converted block by block
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +95,29 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def loader_pool(workers: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """`workers` threads, started now, whose torch ops run on their own thread only. A store
+    load's copies are small and many: split over the intra-op threads, each would wake (and
+    spin) the engine's compute threads and take the core the store's reads need. torch keeps
+    the thread count per thread; the default that later threads start with is put back."""
+    before = torch.get_num_threads()
+    started = threading.Barrier(workers + 1)
+
+    def single_threaded() -> None:
+        torch.get_num_threads()  # torch's first call on a thread sets it to the default
+        torch.set_num_threads(1)
+        started.wait()
+
+    pool = concurrent.futures.ThreadPoolExecutor(
+        workers, thread_name_prefix=name, initializer=single_threaded
+    )
+    for _ in range(workers):  # each starts a thread: none is idle, all wait in the initializer
+        pool.submit(lambda: None)
+    started.wait()
+    torch.set_num_threads(before)
+    return pool
+
+
 class LoadJob:
     """The writes of one load into the engine's cache blocks, from worker threads. Once
     `stop()` was called and `quiescent()` is True, no write happens any more: the engine may
@@ -126,6 +150,14 @@ class LoadJob:
 
 
 @dataclass
+class Verified:
+    """A batch's leading verified blocks (views of their frames) and its LoadedBatch so far."""
+
+    blocks: list[DecodedBlock]
+    got: LoadedBatch
+
+
+@dataclass
 class LoadedBatch:
     """One fetched batch after verification: how many of its leading blocks were written,
     and why it stopped early (`miss`: a codec Miss reason, "gone" or "stopped"; `bad`: the
@@ -152,25 +184,47 @@ class BatchLoader:
     job: LoadJob
     fmt: str = "native"
 
-    def write(
+    def load(
         self, hashes: list[BlockHash], frames: list[bytes | None], dst: list[int]
     ) -> LoadedBatch:
         """Verify each frame, up to the first missing or bad one, and write those blocks into
-        theirs (a worker thread: it touches only its own blocks)."""
+        theirs (a loader thread: it touches only its own blocks)."""
+        return self.write(self.verify(hashes, frames), dst)
+
+    def verify(self, hashes: list[BlockHash], frames: list[bytes | None]) -> Verified:
+        """The leading verified frames, up to the first missing or bad one."""
         t0 = time.perf_counter()
-        staging = self._staging(len(hashes))
-        got = self._decode(hashes, frames, staging)
-        t1 = time.perf_counter()
-        n = got.written
+        got, blocks = LoadedBatch(), []
+        for h, frame in zip(hashes, frames, strict=True):
+            if frame is None:
+                got.miss = "gone"
+                break
+            decoded = decode_block(frame, self.meta, h, self.root, dequantize=False)
+            if isinstance(decoded, Miss):
+                got.miss, got.bad = decoded.reason, h
+                break
+            blocks.append(decoded)
+        got.written = len(blocks)
+        got.verify_s = time.perf_counter() - t0
+        return Verified(blocks, got)
+
+    def write(self, verified: Verified, dst: list[int]) -> LoadedBatch:
+        """Gather the verified blocks into this thread's staging buffer and write them into
+        their cache blocks `dst`."""
+        t0 = time.perf_counter()
+        got, n = verified.got, len(verified.blocks)
         if n and self.job.begin():
             try:
+                staging = self._staging(n)
+                for j, block in enumerate(verified.blocks):
+                    staging.put(j, block)
                 self._write(dst[:n], staging, n)
             finally:
                 self.job.end()
         elif n:
             got.written, got.miss, got.bad = 0, "stopped", None
-        t2 = time.perf_counter()
-        got.seconds, got.verify_s, got.write_s = t2 - t0, t1 - t0, t2 - t1
+        got.write_s = time.perf_counter() - t0
+        got.seconds = got.verify_s + got.write_s
         return got
 
     def _staging(self, n: int) -> Staging:
@@ -183,23 +237,6 @@ class BatchLoader:
         if stored is not None and (not quantized_cache or stored == self.cache_dtype):
             return _buffers(shape, stored, scales=True)
         return _buffers(shape, torch.float32 if quantized_cache else self.cache_dtype, False)
-
-    def _decode(
-        self, hashes: list[BlockHash], frames: list[bytes | None], staging: Staging
-    ) -> LoadedBatch:
-        """The leading verified frames' blocks into the staging's column j."""
-        got = LoadedBatch()
-        for j, (h, frame) in enumerate(zip(hashes, frames, strict=True)):
-            if frame is None:
-                got.miss = "gone"
-                break
-            decoded = decode_block(frame, self.meta, h, self.root, dequantize=False)
-            if isinstance(decoded, Miss):
-                got.miss, got.bad = decoded.reason, h
-                break
-            staging.put(j, decoded)
-            got.written += 1
-        return got
 
     def _write(self, dst: list[int], staging: Staging, n: int) -> None:
         """One copy per layer into the cache (a float cache dequantizes int8 / fp8 on the
