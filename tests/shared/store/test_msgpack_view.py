@@ -17,6 +17,8 @@ scalars = (
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
     | st.text(max_size=80) | st.binary(max_size=300)
 )  # fmt: skip
+
+
 def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     keys = st.text(max_size=5)
     return st.lists(inner, max_size=70) | st.dictionaries(keys, inner, max_size=18)
