@@ -11,7 +11,12 @@ reference. A trailing partial block is computed but never stored (only full bloc
 - `agree`: teacher-forced top-1 agreement with reference greedy tokens (as lib/quality.py's
   `agreement`);
 - `bytes_per_token`: mean frame bytes / block_size; `ratio_vs_fp16`: over 2 * L * H * D * 2;
-- `encode_ms`, `decode_ms`: mean codec time per block (this process, this machine).
+- `encode_ms`, `decode_ms`: mean codec time per block (this process, this machine);
+- compression (not for `compact`, which is always compressed): each block is also encoded with
+  and without zstd and both frames read as a load reads them (decode_block, dequantize=False):
+  `zstd_saved` (fraction of the plain frame's bytes), `zstd_extra_ms` (decode time zstd adds
+  per block) and `zstd_pays_below_gbps` (the link speed below which sending the saved bytes
+  takes longer than decompressing: zstd pays only on slower links).
 
 Uses engine internals (pool, runner, KVCache) the way `Engine.score` does: a one-off forward
 outside the scheduler that changes no request; its blocks are freed afterwards.
@@ -44,6 +49,16 @@ class CodecStats:
     frame_bytes: list[int] = field(default_factory=list)
     encode_s: list[float] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
+    # Per block, frames with / without zstd: bytes and decode (dequantize=False) seconds.
+    zstd: list[tuple[int, float]] = field(default_factory=list)
+    plain: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _timed_read(frame: bytes, read: Callable[[bytes], object]) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    if not isinstance(read(frame), DecodedBlock):
+        raise RuntimeError("a frame did not decode")
+    return len(frame), time.perf_counter() - t0
 
 
 def codec_round_trip(engine: Engine, fmt: str, stats: CodecStats) -> RoundTrip:
@@ -63,6 +78,15 @@ def codec_round_trip(engine: Engine, fmt: str, stats: CodecStats) -> RoundTrip:
         stats.frame_bytes.append(len(frame))
         stats.encode_s.append(t1 - t0)
         stats.decode_s.append(t2 - t1)
+        if fmt != "compact":
+            h = chain_hash(parent, tokens)
+
+            def read(f: bytes) -> object:
+                return decode_block(f, meta, h, root, dequantize=False)
+
+            for dst, comp in ((stats.zstd, True), (stats.plain, False)):
+                f = encode_block(meta, tokens, k, v, fmt, parent, root=root, compress=comp)
+                dst.append(_timed_read(f, read))
         return out.k, out.v
 
     return rt
@@ -202,4 +226,19 @@ def format_quality(
         **q,
         "encode_ms": 1e3 * sum(stats.encode_s) / n,
         "decode_ms": 1e3 * sum(stats.decode_s) / n,
+        **_compression(stats),
+    }
+
+
+def _compression(stats: CodecStats) -> dict[str, float]:
+    """What zstd saves and costs a load per block (empty for `compact`)."""
+    if not stats.zstd:
+        return {}
+    zb, zs = (sum(x) / len(stats.zstd) for x in zip(*stats.zstd, strict=True))
+    pb, ps = (sum(x) / len(stats.plain) for x in zip(*stats.plain, strict=True))
+    extra_s = max(zs - ps, 1e-9)
+    return {
+        "zstd_saved": 1 - zb / pb,
+        "zstd_extra_ms": 1e3 * extra_s,
+        "zstd_pays_below_gbps": 0.0 if zb >= pb else 8 * (pb - zb) / extra_s / 1e9,
     }
