@@ -117,11 +117,16 @@ def unpack(data: bytes | bytearray | memoryview, limits: Limits) -> Any:
     out: dict[Any, Any] = {}
     for _ in range(entries):
         key_end = _end(view, pos)
-        key = limits.unpack(view[pos:key_end])
+        if 0xA0 <= view[pos] <= 0xBF:  # a fixstr: the usual key, read without a call
+            key: Any = str(view[pos + 1 : key_end], "utf-8")
+        else:
+            key = limits.unpack(view[pos:key_end])
         if not isinstance(key, str | bytes):
             raise ValueError("msgpack: map key neither str nor bytes")
         end = _end(view, key_end)
-        if view[key_end] in _BIN:
+        if view[key_end] <= 0x7F:  # a positive fixint
+            out[key] = view[key_end]
+        elif view[key_end] in _BIN:
             width = _SIZED[view[key_end]]
             if end - key_end - 1 - width > limits.max_bin_len:
                 raise ValueError("msgpack: bin over its limit")
