@@ -5,17 +5,21 @@ store's raw throughput.
   on the model's real K/V by `store_quality.format_quality` (every earlier block of a text or a
   greedy continuation has made the round trip through the codec): mean KLD of the next-token
   distributions over --text-tokens of prose, teacher-forced greedy agreement over --num-prompts
-  chat prompts x --gen-tokens reference tokens.
-- ttft: engine A computes a --prefix-tokens prefix and publishes it to Redis (--format); then,
-  per repeat, a fresh engine B with an empty device cache answers prefix + a new question,
-  loading the prefix from Redis, and a fresh engine B' without a store answers the same request
-  by recomputing, then a prefix + another question from its device cache (the device hit).
-  Both B and B' serve one short warm-up request first. TTFT medians, the speedup, store /
-  device, and B's breakdown: `contains` round trip, the pipelined load (gets, verification,
-  decompression, dequantization; `decode_cpu_s` sums the worker threads' time), copy into the
-  cache.
-- throughput: put_many / get_many of --blocks real blocks (encoded in --format) against the
-  Redis at --redis, batches of --batch: blocks/s and MB/s.
+  chat prompts x --gen-tokens reference tokens; and what zstd saves and costs each format's
+  load, with the link speed below which it pays.
+- ttft: for each --prefix-tokens length and --kv-dtypes cache dtype, engine A computes the
+  prefix and publishes it to Redis in each --format; then, per repeat, for each format a fresh
+  engine B with an empty device cache answers prefix + a new question, loading the prefix from
+  Redis, and a fresh engine B' without a store answers the same request by recomputing, then a
+  prefix + another question from its device cache (the device hit). Both B and B' serve one
+  short warm-up request first. One table line per (length, dtype, format): TTFT medians, the
+  speedup, store / device, stored bytes per token, and the medians of B's breakdown:
+  `contains` round trip, the pipelined load (gets, verification, decompression,
+  dequantization; `decode_cpu_s` sums the worker threads' time, also given per loaded block),
+  copy into the cache. The JSON's `ttft_runs` holds every combination; its top-level ttft keys
+  are the first's.
+- throughput: put_many / get_many of --blocks real blocks (encoded in the first --format)
+  against the Redis at --redis, batches of --batch: blocks/s and MB/s.
 - breakeven: TTFT loading a cached prefix from Redis against recomputing it, and what the cost
   rule chose, over --breakeven-lengths and --breakeven-formats (store_breakeven.py).
 The last line printed is one JSON object.
@@ -27,21 +31,23 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from kvserve.services.bench.lib.flags import add_model, add_sizes
+from kvserve.services.bench.lib.flags import add_model, add_sizes, comma_list
 from kvserve.services.bench.lib.plots import pyplot, save_figure
 from kvserve.services.cli_support import CliError
 from kvserve.shared.config import (
+    KV_DTYPES,
     STORE_FORMATS,
     CacheConfig,
     EngineConfig,
+    ModelConfig,
     StoreConfig,
 )
 
 PARTS = ("formats", "ttft", "throughput", "breakeven")
-SIZES = {"prefix-tokens": 2048, "repeats": 3, "text-tokens": 1024, "gen-tokens": 128,
-         "num-prompts": 8, "blocks": 256, "batch": 32}  # fmt: skip
+SIZES = {"repeats": 3, "text-tokens": 1024, "gen-tokens": 128, "num-prompts": 8, "blocks": 256,
+         "batch": 32}  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +55,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default="redis://127.0.0.1:6379/15")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
     p.add_argument("--formats", default="fp16,bf16,int8,fp8,compact")
-    p.add_argument("--format", default="native", help="store format for ttft and throughput")
+    p.add_argument(
+        "--format",
+        default="native",
+        help="ttft: comma list of store formats; throughput: the first",
+    )
+    p.add_argument(
+        "--kv-dtypes",
+        default="auto",
+        help=f"ttft: comma list of KV cache dtypes ({', '.join(KV_DTYPES)}; auto: the model's)",
+    )
+    p.add_argument(
+        "--prefix-tokens", default="2048", help="ttft: comma list of prefix lengths in tokens"
+    )
     add_sizes(p, SIZES)
     p.add_argument("--plot", type=Path, default=None, help="PNG: formats and TTFT panels")
     p.add_argument("--breakeven-formats", default="native,int8", help="breakeven: formats")
@@ -61,29 +79,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breakeven-plot", type=Path, default=None, help="PNG: the breakeven curves")
 
 
-def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+class Checked(NamedTuple):
+    """The parsed options: the parts, the formats part's formats, and the ttft part's grid."""
+
+    parts: list[str]
+    formats: list[str]
+    ttft_formats: list[str]
+    kv_dtypes: list[str]
+    prefix_tokens: list[int]
+
+
+def _check(args: argparse.Namespace) -> Checked:
     parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in parts if x not in PARTS]
     if bad or not parts:
         raise CliError(f"--parts: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
     formats = [x for x in args.formats.split(",") if x]
+    ttft_formats = [x.strip() for x in args.format.split(",") if x.strip()]
     codec_formats = [f for f in STORE_FORMATS if f != "auto"]
-    wrong = [f for f in [*formats, args.format] if f not in codec_formats]
+    wrong = [f for f in [*formats, *ttft_formats] if f not in codec_formats]
     breakeven = [x for x in args.breakeven_formats.split(",") if x]
     wrong += [f for f in breakeven if f not in codec_formats]
-    if wrong or not breakeven:
+    if wrong or not breakeven or not ttft_formats:
         raise CliError(f"--formats/--format/--breakeven-formats: unknown {wrong}; choose from "
                        f"{codec_formats}")  # fmt: skip
+    kv_dtypes = comma_list(args.kv_dtypes, KV_DTYPES, "--kv-dtypes")
     lengths = args.breakeven_lengths.split(",")
     if not all(x.isdigit() and 16 <= int(x) <= 8192 for x in lengths):
         raise CliError("--breakeven-lengths: comma-separated token counts in 16..8192")
-    if args.prefix_tokens < 64 or args.repeats < 1 or args.blocks < 1 or args.batch < 1:
-        raise CliError("--prefix-tokens >= 64, --repeats, --blocks and --batch >= 1")
-    return parts, formats
+    if args.repeats < 1 or args.blocks < 1 or args.batch < 1:
+        raise CliError("--repeats, --blocks and --batch >= 1")
+    prefix_tokens = _prefix_tokens(args, "ttft" in parts)
+    return Checked(parts, formats, ttft_formats, kv_dtypes, prefix_tokens)
+
+
+def _prefix_tokens(args: argparse.Namespace, ttft: bool) -> list[int]:
+    """--prefix-tokens' lengths, each >= 64 and (when the ttft part runs) leaving the model's
+    context window room for a question."""
+    from kvserve.services.bench.store_ttft import QUESTION_ROOM
+
+    items = [x.strip() for x in args.prefix_tokens.split(",") if x.strip()]
+    hi = _max_positions(args.model) - QUESTION_ROOM if ttft else None
+    if not items or not all(x.isdigit() and int(x) >= 64 for x in items):
+        bounds = ">= 64" if hi is None else f"in 64..{hi}"
+        raise CliError(f"--prefix-tokens: comma-separated token counts {bounds}")
+    if hi is not None and any(int(x) > hi for x in items):
+        raise CliError(f"--prefix-tokens: comma-separated token counts in 64..{hi} (the model's "
+                       f"{hi + QUESTION_ROOM} positions less room for a question)")  # fmt: skip
+    return [int(x) for x in items]
+
+
+def _max_positions(model: str) -> int:
+    """The model's context window, from its config (no weights)."""
+    from kvserve.shared.model.gguf_file import gguf_model_config, open_gguf
+    from kvserve.shared.model.loader import resolve_model_path
+
+    p = resolve_model_path(model)
+    if p.is_file():
+        return gguf_model_config(open_gguf(str(p.resolve()))).max_position_embeddings
+    return ModelConfig.from_json_file(p / "config.json").max_position_embeddings
 
 
 def engine_factory(args: argparse.Namespace) -> Callable[..., Any]:
-    """make(store=None, num_blocks=512): a fresh engine on one loaded copy of the weights."""
+    """make(store=None, num_blocks=512, kv_dtype="auto"): a fresh engine on one loaded copy of
+    the weights."""
     import torch
     from kvserve.shared.engine.engine import Engine
     from kvserve.shared.model.loader import load_weights
@@ -92,10 +151,12 @@ def engine_factory(args: argparse.Namespace) -> Callable[..., Any]:
     weights = load_weights(args.model, torch.float32)
     tokenizer = KVTokenizer.from_path(args.model)
 
-    def make(store: StoreConfig | None = None, num_blocks: int = 512) -> Engine:
+    def make(
+        store: StoreConfig | None = None, num_blocks: int = 512, kv_dtype: str = "auto"
+    ) -> Engine:
         cfg = EngineConfig(
             model_path=args.model,
-            cache=CacheConfig(num_blocks=num_blocks, populate="eager"),
+            cache=CacheConfig(num_blocks=num_blocks, kv_dtype=kv_dtype, populate="eager"),
             store=store or StoreConfig(),
         )
         return Engine(cfg, tokenizer=tokenizer, weights=weights)
@@ -104,19 +165,22 @@ def engine_factory(args: argparse.Namespace) -> Callable[..., Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    parts, formats = _check(args)
+    checked = _check(args)
+    parts = checked.parts
     make = engine_factory(args)
     result: dict[str, Any] = {}
     if "formats" in parts:
-        result.update(_formats(make(), formats, args))
+        result.update(_formats(make(), checked.formats, args))
     if "ttft" in parts:
         from kvserve.services.bench.store_ttft import cross_instance_ttft
 
-        result.update(cross_instance_ttft(make, args))
+        grid = checked.prefix_tokens, checked.kv_dtypes, checked.ttft_formats
+        result.update(cross_instance_ttft(make, args.repeats, args.redis, *grid))
     if "throughput" in parts:
         from kvserve.services.bench.store_throughput import throughput
 
-        result.update(throughput(make(), args))
+        first = argparse.Namespace(**{**vars(args), "format": checked.ttft_formats[0]})
+        result.update(throughput(make(), first))
     if "breakeven" in parts:
         from kvserve.services.bench import store_breakeven
 
@@ -146,13 +210,20 @@ def _formats(engine: Any, formats: list[str], args: argparse.Namespace) -> dict[
     fp16 = raw_fp16_bytes_per_token(engine)
     rows: dict[str, dict[str, float]] = {}
     print(f"raw fp16: {fp16} B/token")
-    print(f"{'format':>8} {'B/token':>9} {'vs fp16':>8} {'KLD':>9} {'agree':>7} enc/dec ms")
+    print(f"{'format':>8} {'B/token':>9} {'vs fp16':>8} {'KLD':>9} {'agree':>7} enc/dec ms"
+          "  zstd: saves, +ms/block, pays below")  # fmt: skip
     for fmt in formats:
         q = format_quality(engine, fmt, text, prompts, refs)
         rows[fmt] = q
+        zstd = (
+            f"  {q['zstd_saved']:.1%}, +{q['zstd_extra_ms']:.2f}, "
+            f"{q['zstd_pays_below_gbps']:.2f} Gb/s"
+            if "zstd_saved" in q
+            else "  (always compressed)"
+        )
         print(
             f"{fmt:>8} {q['bytes_per_token']:>9.0f} {q['ratio_vs_fp16']:>8.3f} {q['kld']:>9.5f} "
-            f"{q['agree']:>7.4f} {q.get('encode_ms', 0):.2f}/{q.get('decode_ms', 0):.2f}",
+            f"{q['agree']:>7.4f} {q.get('encode_ms', 0):.2f}/{q.get('decode_ms', 0):.2f}{zstd}",
             flush=True,
         )
     return _formats_summary(fp16, rows)
@@ -184,7 +255,13 @@ def save_plot(path: Path, result: dict[str, Any]) -> None:
     panels = [p for p in ("formats", "ttft_store_s") if p in result]
     if not panels:
         return
-    fig, axes = pyplot().subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    # The TTFT panel widens with its groups of bars (one per ttft combination).
+    widths = [
+        5.5 if p == "formats" else max(5.5, 1.3 * len(result.get("ttft_runs", [1]))) for p in panels
+    ]
+    fig, axes = pyplot().subplots(
+        1, len(panels), figsize=(sum(widths), 4), squeeze=False, width_ratios=widths
+    )
     for ax, panel in zip(axes[0], panels, strict=True):
         (_formats_panel if panel == "formats" else _ttft_panel)(ax, result)
     save_figure(fig, path)
@@ -205,13 +282,26 @@ def _formats_panel(ax: Any, result: dict[str, Any]) -> None:
 
 
 def _ttft_panel(ax: Any, result: dict[str, Any]) -> None:
-    vals = [result["ttft_device_s"], result["ttft_store_s"], result["ttft_recompute_s"]]
-    ax.bar(
-        ["device-cache hit", "load from Redis", "recompute"],
-        vals,
-        color=["tab:blue", "tab:green", "tab:gray"],
+    """Device hit, load from Redis and recompute median TTFTs, a group of bars per
+    (prefix length, kv dtype, format)."""
+    runs = result.get("ttft_runs", [result])
+    bars = (
+        ("ttft_device_s", "device-cache hit", "tab:blue"),
+        ("ttft_store_s", "load from Redis", "tab:green"),
+        ("ttft_recompute_s", "recompute", "tab:gray"),
     )
-    for i, v in enumerate(vals):
-        ax.text(i, v, f"{v:.2f} s", ha="center", va="bottom")
+    width = 0.8 / len(bars)
+    for j, (key, label, color) in enumerate(bars):
+        x = [i + (j - 1) * width for i in range(len(runs))]
+        vals = [run[key] for run in runs]
+        ax.bar(x, vals, width, label=label, color=color)
+        for xi, v in zip(x, vals, strict=True):
+            ax.text(xi, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    labels = [
+        f"{r['prefix_tokens']} {r.get('kv_dtype', 'auto')}\n{r['ttft_format']}\n{r['speedup']:.1f}x"
+        for r in runs
+    ]
+    ax.set_xticks(range(len(runs)), labels, fontsize=7)
     ax.set_ylabel("TTFT (s), median")
-    ax.set_title(f"{result['prefix_tokens']}-token prefix, fresh engine: {result['speedup']:.1f}x")
+    ax.set_title("Prefix on a fresh engine: TTFT (tokens, kv dtype, format, speedup)")
+    ax.legend(fontsize=7)

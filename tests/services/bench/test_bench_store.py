@@ -14,7 +14,8 @@ from tests.services.bench.cli_output import one_line_error
 @pytest.mark.redis
 @pytest.mark.slow  # ~21 s; a benchmark's smoke run (2-core AVX2 machine)
 def test_bench_store_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    args = ["bench", "store", "--formats", "fp16,int8", "--text-tokens", "48"]
+    args = ["bench", "store", "--parts", "formats,ttft,throughput", "--formats", "fp16,int8"]
+    args += ["--text-tokens", "48"]
     args += ["--plot", str(tmp_path / "store.png")]
     args += ["--gen-tokens", "8", "--num-prompts", "1", "--prefix-tokens", "64"]
     args += ["--repeats", "1", "--blocks", "8", "--batch", "4"]
@@ -35,8 +36,46 @@ def test_bench_store_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         ["bench", "store", "--repeats", "0"],
         ["bench", "store", "--breakeven-lengths", "16,abc"],
         ["bench", "store", "--breakeven-formats", "int3"],
+        ["bench", "store", "--format", "int8,int3"],
+        ["bench", "store", "--kv-dtypes", "auto,bf16"],
+        ["bench", "store", "--prefix-tokens", "2048,32"],
+        ["bench", "store", "--prefix-tokens", "2048,abc"],
     ):
         assert "--" in one_line_error(args, capsys)
+    # The model's 8192 positions less room for a question.
+    err = one_line_error(["bench", "store", "--parts", "ttft", "--prefix-tokens", "8192"], capsys)
+    assert "--prefix-tokens" in err and "64..8160" in err
+
+
+@pytest.mark.redis
+@pytest.mark.slow  # ~55 s: ten engines (2-core AVX2 machine)
+def test_bench_store_ttft_grid(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two cache dtypes x two formats in one run: a table line and a summary per combination,
+    the recompute and device hit shared by a dtype's formats, the first's figures also at the
+    top level, the plot written."""
+    args = ["bench", "store", "--parts", "ttft", "--prefix-tokens", "64"]
+    args += ["--kv-dtypes", "auto,int8", "--format", "int8,native", "--repeats", "1"]
+    args += ["--plot", str(tmp_path / "ttft.png")]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    runs = summary["ttft_runs"]
+    grid = [(64, kv, f) for kv in ("auto", "int8") for f in ("int8", "native")]
+    assert [(r["prefix_tokens"], r["kv_dtype"], r["ttft_format"]) for r in runs] == grid
+    for n, kv, f in grid:
+        assert any(line.split()[:3] == [str(n), kv, f] for line in lines[:-1])
+    for r in runs:
+        assert r["cached_tokens"] == r["prefix_tokens"]
+        assert r["speedup"] == pytest.approx(r["ttft_recompute_s"] / r["ttft_store_s"])
+        assert r["store_vs_device"] == pytest.approx(r["ttft_store_s"] / r["ttft_device_s"])
+        assert r["store_bytes_per_token"] > 0 and r["decode_cpu_ms_per_block"] > 0
+        assert "decode_cpu_s" in r["ttft_breakdown_median_s"]
+    for a, b in zip(runs[::2], runs[1::2], strict=True):  # a pair's two formats
+        assert a["ttft_recompute_s"] == b["ttft_recompute_s"]
+        assert a["ttft_device_s"] == b["ttft_device_s"]
+    assert runs[1]["store_bytes_per_token"] > runs[0]["store_bytes_per_token"]  # native > int8
+    assert summary["ttft_store_s"] == runs[0]["ttft_store_s"]
+    assert (tmp_path / "ttft.png").stat().st_size > 0
 
 
 @pytest.mark.redis
