@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvserve.services.bench.lib.bench_namespace import drop_namespace, fresh_namespace
 from kvserve.services.bench.lib.engine_timing import first_token_s
 from kvserve.services.bench.lib.plots import pyplot, save_figure
 from kvserve.services.bench.store_ttft import QUESTIONS, WARM_UP, Make
@@ -34,6 +34,7 @@ class Published(NamedTuple):
     warm-up request, the prefix's length."""
 
     store: StoreConfig
+    namespace: str
     num_blocks: int
     ids: list[int]
     warm: list[int]
@@ -42,7 +43,8 @@ class Published(NamedTuple):
 
 def _publish(make: Make, redis: str, fmt: str, prefix_tokens: int) -> Published:
     """Engine A computes the prefix and publishes it in a namespace of its own."""
-    url = f"{redis}?namespace=breakeven-{uuid.uuid4().hex[:12]}&timeout=5"
+    ns = fresh_namespace("breakeven")
+    url = f"{redis}?namespace={ns}&timeout=5"
     store = StoreConfig(url=url, format=fmt, host_tier_bytes=2 << 30)
     num_blocks = prefix_tokens // 16 + 32
     a = make(store, num_blocks=num_blocks)
@@ -51,7 +53,7 @@ def _publish(make: Make, redis: str, fmt: str, prefix_tokens: int) -> Published:
     warm = list(a.tokenizer.encode(WARM_UP))
     _ttft(a, [*prefix, ids[-1]], warm)  # computes and publishes the prefix
     a.close()
-    return Published(store, num_blocks, ids, warm, len(prefix))
+    return Published(store, ns, num_blocks, ids, warm, len(prefix))
 
 
 class Repeat(NamedTuple):
@@ -82,6 +84,7 @@ def point(make: Make, redis: str, fmt: str, prefix_tokens: int, repeats: int) ->
     and the rule's choices."""
     pub = _publish(make, redis, fmt, prefix_tokens)
     runs = [_three_ttfts(make, pub) for _ in range(repeats)]
+    drop_namespace(redis, pub.namespace)
     t_rule = statistics.median(r.rule for r in runs)
     t_load = statistics.median(r.load for r in runs)
     t_re = statistics.median(r.recompute for r in runs)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import statistics
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.services.bench.lib.bench_namespace import drop_namespace, fresh_namespace
 from kvserve.services.bench.lib.engine_timing import first_token_s
 from kvserve.services.bench.workloads.text import reference_text
 from kvserve.shared.config import StoreConfig
@@ -40,6 +40,7 @@ class Published:
     """The prefix engine A left in the store, and what the later engines need to ask for it."""
 
     store: StoreConfig
+    namespace: str
     num_blocks: int
     kv_dtype: str
     prefix: list[int]
@@ -67,7 +68,7 @@ class Baseline:
 def publish(make: Make, redis: str, fmt: str, kv_dtype: str, prefix_tokens: int) -> Published:
     """Engine A (a `kv_dtype` cache) computes the prefix (and a question) and publishes it in
     `fmt` in a namespace of its own; it is closed once its writes are flushed."""
-    ns = f"bench-{uuid.uuid4().hex[:12]}"
+    ns = fresh_namespace("bench")
     url = f"{redis}?namespace={ns}&timeout=5"
     store = StoreConfig(url=url, format=fmt, host_tier_bytes=2 << 30)
     num_blocks = prefix_tokens // 16 + 8 + 16
@@ -84,7 +85,7 @@ def publish(make: Make, redis: str, fmt: str, kv_dtype: str, prefix_tokens: int)
         f"{time.perf_counter() - t0:.2f}s ({bytes_per_token:,.0f} B/token in the store, {fmt})"
     )
     warm = list(a.tokenizer.encode(WARM_UP))
-    return Published(store, num_blocks, kv_dtype, prefix, questions, warm, bytes_per_token)
+    return Published(store, ns, num_blocks, kv_dtype, prefix, questions, warm, bytes_per_token)
 
 
 def cross_instance_ttft(
@@ -120,6 +121,8 @@ def _combination(
         for fmt, pub in pubs.items():
             _load_repeat(make, pub, r, fmt, loads[fmt])
         _baseline_repeat(make, pubs[formats[0]], r, base)
+    for pub in pubs.values():
+        drop_namespace(redis, pub.namespace)
     return [_summary(loads[fmt], base, pub, fmt) for fmt, pub in pubs.items()]
 
 
