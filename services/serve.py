@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--store-format",
         choices=STORE_FORMATS,
         default="auto",
-        help="block format in the store (auto: int8 in Redis, native in memory or on disk)",
+        help="block format in the store (auto: the KV cache's own: loads are exact)",
     )
     add_gateway_arguments(p)
     add_engine_arguments(p)

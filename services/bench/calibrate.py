@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "one whose keys may go (default: a redis-server of its own, stopped at the end)",
     )
     p.add_argument("--store-format", choices=STORE_FORMATS, default="auto",
-                   help="store frames (auto: int8 for Redis)")  # fmt: skip
+                   help="store frames (auto: the KV cache's own format)")  # fmt: skip
     add_gguf(p)
     p.add_argument("--quick", action="store_true", help="a small grid, for tests (a rough profile)")
     p.add_argument("--served", action="store_true", help=SERVED_HELP)
