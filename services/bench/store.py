@@ -22,6 +22,9 @@ store's raw throughput.
   against the Redis at --redis, batches of --batch: blocks/s and MB/s.
 - breakeven: TTFT loading a cached prefix from Redis against recomputing it, and what the cost
   rule chose, over --breakeven-lengths and --breakeven-formats (store_breakeven.py).
+- load: the store connector alone loading the first --prefix-tokens prefix's blocks from Redis
+  into a KV cache, for each frame format, cache dtype and load pipeline setting in
+  store_load.LOAD_ARMS (no model step): the load's time and where it goes.
 The last line printed is one JSON object.
 """
 
@@ -45,7 +48,7 @@ from kvserve.shared.config import (
     StoreConfig,
 )
 
-PARTS = ("formats", "ttft", "throughput", "breakeven")
+PARTS = ("formats", "ttft", "throughput", "breakeven", "load")
 SIZES = {"repeats": 3, "text-tokens": 1024, "gen-tokens": 128, "num-prompts": 8, "blocks": 256,
          "batch": 32}  # fmt: skip
 
@@ -53,7 +56,7 @@ SIZES = {"repeats": 3, "text-tokens": 1024, "gen-tokens": 128, "num-prompts": 8,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model(p)
     p.add_argument("--redis", default="redis://127.0.0.1:6379/15")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
+    p.add_argument("--parts", default=",".join(PARTS[:4]), help=f"comma list of {PARTS}")
     p.add_argument("--formats", default="fp16,bf16,int8,fp8,compact")
     p.add_argument(
         "--format",
@@ -187,7 +190,11 @@ def run(args: argparse.Namespace) -> int:
         result.update(store_breakeven.run(make, args))
         if args.breakeven_plot:
             store_breakeven.save_plot(args.breakeven_plot, result["breakeven"])
-    if args.plot is not None and set(parts) - {"breakeven"}:
+    if "load" in parts:
+        from kvserve.services.bench.store_load import load_bench
+
+        result.update(load_bench(make, args.redis, checked.prefix_tokens[0], args.repeats))
+    if args.plot is not None and set(parts) - {"breakeven", "load"}:
         save_plot(args.plot, result)
     print(json.dumps(result))
     return 0

@@ -120,8 +120,14 @@ class StoreConnector:
         cache_dtype: torch.dtype,
         queue_blocks: int = 1024,
         fetch_timeout_s: float = 2.0,
+        *,
+        gets_in_flight: int = GETS_IN_FLIGHT,
+        load_threads: int = LOAD_THREADS,
     ) -> None:
+        """`gets_in_flight`, `load_threads`: the load's pipeline (the defaults are what measured
+        fastest; `kvserve bench store --parts load` compares others)."""
         self.store = store
+        self.gets_in_flight = gets_in_flight
         self.meta = meta
         self.fmt = fmt
         self.cache_dtype = cache_dtype
@@ -136,8 +142,8 @@ class StoreConnector:
         self.fetch_s_per_block = 0.005
         self.encoded_bytes = 0
         self.encoded_tokens = 0
-        # Loads verify and write their batches on these threads (LOAD_THREADS).
-        self._decoders = loader_pool(LOAD_THREADS, "kvserve-load")
+        # Loads verify and write their batches on these threads.
+        self._decoders = loader_pool(load_threads, "kvserve-load")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvserve-store")
         self._thread.daemon = True
@@ -415,13 +421,13 @@ class StoreConnector:
         job: LoadJob,
         res: FetchResult,
     ) -> None:
-        """Get the blocks in batches of FETCH_BATCH, GETS_IN_FLIGHT at a time, each verified and
+        """Get the blocks in batches of FETCH_BATCH, `gets_in_flight` at a time, each verified and
         written into its cache block on the loader thread as soon as it arrives (transfer,
         verification and copies overlap). `res.loaded`: the leading
         run written, up to the first missing or bad frame (deleted from the store)."""
 
         loader = BatchLoader(self.meta, self.cache_dtype, root, write, job, self.fmt)
-        window = asyncio.Semaphore(GETS_IN_FLIGHT)  # FIFO: the batches arrive in order
+        window = asyncio.Semaphore(self.gets_in_flight)  # FIFO: the batches arrive in order
 
         async def batch(i: int) -> LoadedBatch:
             part = hashes[i : i + FETCH_BATCH]

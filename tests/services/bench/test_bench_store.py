@@ -95,3 +95,35 @@ def test_bench_store_breakeven_tiny(capsys, tmp_path) -> None:  # type: ignore[n
         assert r["rule_chose"] in ("load", "recompute")
     assert summary["breakeven_rule_worst"] == max(r["rule_over_best"] for r in rows)
     assert (tmp_path / "breakeven.png").stat().st_size > 0
+
+
+@pytest.mark.redis
+@pytest.mark.slow  # ~10-19 s: eight connectors and caches
+def test_bench_store_load_tiny(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Four blocks through every load arm: each loads them all (the bench checks), its figures
+    are measured, frames of a quantized cache are a quarter of native ones, and the bench
+    leaves no key behind in its namespaces."""
+    from kvserve.services.bench.store_load import LOAD_ARMS
+
+    before = _bench_keys()
+    args = ["bench", "store", "--parts", "load", "--prefix-tokens", "64", "--repeats", "1"]
+    assert cli.main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["arm"]: r for r in summary["load_arms"]}
+    assert list(rows) == [a.name for a in LOAD_ARMS] and summary["load_prefix_tokens"] == 64
+    for r in rows.values():
+        assert r["load_ms"] > 0 and r["verify_ms"] > 0 and r["write_ms"] > 0
+        assert r["load_range_ms"][0] <= r["load_ms"] <= r["load_range_ms"][1]
+    native, int8 = rows["native -> fp32 cache"], rows["int8 -> int8 cache"]
+    assert int8["bytes_per_token"] < 0.3 * native["bytes_per_token"]
+    assert _bench_keys() == before
+
+
+def _bench_keys() -> int:
+    import redis
+
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/15")
+    try:
+        return sum(1 for _ in client.scan_iter(match="load-*", count=1000))
+    finally:
+        client.close()

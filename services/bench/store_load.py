@@ -1,0 +1,171 @@
+"""`kvserve bench store --parts load`: a prefix's blocks loaded from Redis into a KV cache by the
+store connector alone (no model step, no engine loop), for each load setting in LOAD_ARMS.
+
+The blocks are a real prefill's (the first --prefix-tokens length), encoded as each arm says
+(format, zstd or not; an int8 / fp8 cache's frames are its own bytes and scales) and put into
+a namespace of their own; per repeat a fresh connector asks which blocks are stored (one round
+trip) and loads all of them into consecutive cache blocks. Medians of --repeats (after one
+unrecorded warm-up load) of: the presence round trip, the load's wall time, the loader's
+verification and write time (summed over its threads), and the load per block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from kvserve.services.bench.lib.bench_namespace import drop_namespace, fresh_namespace
+
+
+@dataclass(frozen=True)
+class LoadArm:
+    """One load setting: the frames' format, the cache's dtype, and the pipeline's knobs."""
+
+    name: str
+    fmt: str
+    cache: str  # CacheConfig.kv_dtype: auto (the model's fp32), int8, fp8
+    compress: bool = False
+    gets_in_flight: int = 2
+    load_threads: int = 1
+
+
+# The defaults for each cache, and each step of the load pipeline undone one at a time.
+LOAD_ARMS = (
+    LoadArm("int8 -> int8 cache", "int8", "int8"),
+    LoadArm("int8 -> fp32 cache", "int8", "auto"),
+    LoadArm("native -> fp32 cache", "native", "auto"),
+    LoadArm("fp8 -> fp8 cache", "fp8", "fp8"),
+    LoadArm("int8 -> fp32, zstd frames", "int8", "auto", compress=True),
+    LoadArm("int8 -> fp32, every get at once", "int8", "auto", gets_in_flight=64),
+    LoadArm("int8 -> fp32, 2 loader threads", "int8", "auto", load_threads=2),
+)
+_DTYPES = {"auto": torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def load_bench(make: Any, redis: str, prefix_tokens: int, repeats: int) -> dict[str, Any]:
+    """Every LOAD_ARMS arm on the blocks of a `prefix_tokens` prefill; a table and a summary."""
+    from kvserve.services.bench.workloads.text import reference_text
+    from kvserve.shared.sampling_params import SamplingParams
+    from kvserve.shared.store.hashing import block_hashes
+
+    n = prefix_tokens // 16
+    engine = make(None, num_blocks=n + 16)
+    ids = reference_text(engine.tokenizer, n * 16 + 1)
+    engine.generate([ids], SamplingParams(max_tokens=1))
+    root = engine.root_hash()
+    hashes = block_hashes(root, ids[: n * 16], 16)
+    blocks = engine.runner.cache.read_blocks([engine.kv.cached_block(h) for h in hashes])
+    source = _Source(engine.kv.identity.meta, engine.model_config, root, ids, hashes, blocks)
+    engine.close()
+    rows = [_arm(arm, source, redis, repeats) for arm in LOAD_ARMS]
+    print(f"{'load (' + str(n) + ' blocks)':>34} {'B/token':>8} {'load ms':>16} {'ms/block':>8} "
+          f"{'verify':>7} {'write':>6} {'presence':>8}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['arm']:>34} {r['bytes_per_token']:>8,.0f} {r['load_ms']:>6.1f} "
+            f"[{r['load_range_ms'][0]:.1f}-{r['load_range_ms'][1]:.1f}] {r['ms_per_block']:>8.3f} "
+            f"{r['verify_ms']:>7.1f} {r['write_ms']:>6.1f} {r['presence_ms']:>8.2f}"
+        )
+    return {"load_prefix_tokens": n * 16, "load_arms": rows}
+
+
+@dataclass(frozen=True)
+class _Source:
+    meta: Any  # BlockMeta of the fp32 engine that computed the blocks
+    config: Any  # ModelConfig
+    root: Any
+    ids: list[int]
+    hashes: list[Any]
+    blocks: list[Any]  # BlockData, fp32
+
+
+def _frames(arm: LoadArm, src: _Source, meta: Any) -> list[tuple[Any, bytes]]:
+    from kvserve.shared.store.block_data import BlockData
+    from kvserve.shared.store.codec import encode_block
+
+    out = []
+    for i, (h, block) in enumerate(zip(src.hashes, src.blocks, strict=True)):
+        parent, toks = (src.hashes[i - 1] if i else src.root), src.ids[i * 16 : (i + 1) * 16]
+        k, v = block.k, block.v
+        kw: dict[str, Any] = {"compress": arm.compress}
+        if arm.cache != "auto":
+            q = BlockData.from_float(k, v, _DTYPES[arm.cache])
+            k, v, kw["scales"] = q.k, q.v, (q.k_scale, q.v_scale)
+        out.append((h, encode_block(meta, toks, k, v, arm.fmt, parent, **kw)))
+    return out
+
+
+def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]:
+    from kvserve.shared.engine.kv.cache import KVCache
+    from kvserve.shared.engine.kv.connector import StoreConnector
+    from kvserve.shared.engine.kv.load import LoadJob
+    from kvserve.shared.store.backends import open_store
+
+    dtype = _DTYPES[arm.cache]
+    meta = dataclasses.replace(src.meta, kv_format="float32" if arm.cache == "auto" else arm.cache)
+    frames = _frames(arm, src, meta)
+    ns = fresh_namespace("load")
+    url = f"{redis}?namespace={ns}&timeout=5"
+    rows = []
+    try:
+        store = open_store(url)
+        asyncio.run(_put(store, frames))
+        n = len(frames)
+        cache = KVCache(src.config, n + 8, 16, dtype, populate="eager")
+        conn = StoreConnector(
+            open_store(url),
+            meta,
+            arm.fmt,
+            dtype,
+            gets_in_flight=arm.gets_in_flight,
+            load_threads=arm.load_threads,
+        )
+        try:
+            for r in range(repeats + 1):
+                got = conn.fetch(src.hashes, src.root, 1.0).result()
+                t0 = time.perf_counter()
+                res = conn.load(
+                    got, src.hashes, src.root, list(range(n)), cache.write_stacked, LoadJob()
+                ).result()
+                wall = time.perf_counter() - t0
+                if res.loaded != n:
+                    raise RuntimeError(f"{arm.name}: loaded {res.loaded} of {n} blocks")
+                if r:  # the first is a warm-up
+                    rows.append({"wall": wall, **res.timings, **got.timings})
+        finally:
+            conn.close()
+            cache.close()
+    finally:
+        drop_namespace(redis, ns)
+    return _summary(arm, rows, sum(len(f) for _, f in frames) / (16 * len(frames)), len(frames))
+
+
+async def _put(store: Any, frames: list[tuple[Any, bytes]]) -> None:
+    try:
+        for i in range(0, len(frames), 32):
+            await store.put_many(frames[i : i + 32])
+    finally:
+        await store.close()
+
+
+def _summary(arm: LoadArm, rows: list[dict[str, Any]], bpt: float, n: int) -> dict[str, Any]:
+    def med(key: str) -> float:
+        return 1e3 * statistics.median(r[key] for r in rows)
+
+    walls = [1e3 * r["wall"] for r in rows]
+    return {
+        **dataclasses.asdict(arm),
+        "arm": arm.name,
+        "bytes_per_token": bpt,
+        "load_ms": statistics.median(walls),
+        "load_range_ms": [min(walls), max(walls)],
+        "ms_per_block": statistics.median(walls) / n,
+        "verify_ms": med("verify_cpu_s"),
+        "write_ms": med("write_cpu_s"),
+        "presence_ms": med("contains_s"),
+    }
