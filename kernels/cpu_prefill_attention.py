@@ -21,7 +21,9 @@ merge does):
   mask would make it compute them all) and reads each KV head for its group of query heads;
 - the chunk over the P prefix tokens, unmasked, with each KV head's query heads stacked as rows
   of one [g * L, d] query, so K/V are read once per KV head instead of being expanded g times.
-Quantized caches take that path too, dequantized as their blocks are gathered.
+Quantized caches take the C++ kernel too, over each sequence's context gathered and dequantized
+into a float32 cache of its own (so their results do not depend on the chunking either); torch's
+kernel where the C++ one cannot run.
 """
 
 from __future__ import annotations
@@ -88,19 +90,55 @@ def prefill_attention(
     args = (query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
     if (
         query.device.type == "cpu"
-        and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and query.dtype == torch.float32
         and query.shape[-1] in HEAD_DIMS
-        and k_scale is None
         and (ext := _extension()) is not None
     ):  # the C++ kernel
         assert query.shape[1] % k_cache.shape[2] == 0
         assert block_tables.dtype == cu_query_lens.dtype == context_lens.dtype == torch.int32
-        tensors = (t.contiguous() for t in args[:-1])
-        out: torch.Tensor = ext.prefill_attention(*tensors, float(scale))
-        return out
+        if k_scale is not None or v_scale is not None:
+            return _dequantized(ext, *args, k_scale, v_scale)
+        if k_cache.dtype == v_cache.dtype == torch.float32:
+            tensors = (t.contiguous() for t in args[:-1])
+            out: torch.Tensor = ext.prefill_attention(*tensors, float(scale))
+            return out
     if _FLASH is None or query.device.type != "cpu":
         return reference.prefill_attention(*args, k_scale, v_scale)
     return _flash_prefill(*args, k_scale, v_scale)
+
+
+def _dequantized(
+    ext: Any,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """A quantized cache through the C++ kernel: each sequence's context gathered and
+    dequantized into a float32 cache of its own (its blocks in order), so that, as with a
+    float32 cache, a token's result does not depend on how much of its prompt was cached."""
+    bs = k_cache.shape[1]
+    out = torch.empty_like(query)
+    starts = cu_query_lens.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 == q0:
+            continue
+        n = -(-ctx // bs)
+        table = block_tables[b, :n]
+        k, v = (
+            reference.gather_kv(c, s, table, torch.float32).view(n, bs, *c.shape[2:])
+            for c, s in ((k_cache, k_scale), (v_cache, v_scale))
+        )
+        own = torch.arange(n, dtype=torch.int32)[None]
+        lens = torch.tensor([0, q1 - q0], dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32)
+        out[q0:q1] = ext.prefill_attention(query[q0:q1].contiguous(), k, v, own, *lens, scale)
+    return out
 
 
 def _flash_prefill(

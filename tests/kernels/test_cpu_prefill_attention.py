@@ -1,7 +1,7 @@
 """The CPU prefill attention against the torch reference, on the Triton tests' matrix of dtypes
-and layouts: fp32 takes the C++ kernel, fp16/bf16 and quantized caches torch's flash kernel
-(causal chunk + unmasked prefix merged by log-sum-exp, quantized blocks dequantized as they are
-gathered). Then the C++ kernel's independence of chunking and batching."""
+and layouts: fp32 takes the C++ kernel (over a dequantized copy of the context for quantized
+caches), fp16/bf16 torch's flash kernel (causal chunk + unmasked prefix merged by log-sum-exp).
+Then the C++ kernel's independence of chunking and batching."""
 
 from __future__ import annotations
 
@@ -41,26 +41,35 @@ needs_kernel = pytest.mark.skipif(not cpu_prefill_attention.available(), reason=
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
-            chunks: list[tuple[int, int]]) -> torch.Tensor:  # fmt: skip
+            chunks: list[tuple[int, int]], scales: tuple = (None, None),
+            ) -> torch.Tensor:  # fmt: skip
     """The kernel over (q_len, context_len) chunks of sequences whose queries are stacked in q."""
     cu = cu_query_lens([n for n, _ in chunks])
     ctx = torch.tensor([c for _, c in chunks], dtype=torch.int32)
-    return cpu_prefill_attention.prefill_attention(q, k, v, tables, cu, ctx, q.shape[-1] ** -0.5)
+    d = q.shape[-1]
+    return cpu_prefill_attention.prefill_attention(q, k, v, tables, cu, ctx, d**-0.5, *scales)
 
 
 @needs_kernel
-def test_a_prompt_gives_the_same_bits_however_it_is_chunked_or_batched() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_a_prompt_gives_the_same_bits_however_it_is_chunked_or_batched(kv_dtype) -> None:  # type: ignore[no-untyped-def]
     """A 150-token prompt attended in one chunk, in chunks of 70 / 50 / 30 tokens (each after
-    the cached rest), and beside other sequences: every token's output is bit-identical."""
+    the cached rest), and beside other sequences: every token's output is bit-identical, with
+    a float32 cache and with an int8 / fp8 one (what makes a store hit's answer the same as a
+    cold run's: its tokens see the same cached values either way)."""
     torch.manual_seed(4)
     h, kvh, d, bs = 9, 3, 64, 16
     k = torch.randn(40, bs, kvh, d)
     v = torch.randn(40, bs, kvh, d)
+    scales: tuple = (None, None)
+    if kv_dtype != torch.float32:
+        (k, ks), (v, vs) = reference.quantize_kv(k, kv_dtype), reference.quantize_kv(v, kv_dtype)
+        scales = (ks, vs)
     table = torch.randperm(40)[:10].int()
     q = torch.randn(150, h, d)
-    whole = _attend(q, k, v, table[None], [(150, 150)])
+    whole = _attend(q, k, v, table[None], [(150, 150)], scales)
     chunked = torch.cat([
-        _attend(q[a:b], k, v, table[None], [(b - a, b)])
+        _attend(q[a:b], k, v, table[None], [(b - a, b)], scales)
         for a, b in [(0, 70), (70, 120), (120, 150)]
     ])  # fmt: skip
     assert torch.equal(chunked, whole)
@@ -69,12 +78,12 @@ def test_a_prompt_gives_the_same_bits_however_it_is_chunked_or_batched() -> None
     q_other = torch.randn(40 + 30, h, d)
     batch = _attend(
         torch.cat([q_other[:40], q[50:120], q_other[40:]]), k, v, tables,
-        [(40, 100), (70, 120), (30, 30)],
+        [(40, 100), (70, 120), (30, 30)], scales,
     )  # fmt: skip
     assert torch.equal(batch[40:110], whole[50:120])
     want = reference.prefill_attention(
         q, k, v, table[None], torch.tensor([0, 150], dtype=torch.int32),
-        torch.tensor([150], dtype=torch.int32), d**-0.5,
+        torch.tensor([150], dtype=torch.int32), d**-0.5, *scales,
     )  # fmt: skip
     torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
 
