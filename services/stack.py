@@ -37,7 +37,7 @@ from kvserve.services.cli_support import CliError
 from kvserve.services.engine_options import check_sim_arguments
 from kvserve.services.gateway.router import POLICIES
 from kvserve.services.supervisor import Supervisor
-from kvserve.shared.config import SIM_PAYLOADS, STORE_FORMATS, default_model_path
+from kvserve.shared.config import KV_DTYPES, SIM_PAYLOADS, STORE_FORMATS, default_model_path
 
 CLAIM_IDLE_S = 30.0  # the workers' --claim-idle default
 QUARANTINE_AFTER = 2  # the workers' --quarantine-after default
@@ -78,6 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="shared: every worker on the Redis store; local: each its own memory:// store",
     )
     p.add_argument("--store-format", choices=STORE_FORMATS, default="auto")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="the workers' KV cache")
     p.add_argument("--model", default=str(default_model_path()))
     p.add_argument("--metrics-port", type=int, default=9100, help="first worker's; 0: off")
     p.add_argument("--grace", type=float, default=40.0, help="seconds before SIGKILL on stop")
@@ -165,16 +166,18 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
     faults = ["--enable-fault-injection"] if args.enable_fault_injection else []
     out[0] += faults
     # the workers' own defaults unless asked otherwise
-    takeover = [] if args.claim_idle == CLAIM_IDLE_S else ["--claim-idle", str(args.claim_idle)]
+    own = [] if args.claim_idle == CLAIM_IDLE_S else ["--claim-idle", str(args.claim_idle)]
     if args.quarantine_after != QUARANTINE_AFTER:
-        takeover += ["--quarantine-after", str(args.quarantine_after)]
+        own += ["--quarantine-after", str(args.quarantine_after)]
+    if args.kv_dtype != "auto":
+        own += ["--kv-dtype", args.kv_dtype]
     if args.simulate is not None:
         return [*out, sim_fleet_command(args, base)]
     for i, (role, name) in enumerate(worker_roles(args)):
         metrics = str(args.metrics_port + i) if args.metrics_port else "0"
         command = [*base, role, "--bus", args.redis, "--store", worker_store(args),
                    "--store-format", args.store_format, "--model", args.model,
-                   "--metrics-port", metrics, "--threads", threads, *takeover,
+                   "--metrics-port", metrics, "--threads", threads, *own,
                    *faults]  # fmt: skip
         out.append([*command, "--name", name])
     return out

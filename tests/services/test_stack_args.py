@@ -151,6 +151,14 @@ def test_every_worker_gets_the_store_format(topology: list[str]) -> None:
     assert [w[w.index("--store-format") + 1] for w in workers] == ["int8"] * 3
 
 
+@pytest.mark.parametrize("topology", [[], ["--workers", "3"]])
+def test_every_worker_gets_the_kv_dtype(topology: list[str]) -> None:
+    gateway, *workers = _commands(*topology, "--kv-dtype", "int8")
+    assert "--kv-dtype" not in gateway
+    assert [w[w.index("--kv-dtype") + 1] for w in workers] == ["int8"] * 3
+    assert all("--kv-dtype" not in w for w in _commands(*topology))  # the workers' default
+
+
 def test_aggregated_workers_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stack.os, "cpu_count", lambda: 8)
     for count, threads in (("1", "8"), ("3", "2"), ("16", "1")):
