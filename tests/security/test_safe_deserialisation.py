@@ -176,8 +176,10 @@ def test_no_code_executing_deserialisation_in_the_sources() -> None:
 
 def test_bus_and_store_decode_with_bounded_msgpack() -> None:
     """What the bus and the store decode is msgpack: each of those modules that unpacks
-    imports msgpack, and the store's frame decoder bounds every field (codec.py `_unpack`)."""
-    for rel in ("shared/protocol.py", "shared/bus/redis.py", "shared/store/codec.py"):
+    imports msgpack, and the store's frame decoder bounds every field (codec.py `_unpack` reads
+    the frame through msgpack_view with `_LIMITS`, whose every value goes to msgpack.unpackb
+    with those limits)."""
+    for rel in ("shared/protocol.py", "shared/bus/redis.py", "shared/store/msgpack_view.py"):
         tree = ast.parse((ROOT / rel).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert "msgpack" in imported, rel
@@ -185,13 +187,25 @@ def test_bus_and_store_decode_with_bounded_msgpack() -> None:
     unpack = next(
         n for n in ast.walk(codec) if isinstance(n, ast.FunctionDef) and n.name == "_unpack"
     )
+    assert any(
+        isinstance(n, ast.Call) and ast.unparse(n) == "unpack(data, _LIMITS)"
+        for n in ast.walk(unpack)
+    )
+    limits = next(
+        n.value
+        for n in ast.walk(codec)
+        if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "_LIMITS"
+    )
+    assert isinstance(limits, ast.Call) and ast.unparse(limits.func) == "Limits"
+    bounded = {"max_bin_len", "max_str_len", "max_array_len", "max_map_len"}
+    assert {k.arg for k in limits.keywords} == bounded
+    view = ast.parse((ROOT / "shared/store/msgpack_view.py").read_text())
     call = next(
         n
-        for n in ast.walk(unpack)
+        for n in ast.walk(view)
         if isinstance(n, ast.Call) and ast.unparse(n.func) == "msgpack.unpackb"
     )
-    limits = {k.arg for k in call.keywords}
-    assert {"max_bin_len", "max_str_len", "max_array_len", "max_map_len", "max_ext_len"} <= limits
+    assert bounded | {"max_ext_len"} <= {k.arg for k in call.keywords}
 
 
 # ---- the detector ----------------------------------------------------------------------------
