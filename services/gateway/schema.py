@@ -107,6 +107,13 @@ def _int(
     return v
 
 
+def _top_k(body: dict[str, Any], vocab_size: int) -> int:
+    """top_k, 0 for off (vLLM: -1 too); one of at least the vocabulary keeps every token, so it
+    is off as well (and a number too large for the bus's msgpack never reaches it)."""
+    k = max(0, _int(body, "top_k", 0, -1) or 0)
+    return 0 if k >= vocab_size else k
+
+
 def _num(body: dict[str, Any], name: str, default: float) -> float:
     v = _get(body, name)
     if v is None:
@@ -250,7 +257,7 @@ def _sampling(
             max_tokens=max_tokens,
             temperature=_num(body, "temperature", 1.0),
             top_p=_num(body, "top_p", 1.0),
-            top_k=max(0, _int(body, "top_k", 0, -1) or 0),  # vLLM: -1 means off
+            top_k=_top_k(body, info.vocab_size),
             seed=_int(body, "seed", None, 0, MAX_SEED),
             n=_int(body, "n", 1, 1, MAX_N) or 1,
             stop=_stop(body),

@@ -278,6 +278,17 @@ def test_a_prompt_of_no_tokens_is_the_document_start_token(tokenizer: KVTokenize
         parse_completion({"prompt": [[]]}, info)
 
 
+def test_a_top_k_of_the_whole_vocabulary_or_more_is_off(tokenizer: KVTokenizer) -> None:
+    """top_k -1 and 0 are off, and so is any top_k that keeps every token, however large (one
+    past 2**64 could not even travel the bus)."""
+    info = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size)
+    v = tokenizer.vocab_size
+    for k, want in ((-1, 0), (0, 0), (5, 5), (v - 1, v - 1), (v, 0), (2**70, 0)):
+        assert parse_completion({"prompt": "hi", "top_k": k}, info).params.top_k == want
+    with pytest.raises(APIError, match="top_k"):
+        parse_completion({"prompt": "hi", "top_k": -2}, info)
+
+
 async def test_whole_floats_are_integers_and_tokenize_answers_token_strs(
     harness: Harness, tokenizer: KVTokenizer
 ) -> None:
