@@ -28,6 +28,7 @@ kernel where the C++ one cannot run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,62 +98,30 @@ def prefill_attention(
         assert query.shape[1] % k_cache.shape[2] == 0
         assert block_tables.dtype == cu_query_lens.dtype == context_lens.dtype == torch.int32
         if k_scale is not None or v_scale is not None:
-            return _dequantized(ext, *args, k_scale, v_scale)
+            return _dequantized(ext, args, k_scale, v_scale)
         if k_cache.dtype == v_cache.dtype == torch.float32:
             tensors = (t.contiguous() for t in args[:-1])
             out: torch.Tensor = ext.prefill_attention(*tensors, float(scale))
             return out
     if _FLASH is None or query.device.type != "cpu":
         return reference.prefill_attention(*args, k_scale, v_scale)
-    return _flash_prefill(*args, k_scale, v_scale)
+    return _flash_prefill(args, k_scale, v_scale)
 
 
-def _dequantized(
-    ext: Any,
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def _per_sequence(
+    args: tuple[Any, ...],
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    attend: Attend,
 ) -> torch.Tensor:
-    """A quantized cache through the C++ kernel: each sequence's context gathered and
-    dequantized into a float32 cache of its own (its blocks in order), so that, as with a
-    float32 cache, a token's result does not depend on how much of its prompt was cached."""
-    bs = k_cache.shape[1]
-    out = torch.empty_like(query)
-    starts = cu_query_lens.tolist()
-    for b, ctx in enumerate(context_lens.tolist()):
-        q0, q1 = starts[b], starts[b + 1]
-        if q1 == q0:
-            continue
-        n = -(-ctx // bs)
-        table = block_tables[b, :n]
-        k, v = (
-            reference.gather_kv(c, s, table, torch.float32).view(n, bs, *c.shape[2:])
-            for c, s in ((k_cache, k_scale), (v_cache, v_scale))
-        )
-        own = torch.arange(n, dtype=torch.int32)[None]
-        lens = torch.tensor([0, q1 - q0], dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32)
-        out[q0:q1] = ext.prefill_attention(query[q0:q1].contiguous(), k, v, own, *lens, scale)
-    return out
-
-
-def _flash_prefill(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> torch.Tensor:
-    """torch's flash kernel per sequence over its gathered (and dequantized) context."""
+    """`attend(q, k, v, ctx)` for each sequence: its queries over its context's blocks gathered
+    (and dequantized) in order, [n * block_size, kvh, d] in the query's dtype. `args`:
+    prefill_attention's (query, k_cache, v_cache, block_tables, cu_query_lens, context_lens,
+    scale)."""
+    query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, _ = args
     bs = k_cache.shape[1]
     out = torch.empty_like(query)
     starts = cu_query_lens.tolist()
@@ -161,7 +130,37 @@ def _flash_prefill(
         if q1 == q0:
             continue
         table = block_tables[b, : -(-ctx // bs)]
-        k = reference.gather_kv(k_cache, k_scale, table, query.dtype)[:ctx]
-        v = reference.gather_kv(v_cache, v_scale, table, query.dtype)[:ctx]
-        out[q0:q1] = _attend(query[q0:q1], k, v, scale)
+        k = reference.gather_kv(k_cache, k_scale, table, query.dtype)
+        v = reference.gather_kv(v_cache, v_scale, table, query.dtype)
+        out[q0:q1] = attend(query[q0:q1], k, v, ctx)
     return out
+
+
+def _dequantized(
+    ext: Any, args: tuple[Any, ...], k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """A quantized cache through the C++ kernel: each sequence's context gathered and
+    dequantized into a float32 cache of its own (its blocks in order), so that, as with a
+    float32 cache, a token's result does not depend on how much of its prompt was cached."""
+    bs, scale = args[1].shape[1], args[-1]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> torch.Tensor:
+        n = k.shape[0] // bs
+        own = torch.arange(n, dtype=torch.int32)[None]
+        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        k, v = (t.view(n, bs, *t.shape[1:]) for t in (k, v))
+        lens = torch.tensor([ctx], dtype=torch.int32)
+        out: torch.Tensor = ext.prefill_attention(q.contiguous(), k, v, own, cu, lens, scale)
+        return out
+
+    return _per_sequence(args, k_scale, v_scale, attend)
+
+
+def _flash_prefill(
+    args: tuple[Any, ...], k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """torch's flash kernel per sequence over its gathered (and dequantized) context."""
+    scale = args[-1]
+    return _per_sequence(
+        args, k_scale, v_scale, lambda q, k, v, ctx: _attend(q, k[:ctx], v[:ctx], scale)
+    )

@@ -23,15 +23,16 @@ import msgpack
 import openai
 import pytest
 import redis
-from kvserve.services.bench.lib import fleet as harness
-from kvserve.services.bench.lib.process import STOP_GRACE_S, ServerProcess, free_port
+from kvserve.services.bench.lib.process import ServerProcess, free_port
 from kvserve.services.bench.lib.readiness import poll_until
-from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_present
+from kvserve.services.bench.lib.redis_server import redis_binaries_present
 from kvserve.shared.config import StoreConfig
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.services.openai_suite import MODEL
+from tests.services.redis_fleet import RedisFleet
 from tests.shared.engine.helpers import run_one
 
 pytestmark = pytest.mark.redis
@@ -58,7 +59,6 @@ TAKE_OVER = SamplingParams(max_tokens=48, ignore_eos=True)
 KV_DTYPES = ["auto", "int8"]
 FRAME_FORMAT = {"auto": "native", "int8": "int8"}  # what `--store-format auto` writes
 REDIS = "redis://127.0.0.1:6379/15"
-MODEL = "kvtest-smol"
 
 
 def full_blocks(prompt: list[int], bs: int = 16) -> int:
@@ -201,7 +201,7 @@ def test_redis_hit(make_engine, prompts, reference, tokenizer, kv_dtype: str, re
 # ---- the fleet's paths: real processes, HTTP and the openai client ---------------------------
 
 
-class Fleet(harness.Fleet):
+class Fleet(RedisFleet):
     """A gateway, a prefill worker and two decode workers (the disaggregated topology) on a
     redis-server of their own, bus and store; every worker's cache of `kv_dtype`, its store
     format left at the default (auto)."""
@@ -209,8 +209,6 @@ class Fleet(harness.Fleet):
     def __init__(self, model_path: Path, kv_dtype: str) -> None:
         super().__init__(model_path)
         self.kv_dtype = kv_dtype
-        self.redis = RedisServer()
-        self.redis.start()
 
     def worker(self, role: str, name: str) -> ServerProcess:
         url = self.redis.url
@@ -237,10 +235,6 @@ class Fleet(harness.Fleet):
         """The formats of the block frames in the store."""
         return frame_formats(self.redis.url, "kvserve:v1")
 
-    def stop(self, grace: float = STOP_GRACE_S) -> None:
-        super().stop(grace)
-        self.redis.stop()
-
 
 def metrics(p: ServerProcess) -> str:
     """A worker's /metrics text (its ready event's URL), read live."""
@@ -254,10 +248,7 @@ def fleet(model_path: Path, kv_dtype: str) -> Iterator[Fleet]:
         pytest.skip("redis-server not installed")
     f = Fleet(model_path, kv_dtype)
     try:
-        f.process(
-            "gateway", ("gateway", "--port", "0"), "--bus", f.redis.url,
-            "--served-model-name", MODEL,
-        ).spawn()  # fmt: skip
+        f.gateway()
         f.worker("prefill", "prefill-0")
         for i in range(2):
             f.worker("decode", f"decode-{i}")
@@ -269,7 +260,7 @@ def fleet(model_path: Path, kv_dtype: str) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def client(fleet: Fleet) -> openai.OpenAI:
-    return openai.OpenAI(base_url=fleet.procs["gateway"].url + "/v1", api_key="x", max_retries=0)
+    return fleet.client()
 
 
 def messages(question: str) -> list[Any]:

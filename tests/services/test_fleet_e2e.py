@@ -18,16 +18,16 @@ from typing import Any
 import openai
 import pytest
 import redis
-from kvserve.services.bench.lib import fleet as harness
 from kvserve.services.bench.lib.http import Http
-from kvserve.services.bench.lib.process import STOP_GRACE_S, ServerProcess, free_port
+from kvserve.services.bench.lib.process import ServerProcess, free_port
 from kvserve.services.bench.lib.readiness import poll_until
-from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_present
+from kvserve.services.bench.lib.redis_server import redis_binaries_present
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.protocol import GenerateRequest, decode, encode
 from kvserve.shared.sampling_params import SamplingParams
 
 from tests.services.openai_suite import MODEL, NUM_BLOCKS
+from tests.services.redis_fleet import RedisFleet
 
 pytestmark = pytest.mark.redis
 
@@ -41,13 +41,8 @@ SYSTEM = (
 DEAD_S = 20.0
 
 
-class Fleet(harness.Fleet):
-    """The gateway and workers (the harness's Fleet) on a redis-server of their own."""
-
-    def __init__(self, model_path: Path) -> None:
-        super().__init__(model_path)
-        self.redis = RedisServer()
-        self.redis.start()
+class Fleet(RedisFleet):
+    """The gateway and workers on a redis-server of their own."""
 
     def worker(self, name: str) -> ServerProcess:
         url = self.redis.url
@@ -58,16 +53,6 @@ class Fleet(harness.Fleet):
             "--claim-idle", "3", "--drain-timeout", "5",
         ).spawn()  # fmt: skip
 
-    def router(self) -> dict[str, Any]:
-        """The gateway's router stats (asked again while Redis, just back, refuses a call)."""
-        http = Http(self.procs["gateway"].url)
-        reply = poll_until(lambda: (r := http.get("/v1/cache/stats")).status_code == 200 and r)
-        return dict(reply.json()["router"])
-
-    def stop(self, grace: float = STOP_GRACE_S) -> None:
-        super().stop(grace)
-        self.redis.stop()
-
 
 @pytest.fixture(scope="module")
 def fleet(model_path: Path) -> Iterator[Fleet]:
@@ -75,10 +60,7 @@ def fleet(model_path: Path) -> Iterator[Fleet]:
         pytest.skip("redis-server not installed")
     f = Fleet(model_path)
     try:
-        f.process(
-            "gateway", ("gateway", "--port", "0"), "--bus", f.redis.url,
-            "--served-model-name", MODEL, "--routing", "cache-aware",
-        ).spawn()  # fmt: skip
+        f.gateway("--routing", "cache-aware")
         for n in WORKERS:
             f.worker(n)
         f.wait_ready()
@@ -90,7 +72,7 @@ def fleet(model_path: Path) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def client(fleet: Fleet) -> openai.OpenAI:
-    return openai.OpenAI(base_url=fleet.procs["gateway"].url + "/v1", api_key="x", max_retries=0)
+    return fleet.client()
 
 
 def chat(client: openai.OpenAI, messages: list[Any], max_tokens: int = 8) -> Any:

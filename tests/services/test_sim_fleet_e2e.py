@@ -18,11 +18,12 @@ import openai
 import pytest
 from kvserve.services.bench.lib import fleet as harness
 from kvserve.services.bench.lib.http import Http
-from kvserve.services.bench.lib.process import STOP_GRACE_S, ServerProcess
+from kvserve.services.bench.lib.process import ServerProcess
 from kvserve.services.bench.lib.readiness import poll_until
 from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_present
 
 from tests.services.openai_suite import MODEL
+from tests.services.redis_fleet import RedisFleet
 from tests.shared.engine.sim.profiles import profile_dict, write_profile
 
 pytestmark = pytest.mark.redis
@@ -33,12 +34,10 @@ DEAD_S = 20.0  # the bus's worker TTL (10 s) plus a refresh and a heartbeat
 STEP = {"base_s": 0.02}
 
 
-class SimFleet(harness.Fleet):
+class SimFleet(RedisFleet):
     def __init__(self, model_path: Path, profile: Path) -> None:
         super().__init__(model_path)
         self.profile = profile
-        self.redis = RedisServer()
-        self.redis.start()
 
     def worker(self, name: str) -> ServerProcess:
         url = self.redis.url
@@ -48,15 +47,6 @@ class SimFleet(harness.Fleet):
             "--claim-idle", "3", "--drain-timeout", "5",
         ).spawn()  # fmt: skip
 
-    def router(self) -> dict[str, Any]:
-        http = Http(self.procs["gateway"].url)
-        reply = poll_until(lambda: (r := http.get("/v1/cache/stats")).status_code == 200 and r)
-        return dict(reply.json()["router"])
-
-    def stop(self, grace: float = STOP_GRACE_S) -> None:
-        super().stop(grace)
-        self.redis.stop()
-
 
 @pytest.fixture(scope="module")
 def fleet(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
@@ -65,10 +55,7 @@ def fleet(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     profile = write_profile(tmp_path_factory.mktemp("sim") / "profile.json", step=STEP)
     f = SimFleet(model_path, profile)
     try:
-        f.process(
-            "gateway", ("gateway", "--port", "0"), "--bus", f.redis.url,
-            "--served-model-name", MODEL, "--routing", "cache-aware",
-        ).spawn()  # fmt: skip
+        f.gateway("--routing", "cache-aware")
         for n in WORKERS:
             f.worker(n)
         f.wait_ready()
@@ -80,7 +67,7 @@ def fleet(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(fleet: SimFleet) -> openai.OpenAI:
-    return openai.OpenAI(base_url=fleet.procs["gateway"].url + "/v1", api_key="x", max_retries=0)
+    return fleet.client()
 
 
 def ask(client: openai.OpenAI, messages: list[Any], max_tokens: int = 8) -> Any:

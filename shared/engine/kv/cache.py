@@ -190,7 +190,7 @@ class KVCache:
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.k[0].device)
 
         def gather(ts: Sequence[torch.Tensor | None]) -> torch.Tensor:
-            out = torch.stack([_raw(t).index_select(0, idx) for t in ts if t is not None], 1)
+            out = torch.stack([raw_view(t).index_select(0, idx) for t in ts if t is not None], 1)
             return out.cpu().view(ts[0].dtype) if ts[0] is not None else out
 
         k, v = gather(self.k), gather(self.v)
@@ -205,7 +205,7 @@ class KVCache:
             return
 
         def stacked(parts: list[torch.Tensor | None]) -> torch.Tensor:
-            return torch.stack([_raw(p) for p in parts if p is not None], dim=1)  # [L, n, ...]
+            return torch.stack([raw_view(p) for p in parts if p is not None], dim=1)  # [L, n, ...]
 
         k, v = stacked([d.k for d in data]), stacked([d.v for d in data])
         if not self.quantized:
@@ -234,9 +234,7 @@ class KVCache:
             self._dequantize_into(blocks, k, v, k_scale, v_scale)
             return
         dev = self.k[0].device
-        first, n = blocks[0], len(blocks)
-        consecutive = list(blocks) == list(range(first, first + n))
-        idx = None if consecutive else torch.tensor(list(blocks), dtype=torch.long, device=dev)
+        first, n, idx = _placement(blocks, dev)
 
         def scatter(ts: Sequence[torch.Tensor | None], src: torch.Tensor | None) -> None:
             assert src is not None
@@ -244,9 +242,9 @@ class KVCache:
             for layer, t in enumerate(ts):
                 assert t is not None
                 if idx is None:
-                    _raw(t)[first : first + n].copy_(_raw(src[layer]))
+                    raw_view(t)[first : first + n].copy_(raw_view(src[layer]))
                 else:
-                    _raw(t).index_copy_(0, idx, _raw(src[layer]))
+                    raw_view(t).index_copy_(0, idx, raw_view(src[layer]))
 
         scatter(self.k, k)
         scatter(self.v, v)
@@ -263,10 +261,8 @@ class KVCache:
         v_scale: torch.Tensor,
     ) -> None:
         dev = self.k[0].device
-        first, n = blocks[0], len(blocks)
-        consecutive = list(blocks) == list(range(first, first + n))
-        idx = None if consecutive else torch.tensor(list(blocks), dtype=torch.long, device=dev)
-        buf = None if consecutive else _layer_buffer((n, *self.k[0].shape[1:]), self.dtype, dev)
+        first, n, idx = _placement(blocks, dev)
+        buf = None if idx is None else _layer_buffer((n, *self.k[0].shape[1:]), self.dtype, dev)
         for caches, q, scale in ((self.k, k, k_scale), (self.v, v, v_scale)):
             q, scale = q.to(dev), scale.to(dev)
             for layer, t in enumerate(caches):
@@ -275,6 +271,15 @@ class KVCache:
                 out.mul_(scale[layer].unsqueeze(-1))
                 if idx is not None:
                     t.index_copy_(0, idx, out)
+
+
+def _placement(blocks: Sequence[int], device: torch.device) -> tuple[int, int, torch.Tensor | None]:
+    """(first block, count, their ids as an index tensor, or None when they are consecutive:
+    then blocks[first : first + count] is a slice)."""
+    first, n = blocks[0], len(blocks)
+    if list(blocks) == list(range(first, first + n)):
+        return first, n, None
+    return first, n, torch.tensor(list(blocks), dtype=torch.long, device=device)
 
 
 _buffers = threading.local()  # each writing thread's dequantization buffer
@@ -290,6 +295,6 @@ def _layer_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return buf
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def raw_view(t: torch.Tensor) -> torch.Tensor:
     """fp8 as uint8 (CPU torch cannot stack or index_copy_ fp8); anything else as is."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from kvserve.kernels.reference import dequantize_kv
+from kvserve.shared.engine.kv.cache import raw_view
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
 from kvserve.shared.store.codec import BlockMeta, DecodedBlock, Miss, decode_block
 from kvserve.shared.store.hashing import BlockHash
@@ -66,8 +67,8 @@ class Staging:
             data = BlockData.from_float(*_as_float(block), self.k.dtype)
             assert data.k_scale is not None and data.v_scale is not None
             k, v, scales = data.k, data.v, torch.stack([data.k_scale, data.v_scale])
-        _raw(self.k[:, j]).copy_(_raw(k))
-        _raw(self.v[:, j]).copy_(_raw(v))
+        raw_view(self.k[:, j]).copy_(raw_view(k))
+        raw_view(self.v[:, j]).copy_(raw_view(v))
         self.scales[:, :, j].copy_(scales)
 
 
@@ -75,7 +76,7 @@ def block_data(block: DecodedBlock, dtype: torch.dtype) -> BlockData:
     """A verified block (decoded with dequantize=False) as a cache of `dtype` holds it: an
     int8 / fp8 frame of that dtype as stored (copied), anything else through floats."""
     if block.scales is not None and block.k.dtype == dtype:
-        k, v, s = (_raw(t).clone().view(t.dtype) for t in (block.k, block.v, block.scales))
+        k, v, s = (raw_view(t).clone().view(t.dtype) for t in (block.k, block.v, block.scales))
         return BlockData(k, v, s[0], s[1])
     return BlockData.from_float(*_as_float(block), dtype)
 
@@ -88,11 +89,6 @@ def _as_float(block: DecodedBlock) -> tuple[torch.Tensor, torch.Tensor]:
         dequantize_kv(block.k, block.scales[0], torch.float32),
         dequantize_kv(block.v, block.scales[1], torch.float32),
     )
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """fp8 as uint8 (CPU torch cannot copy between fp8 views); anything else as is."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def loader_pool(workers: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
