@@ -94,11 +94,13 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
+    # The divisor is a tensor: CUDA torch divides by a Python number as a multiplication by its
+    # reciprocal, one ulp off IEEE division (the Triton kernels' and the CPU's) for some values.
     if dtype == torch.int8:
-        scale = (amax / INT8_MAX).clamp_min(1e-8)
+        scale = (amax / amax.new_tensor(INT8_MAX)).clamp_min(1e-8)
         q = torch.round(xf / scale[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     elif dtype == torch.float8_e4m3fn:
-        scale = (amax / FP8_E4M3_MAX).clamp_min(1e-8)
+        scale = (amax / amax.new_tensor(FP8_E4M3_MAX)).clamp_min(1e-8)
         q = (xf / scale[..., None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     else:
         raise ValueError(f"quantize_kv: unsupported dtype {dtype}")
