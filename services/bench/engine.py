@@ -33,6 +33,11 @@ The last line printed is one JSON object with every number; --out DIR also gets 
 (the same plus every recorded step), --plot PATH a PNG. `--kv-events`: the engine logs its tier
 changes and a thread does with them every 50 ms what a worker's KV event publisher does (take,
 merge, number, encode; all but the Redis write), to compare W1 with and without it.
+
+`--device cuda`: both arms run on the GPU (the same fp32 weights; each timed region ends with a
+torch.cuda.synchronize), and so do the decode probes. The machine figures, the figures paired
+with the probes, the ratios that divide by them, the layers' C++ call by part and `--threads`
+describe the CPU: they are not measured and are reported as absent (None, "-").
 """
 
 from __future__ import annotations
@@ -63,7 +68,12 @@ from kvserve.services.bench.lib.decode_probe import (
     decode_step,
     probe_max_tokens,
 )
-from kvserve.services.bench.lib.engine_timing import ArmResult, StepRecord, timed_steps
+from kvserve.services.bench.lib.engine_timing import (
+    ArmResult,
+    StepRecord,
+    synchronizer,
+    timed_steps,
+)
 from kvserve.services.bench.lib.flags import add_model, add_seed, add_sizes
 from kvserve.services.bench.lib.hf_generate import run_hf
 from kvserve.services.bench.lib.machine import (
@@ -75,6 +85,7 @@ from kvserve.services.bench.lib.machine import (
 from kvserve.services.bench.lib.roofline import (
     EngineSide,
     Roofline,
+    absent_figures,
     measure_roofline,
     paired_figures,
     roofline_ratios,
@@ -102,6 +113,10 @@ def _default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def on_cpu(args: argparse.Namespace) -> bool:
+    return torch.device(args.device).type == "cpu"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model(p, resolved=False)
     add_sizes(p, {"num-requests": 128, "min-prompt": 32, "max-prompt": 512, "min-output": 16,
@@ -109,6 +124,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_seed(p)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="run only the kvserve arm")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N: both arms and the decode probes run there; off the CPU the "
+        "machine figures, the ratios to them and --threads are skipped",
+    )
     p.add_argument("--threads", type=int, default=_default_threads(), help="default: all cores")
     p.add_argument("--probe-context", type=int, default=256, help="decode-step probe context")
     p.add_argument("--probe-steps", type=int, default=20, help="decode steps timed per probe")
@@ -162,15 +183,18 @@ def engine_config(
         weights=args.weights,
         cache=cache,
         scheduler=sched,
-        num_threads=args.threads,
+        device=args.device,
+        num_threads=args.threads if on_cpu(args) else None,
     )
 
 
 def run_kvserve(engine: Engine, requests: list[BenchRequest]) -> tuple[ArmResult, list[StepRecord]]:
     """All requests submitted at once, stepped to completion; wall time includes submission."""
     engine.generate([requests[0].prompt[:8]], SamplingParams(max_tokens=2, ignore_eos=True))
+    sync = synchronizer(engine.config.device)
+    sync()
     generated = 0
-    with timed_steps(engine) as steps:
+    with timed_steps(engine, sync) as steps:
         t0 = time.perf_counter()
         for i, r in enumerate(requests):
             params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
@@ -178,6 +202,7 @@ def run_kvserve(engine: Engine, requests: list[BenchRequest]) -> tuple[ArmResult
         while engine.has_unfinished_requests():
             for out in engine.step():
                 generated += sum(len(c.token_ids) for c in out.completions)
+        sync()
         wall = time.perf_counter() - t0
     useful = sum(r.output_len for r in requests)
     if generated != useful:
@@ -257,18 +282,23 @@ def measure_engine(
     model_path: Path,
     weights: LoadedWeights,
     requests: list[BenchRequest],
-    chain: LinearChain,
+    chain: LinearChain | None,
     args: argparse.Namespace,
 ) -> EngineSide:
     """Arm 1, then the decode probes on the same (by then idle) engine, each step paired with
     the machine figures it is divided by: a bandwidth sample and the engine's linear kernels
-    alone (batch 1), the bare linear chain at the same batch (batch 32)."""
+    alone (batch 1), the bare linear chain at the same batch (batch 32). Without `chain` (off
+    the CPU) the steps are paired with nothing."""
     engine = Engine(engine_config(model_path, requests, args, weights.config), weights=weights)
     with kv_event_drain(engine, args.kv_events) as events:
         kv, steps = _timed_phase("kvserve arm", functools.partial(run_kvserve, engine, requests))
     if args.kv_events:
         print(f"KV events: {events['events']} encoded, {events['bytes']} bytes", flush=True)
-    kernels, pairs = _pairs(engine, chain, args)
+    if chain is not None:
+        kernels, pairs = _pairs(engine, chain, args)
+    else:
+        kernels = KernelChain.of_model(engine.model_runner.model)  # for its weight bytes
+        pairs = {b: {} for b in PROBE_BATCHES}
     b1, b8, b32 = (
         _timed_phase(f"decode probe b{b}", functools.partial(_probe, engine, b, args, pairs[b]))
         for b in PROBE_BATCHES
@@ -276,14 +306,37 @@ def measure_engine(
     return EngineSide(kv, steps, b1, b8, b32, args.weights, kernels.weight_bytes, args.kv_dtype)
 
 
+def _check_device(name: str) -> str:
+    """`--device` as torch names it ("cpu" for any CPU); CliError unless it is the CPU or a
+    CUDA device this machine has."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise CliError(f"--device must be cpu or cuda[:N], got {name!r}") from e
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise CliError(f"--device must be cpu or cuda[:N], got {name!r}")
+    if not torch.cuda.is_available():
+        raise CliError(f"--device {name}: CUDA is not available here")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise CliError(f"--device {name}: this machine has {torch.cuda.device_count()} GPUs")
+    return str(device)
+
+
 def _check(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, frozenset[str]]:
-    """The workload, the model and the formats the engine would keep; CliError on bad ones."""
+    """The workload, the model and the formats the engine would keep; CliError on bad ones.
+    `args.device` becomes torch's name for it."""
     spec = WorkloadSpec.from_args(args)
     if min(args.hf_batch_size, args.threads, args.probe_steps, args.repeats) < 1:
         raise CliError("--hf-batch-size, --threads, --probe-steps and --repeats must be >= 1")
+    args.device = _check_device(args.device)
+    if args.weights == "file" and not on_cpu(args):
+        raise CliError("--weights file: the file's blocks run on the CPU only")
     model_path = Path(args.model) if args.model else default_model_path()
     try:  # the formats the engine would keep with these settings
-        keep = kept_formats(EngineConfig(model_path=str(model_path), weights=args.weights))
+        config = EngineConfig(model_path=str(model_path), weights=args.weights, device=args.device)
+        keep = kept_formats(config)
     except ValueError as e:
         raise CliError(str(e)) from e
     return spec, model_path, keep
@@ -291,19 +344,25 @@ def _check(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, frozenset[str]
 
 def run(args: argparse.Namespace) -> int:
     spec, model_path, keep = _check(args)
-    torch.set_num_threads(args.threads)
+    cpu = on_cpu(args)
+    if cpu:
+        torch.set_num_threads(args.threads)
     load = functools.partial(load_weights, model_path, torch.float32, keep)
     weights = _timed_phase("load weights", load)
     model: ModelConfig = weights.config
     requests = make_requests(spec, model.vocab_size)
-    chain = LinearChain(llama_linear_shapes(model))  # the bare chain, before W1 and beside b32
-    roof = _timed_phase("machine", functools.partial(measure_roofline, chain, args))
+    chain, roof = None, None  # the machine's figures: CPU measurements
+    if cpu:
+        chain = LinearChain(llama_linear_shapes(model))  # the bare chain, before W1, beside b32
+        roof = _timed_phase("machine", functools.partial(measure_roofline, chain, args))
     side = measure_engine(model_path, weights, requests, chain, args)
     del chain, weights  # the engine is gone; let the HF arm have the memory
     gc.collect()
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.empty_cache()
     hf = None
     if not args.skip_hf:
-        run_arm = functools.partial(run_hf, model_path, requests, args.hf_batch_size)
+        run_arm = functools.partial(run_hf, model_path, requests, args.hf_batch_size, args.device)
         hf = _timed_phase("hf arm", run_arm)
     summary = build_summary(spec, args, roof, model, side, hf)
     if args.plot:
@@ -329,9 +388,11 @@ def layer_parts(side: EngineSide) -> dict[str, float | None]:
 def _arms(args: argparse.Namespace, side: EngineSide, hf: ArmResult | None) -> dict[str, Any]:
     kv = side.kvserve
     ratio = kv.tok_s / hf.tok_s if hf else None
+    device = {} if on_cpu(args) else {"device": args.device}  # on the CPU as before the option
     return {
+        **device,
         "hf_batch_size": args.hf_batch_size,
-        "threads": args.threads,
+        "threads": args.threads if on_cpu(args) else None,
         "probe_context": args.probe_context,
         "probe_steps": args.probe_steps,
         "kvserve_tok_s": kv.tok_s,
@@ -357,12 +418,21 @@ def _probes(side: EngineSide) -> dict[str, Any]:
 def build_summary(
     spec: WorkloadSpec,
     args: argparse.Namespace,
-    roof: Roofline,
+    roof: Roofline | None,
     model: ModelConfig,
     side: EngineSide,
     hf: ArmResult | None,
 ) -> dict[str, Any]:
-    """Every number of the run, keyed as engine.json and the last stdout line have them."""
+    """Every number of the run, keyed as engine.json and the last stdout line have them;
+    without `roof` (off the CPU) the machine figures and what divides by them are None."""
+    if roof is None:
+        return {
+            **asdict(spec),
+            **_arms(args, side, hf),
+            **absent_figures(model),
+            **_probes(side),
+            **layer_parts(side),
+        }
     paired = paired_figures(args, side.b1, side.b8, side.b32)
     return {
         **asdict(spec),

@@ -18,6 +18,11 @@ TARGET_ROOFLINE_B1 = 0.8
 TARGET_LINEAR_SHARE_B32 = 0.8
 
 
+def _num(value: float | None, spec: str) -> str:
+    """`value` formatted, "-" where it was not measured (off the CPU)."""
+    return "-" if value is None else format(value, spec)
+
+
 def _verdict(value: float | None, target: float) -> str:
     if value is None:
         return "n/a"
@@ -26,45 +31,49 @@ def _verdict(value: float | None, target: float) -> str:
 
 def print_report(summary: dict[str, Any]) -> None:
     """The run in words (the setting and machine, the measurements, the verdicts), then the
-    summary as one JSON line."""
+    summary as one JSON line. Off the CPU (a "device" key) the CPU's figures read "-"."""
     s = summary
+    device = f", device {s['device']}" if "device" in s else ""
     print(
         f"workload W1: {s['num_requests']} requests, prompts {s['min_prompt']}..{s['max_prompt']}"
         f", outputs {s['min_output']}..{s['max_output']}, seed {s['seed']}, "
-        f"threads {s['threads']}"
+        f"threads {_num(s['threads'], 'd')}{device}"
     )
     print(
-        f"machine: read bandwidth {s['bandwidth_gb_s']:.1f} GB/s, "
-        f"fp32 matmul {s['matmul_gflop_s']:.1f} GFLOP/s"
+        f"machine: read bandwidth {_num(s['bandwidth_gb_s'], '.1f')} GB/s, "
+        f"fp32 matmul {_num(s['matmul_gflop_s'], '.1f')} GFLOP/s"
+        + (" (CPU figures: not measured on this device)" if device else "")
     )
     _print_measurements(s)
     print(f"ratio kvserve/hf = {_verdict(s['ratio'], TARGET_RATIO)}")
     print(f"roofline_b1 = {_verdict(s['roofline_b1'], TARGET_ROOFLINE_B1)}")
     print(f"roofline_b8 = {_verdict(s['roofline_b8'], TARGET_ROOFLINE_B1)}")
     print(
-        f"linear_roofline_b1 = {s['linear_roofline_b1']:.3f} "
+        f"linear_roofline_b1 = {_num(s['linear_roofline_b1'], '.3f')} "
         "(the linear kernels alone: the ceiling of roofline_b1 with these kernels)"
     )
-    print(f"linear_roofline_b8 = {s['linear_roofline_b8']:.3f}")
+    print(f"linear_roofline_b8 = {_num(s['linear_roofline_b8'], '.3f')}")
     print(f"linear_share_b32 = {_verdict(s['linear_share_b32'], TARGET_LINEAR_SHARE_B32)}")
-    print(f"flop_frac_b32 = {s['flop_frac_b32']:.3f}")
+    print(f"flop_frac_b32 = {_num(s['flop_frac_b32'], '.3f')}")
     print(json.dumps(s, sort_keys=True))
 
 
 def _print_measurements(s: dict[str, Any]) -> None:
     print(
         f"bare linear layers ({s['linear_params'] / 1e6:.1f}M params): "
-        f"b1 {s['bare_linear_b1_ms']:.2f} ms, b32 {s['bare_linear_b32_ms']:.2f} ms"
+        f"b1 {_num(s['bare_linear_b1_ms'], '.2f')} ms, "
+        f"b32 {_num(s['bare_linear_b32_ms'], '.2f')} ms"
     )
     print(
         f"engine decode step (--weights {s['weights']}: {s['weight_bytes'] / 1e6:.1f} MB of "
         "weights read a step): "
         f"b1 {s['engine_step_b1_ms']:.2f} ms, b8 {s['engine_step_b8_ms']:.2f} ms, "
         f"b32 {s['engine_step_b32_ms']:.2f} ms (context ~{s['probe_context']}); beside them: "
-        f"bandwidth {s['bandwidth_paired_b1_gb_s']:.1f} GB/s, "
-        f"the engine's linear kernels alone b1 {s['kernel_linear_b1_paired_ms']:.2f} ms, "
-        f"b8 {s['kernel_linear_b8_paired_ms']:.2f} ms, "
-        f"bare linear b32 {s['bare_linear_b32_paired_ms']:.2f} ms"
+        f"bandwidth {_num(s['bandwidth_paired_b1_gb_s'], '.1f')} GB/s, "
+        "the engine's linear kernels alone "
+        f"b1 {_num(s['kernel_linear_b1_paired_ms'], '.2f')} ms, "
+        f"b8 {_num(s['kernel_linear_b8_paired_ms'], '.2f')} ms, "
+        f"bare linear b32 {_num(s['bare_linear_b32_paired_ms'], '.2f')} ms"
     )
     _print_layers(s)
     _print_arms(s)
@@ -103,7 +112,8 @@ def save_plot(path: Path, summary: dict[str, Any], steps: list[StepRecord]) -> N
     drawn = bars.bar(list(arms), list(arms.values()), color=["tab:blue", "tab:gray"][: len(arms)])
     bars.bar_label(drawn, fmt="%.1f")
     bars.set_ylabel("output tokens / s")
-    bars.set_title(f"W1: {summary['num_requests']} requests, threads {summary['threads']}")
+    where = f"threads {summary['threads']}" if "device" not in summary else summary["device"]
+    bars.set_title(f"W1: {summary['num_requests']} requests, {where}")
     for kind, pick, color in (
         ("decode only", True, "tab:blue"),
         ("with prefill", False, "tab:red"),

@@ -4,6 +4,7 @@ default model in this process (64 blocks), shared by the modules."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,14 @@ SERVE = ("serve", "--port", "0")
 
 @pytest.fixture(scope="module")
 def start_server(model_path: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """start_server(*args, env=...) -> a ready ServerProcess, stopped at module end."""
+    """start_server(*args, env=...) -> a ready ServerProcess, stopped at module end; on the
+    device KVSERVE_TEST_DEVICE names (default: the CPU)."""
     started: list[ServerProcess] = []
+    device = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
 
     def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        p = kvserve_process(SERVE, ["--model", str(model_path), *args], env=env)
+        cmd = ["--model", str(model_path), "--device", device, *args]
+        p = kvserve_process(SERVE, cmd, env=env)
         started.append(p)
         return p.spawn().wait_ready()
 

@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
 from kvserve.kernels import cpu_decode_step
-from kvserve.services.bench.lib.engine_timing import StepRecord, timed_steps
+from kvserve.services.bench.lib.engine_timing import StepRecord, synchronizer, timed_steps
 from kvserve.services.bench.workloads.tokens import random_tokens
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.outputs import RequestOutput
@@ -78,7 +79,7 @@ def _timed_decode(
     context of each step, and the paired seconds by name."""
     contexts: list[float] = []
     paired_s: dict[str, list[float]] = {name: [] for name in paired}
-    with timed_steps(engine) as records:
+    with timed_steps(engine, synchronizer(engine.config.device)) as records:
         for _ in range(steps):
             contexts.append(context + statistics.fmean(emitted.values()))
             _count_tokens(engine.step(), emitted)
@@ -97,9 +98,11 @@ def decode_step(
     `paired` (machine measurements the step is compared with) are timed after each timed step,
     outside it, so that both see the machine in the same state."""
     emitted = _start_decoding(engine, batch, context, steps, seed)
-    cpu_decode_step.timing(True)
+    on_cpu = torch.device(engine.config.device).type == "cpu"  # where the C++ call can run
+    if on_cpu:
+        cpu_decode_step.timing(True)
     records, contexts, times = _timed_decode(engine, emitted, context, steps, paired or {})
-    layers = cpu_decode_step.timing(False)
+    layers = cpu_decode_step.timing(False) if on_cpu else None
     for rid in emitted:
         engine.abort_request(rid)
     if any(r.num_seqs != batch or not r.decode_only for r in records):

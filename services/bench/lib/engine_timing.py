@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,11 +38,27 @@ class StepRecord:
         return self.num_prefill_seqs == 0
 
 
+def _no_sync() -> None:
+    pass
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    """What to call before reading the clock at the end of a timed region on `device`: on CUDA
+    torch.cuda.synchronize (kernels run asynchronously), elsewhere nothing."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return _no_sync
+    return lambda: torch.cuda.synchronize(dev)
+
+
 @contextlib.contextmanager
-def timed_steps(engine: Engine) -> Iterator[list[StepRecord]]:
+def timed_steps(engine: Engine, sync: Callable[[], None] = _no_sync) -> Iterator[list[StepRecord]]:
     """Within the block every `engine.step()` is timed with perf_counter and recorded with the
-    Batch its scheduler produced (a step that scheduled nothing is not recorded). Only the two
-    bound methods are replaced, and put back after; the engine's code is untouched."""
+    Batch its scheduler produced (a step that scheduled nothing is not recorded); `sync` is
+    called before the clock is read at a step's end (`synchronizer`). Only the two bound
+    methods are replaced, and put back after; the engine's code is untouched."""
     records: list[StepRecord] = []
     scheduler = engine.scheduler
     schedule, step = scheduler.schedule, engine.step
@@ -57,6 +73,7 @@ def timed_steps(engine: Engine) -> Iterator[list[StepRecord]]:
         last.clear()
         t0 = time.perf_counter()
         outputs = step()
+        sync()
         seconds = time.perf_counter() - t0
         if last and last[-1]:
             records.append(StepRecord.of(last[-1], seconds))

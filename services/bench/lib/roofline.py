@@ -6,18 +6,26 @@
   linear_roofline_bB = weight bytes / bandwidth / the engine's linear kernels alone at batch B
   linear_share_b32   = bare linear time at batch 32 / engine step at batch 32
   flop_frac_b32      = 2 * params * 32 / engine step at batch 32 / matmul peak
+
+All of them are CPU measurements: off the CPU (`--device cuda`) `absent_figures` stands for them.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from kvserve.services.bench.lib.decode_probe import PROBE_BATCHES, DecodeProbe
 from kvserve.services.bench.lib.engine_timing import ArmResult, StepRecord
-from kvserve.services.bench.lib.machine import FP32_BYTES, LinearChain, measure_machine, num_params
+from kvserve.services.bench.lib.machine import (
+    FP32_BYTES,
+    LinearChain,
+    llama_linear_shapes,
+    measure_machine,
+    num_params,
+)
 from kvserve.shared.config import ModelConfig
 from kvserve.shared.engine.kv.cache import kv_bytes_per_token, resolve_kv_dtype
 
@@ -29,6 +37,24 @@ class Roofline:
     linear_params: int
     bare_linear_b1_ms: float
     bare_linear_b32_ms: float
+
+
+# The keys of paired_figures and roofline_ratios.
+PAIRED_KEYS = (
+    "bandwidth_paired_b1_gb_s",
+    "kernel_linear_b1_paired_ms",
+    "bandwidth_paired_b8_gb_s",
+    "kernel_linear_b8_paired_ms",
+    "bare_linear_b32_paired_ms",
+)
+RATIO_KEYS = (
+    "roofline_b1",
+    "linear_roofline_b1",
+    "roofline_b8",
+    "linear_roofline_b8",
+    "linear_share_b32",
+    "flop_frac_b32",
+)
 
 
 @dataclass(frozen=True)
@@ -105,3 +131,11 @@ def roofline_ratios(
         "linear_share_b32": paired["bare_linear_b32_paired_ms"] / b32.step_ms,
         "flop_frac_b32": b32_flops / (roof.matmul_gflop_s * 1e9),
     }
+
+
+def absent_figures(model: ModelConfig) -> dict[str, int | None]:
+    """The Roofline's, paired_figures' and roofline_ratios' keys where they are not measured
+    (off the CPU): None, all but the model's linear parameter count."""
+    absent: dict[str, int | None] = dict.fromkeys(f.name for f in fields(Roofline))
+    absent["linear_params"] = num_params(llama_linear_shapes(model))
+    return {**absent, **dict.fromkeys(PAIRED_KEYS), **dict.fromkeys(RATIO_KEYS)}

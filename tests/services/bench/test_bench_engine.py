@@ -8,16 +8,21 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from kvserve.kernels import cpu_decode_step
 from kvserve.kernels.cpu_decode_step import LayerSeconds
+from kvserve.services.bench.engine import build_summary
+from kvserve.services.bench.engine_report import print_report
 from kvserve.services.bench.lib.decode_probe import DecodeProbe
 from kvserve.services.bench.lib.engine_timing import ArmResult
+from kvserve.services.bench.lib.machine import llama_linear_shapes, num_params
 from kvserve.services.bench.lib.roofline import (
     EngineSide,
     Roofline,
     paired_figures,
     roofline_ratios,
 )
+from kvserve.services.bench.workloads.batch import WorkloadSpec
 from kvserve.services.cli import main
 
 from tests.services.bench.workloads.test_batch import WORKLOAD
@@ -136,3 +141,79 @@ def test_step_ratios_use_the_figures_paired_with_the_steps(weights) -> None:  # 
     bandwidth_b8 = paired["bandwidth_paired_b8_gb_s"] * 1e9
     kv8 = 8 * 50.0 * model_config.kv_bytes_per_token(4)
     assert ratios["roofline_b8"] == pytest.approx((1_000_000 + kv8) / bandwidth_b8 * 1e3 / 40.0)
+
+
+# The summary's figures that describe the CPU: absent (None) off it.
+CPU_ONLY_KEYS = (
+    *(k for k in MEASURED_KEYS if k != "kvserve_tok_s" and not k.startswith("engine_step_")),
+    "threads",
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_a_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "engine", *workload_args(), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvserve bench: error: --device cuda: CUDA is not available here"]
+
+
+def test_unknown_device_is_a_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "engine", *workload_args(), "--device", "nonsense"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvserve bench: error: --device must be cpu or cuda[:N], got 'nonsense'"]
+
+
+def test_summary_off_the_cpu_reports_the_cpu_figures_absent(  # type: ignore[no-untyped-def]
+    weights, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Off the CPU the summary has the CPU run's keys (and the device), the CPU's figures None,
+    and the report prints them as "-"."""
+    spec = WorkloadSpec(**WORKLOAD)
+    args = argparse.Namespace(
+        device="cpu", hf_batch_size=2, threads=1, probe_context=4, probe_steps=2, bandwidth_mib=1
+    )
+    b1 = DecodeProbe(1, 2.0, 5.0, {"bandwidth": (0.001,), "kernel_linear": (0.001,)})
+    b8 = DecodeProbe(8, 3.0, 5.0, {"bandwidth": (0.001,), "kernel_linear": (0.001,)})
+    b32 = DecodeProbe(32, 4.0, 5.0, {"bare_linear": (0.001,)})
+    side = EngineSide(ArmResult("kvserve", 1.0, 28, 28), [], b1, b8, b32, "fp32", 1_000_000)
+    hf = ArmResult("hf", 2.0, 28, 32)
+    roof = Roofline(10.0, 100.0, num_params(llama_linear_shapes(weights.config)), 1.0, 1.0)
+    on_cpu = build_summary(spec, args, roof, weights.config, side, hf)
+    gpu_side = EngineSide(
+        side.kvserve, [], *(DecodeProbe(p.batch, p.step_ms, 5.0) for p in side.probes), "fp32", 1
+    )
+    args.device = "cuda"
+    off_cpu = build_summary(spec, args, None, weights.config, gpu_side, hf)
+    assert "device" not in on_cpu
+    assert set(off_cpu) == set(on_cpu) | {"device"}
+    assert off_cpu["device"] == "cuda"
+    assert off_cpu["linear_params"] == on_cpu["linear_params"]
+    assert off_cpu["ratio"] == on_cpu["ratio"] == 2.0
+    for key in CPU_ONLY_KEYS:
+        assert on_cpu[key] is not None and off_cpu[key] is None, key
+    capsys.readouterr()
+    print_report(off_cpu)
+    out = capsys.readouterr().out
+    assert "threads -, device cuda" in out
+    assert "read bandwidth - GB/s" in out and "flop_frac_b32 = -" in out
+    assert "roofline_b1 = n/a" in out and "ratio kvserve/hf = 2.000" in out
+    assert json.loads(out.strip().splitlines()[-1]) == off_cpu
+
+
+@pytest.mark.gpu
+@pytest.mark.slow  # the HF arm loads the model too; not timed on a GPU yet
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_engine_on_cuda(  # type: ignore[no-untyped-def]
+    model_path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Runs on a GPU machine only (`-m gpu`): both arms of a tiny W1 on the GPU; the CPU's
+    figures absent (None), the decode probes' steps measured."""
+    args = ["--model", str(model_path), "--device", "cuda", "--hf-batch-size", "2"]
+    summary = run_bench([*args, "--out", str(tmp_path)], capsys)  # 4 requests (WORKLOAD)
+    assert summary["device"] == "cuda"
+    assert_positive(summary, ("kvserve_tok_s", "engine_step_b1_ms", "engine_step_b32_ms"))
+    assert_positive(summary, HF_KEYS)
+    assert summary["hf_useful_tokens"] == summary["kvserve_tokens"] == 8 + 7 + 7 + 6
+    for key in CPU_ONLY_KEYS:
+        assert summary[key] is None, key
+    assert json.loads((tmp_path / "engine.json").read_text())["summary"] == summary
