@@ -2,7 +2,10 @@
 for the K/V write, decode and prefill attention (`cpu`), or the pure torch reference (`torch`).
 
 All expose the same three functions with the signatures of `kernels.reference`, stated here as
-protocols so that the type checker holds every implementation to them.
+protocols so that the type checker holds every implementation to them. Prefill attention also
+takes the longest chunk as a Python int (`max_query_len`, keyword-only, None: unknown): Triton
+sizes its launch by it instead of reading it back from the device; the others have no use for
+it and take the reference's signature behind `_sized`.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class PagedDecodeAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
-class PrefillAttention(Protocol):
+class ReferencePrefillAttention(Protocol):
     """`reference.prefill_attention`: each sequence's chunk over its cached prefix and itself."""
 
     def __call__(
@@ -62,6 +65,49 @@ class PrefillAttention(Protocol):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+
+class PrefillAttention(Protocol):
+    """`ReferencePrefillAttention` plus the longest chunk, when the caller knows it (a bound
+    for the launch: cu_query_lens and context_lens must agree with it)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [T, h, d]
+        k_cache: torch.Tensor,  # [nb, bs, kvh, d]
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, max_blocks] int32
+        cu_query_lens: torch.Tensor,  # [B + 1] int32
+        context_lens: torch.Tensor,  # [B] int32, tokens in the cache incl. this chunk
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        *,
+        max_query_len: int | None = None,
+    ) -> torch.Tensor: ...
+
+
+def _sized(fn: ReferencePrefillAttention) -> PrefillAttention:
+    """A prefill attention of the reference's signature that takes (and ignores) the
+    `max_query_len` hint."""
+
+    def prefill_attention(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_query_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        *,
+        max_query_len: int | None = None,
+    ) -> torch.Tensor:
+        args = (query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+        return fn(*args, k_scale, v_scale)
+
+    return prefill_attention
 
 
 @dataclass(frozen=True)
@@ -95,7 +141,7 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
             "cpu",
             cpu_ops.store_kv,
             cpu_decode_attention.paged_decode_attention,
-            cpu_prefill_attention.prefill_attention,
+            _sized(cpu_prefill_attention.prefill_attention),
             cpp_decode_step=True,
         )
     if name == "torch":
@@ -103,7 +149,7 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
             "torch",
             reference.store_kv,
             reference.paged_decode_attention,
-            reference.prefill_attention,
+            _sized(reference.prefill_attention),
         )
     from kvserve.kernels.paged_decode import paged_decode_attention
     from kvserve.kernels.prefill_attention import prefill_attention

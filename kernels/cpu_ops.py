@@ -47,8 +47,8 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim of x [T, n], or None."""
-    ext = _extension()
-    if ext is None or not _applies(x, weight):
+    ext = _extension() if _applies(x, weight) else None  # no build for a GPU's tensors
+    if ext is None:
         return None
     out: torch.Tensor = ext.rms_norm(x.contiguous(), weight.contiguous(), eps)
     return out
@@ -59,8 +59,8 @@ def add_rms_norm(
 ) -> torch.Tensor | None:
     """residual += x in place and return rms_norm(residual); None (residual untouched) where
     the kernel does not apply. `residual` must be contiguous."""
-    ext = _extension()
-    if ext is None or not _applies(x, residual, weight) or not residual.is_contiguous():
+    ext = _extension() if _applies(x, residual, weight) else None
+    if ext is None or not residual.is_contiguous():
         return None
     out: torch.Tensor = ext.add_rms_norm(x.contiguous(), residual, weight.contiguous(), eps)
     return out
@@ -75,13 +75,8 @@ def rope_(
 ) -> bool:
     """Rotate heads [0, num_rotated) of qkv [T, heads, d] in place by the rows `positions` of
     the tables cos / sin [P, d]. False (nothing done) where the kernel does not apply."""
-    ext = _extension()
-    if (
-        ext is None
-        or not _applies(qkv, cos, sin)
-        or not _rows_contiguous(qkv)
-        or positions.dtype != torch.int64
-    ):
+    ext = _extension() if _applies(qkv, cos, sin) else None
+    if ext is None or not _rows_contiguous(qkv) or positions.dtype != torch.int64:
         return False
     ext.rope_(qkv, num_rotated, positions.contiguous(), cos.contiguous(), sin.contiguous())
     return True
@@ -89,8 +84,8 @@ def rope_(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up [T, 2I] = [gate | up], or None."""
-    ext = _extension()
-    if ext is None or not _applies(gate_up):
+    ext = _extension() if _applies(gate_up) else None
+    if ext is None:
         return None
     out: torch.Tensor = ext.silu_mul(gate_up.contiguous())
     return out
@@ -135,8 +130,8 @@ def store_kv(
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per row of logits [N, V]: the argmax (the first, as torch.argmax) and logsumexp, in one
     call reading each row twice; or None."""
-    ext = _extension()
-    if ext is None or not _applies(logits) or logits.dim() != 2 or logits.shape[1] == 0:
+    ext = _extension() if _applies(logits) else None
+    if ext is None or logits.dim() != 2 or logits.shape[1] == 0:
         return None
     ids, lse = ext.argmax_logsumexp(logits.contiguous())
     return ids, lse

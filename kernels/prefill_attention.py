@@ -141,12 +141,15 @@ def launch_prefill_attention(
     v_scale: torch.Tensor | None,
     block_m: int | None = None,
     block_n: int | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Check layouts and launch one program per (query tile, sequence, head).
 
-    Syncs with the host once, to size the grid by the longest chunk and to check
-    context_lens >= q_len. (Most of its length is the launch's argument list: a Triton kernel
-    takes every stride and constant as a parameter of its own.)
+    The grid is sized by the longest chunk: `max_query_len` when the caller knows it (the
+    model runner does: no wait for the device; the caller vouches that cu_query_lens and
+    context_lens agree with it), else read from cu_query_lens with one host sync, which also
+    checks context_lens >= q_len. (Most of its length is the launch's argument list: a Triton
+    kernel takes every stride and constant as a parameter of its own.)
     """
     T, h, d = query.shape
     bs, kvh = k_cache.shape[1:3]
@@ -160,10 +163,15 @@ def launch_prefill_attention(
     out = torch.empty_like(query)  # [T, h, d]
     if B == 0 or T == 0:
         return out
-    q_lens = cu_query_lens[1:] - cu_query_lens[:-1]  # [B]
-    max_q_len, min_slack = torch.stack([q_lens.max(), (context_lens - q_lens).min()]).tolist()
-    assert min_slack >= 0, "context_lens[b] must count the chunk itself (>= its q_len)"
-    assert int(cu_query_lens[-1]) <= T, "cu_query_lens points past the end of query"
+    if max_query_len is None:
+        q_lens = cu_query_lens[1:] - cu_query_lens[:-1]  # [B]
+        checks = [q_lens.max(), (context_lens - q_lens).min(), cu_query_lens[-1]]
+        max_q_len, min_slack, total = torch.stack(checks).tolist()
+        assert min_slack >= 0, "context_lens[b] must count the chunk itself (>= its q_len)"
+        assert total <= T, "cu_query_lens points past the end of query"
+    else:
+        max_q_len = max_query_len
+        assert 0 <= max_q_len <= T, f"max_query_len {max_q_len} vs {T} query rows"
     if max_q_len == 0:
         return out
 
@@ -204,15 +212,18 @@ def prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,  # the longest chunk, when the caller knows it
 ) -> torch.Tensor:
     """Causal attention of each sequence's chunk over its cached prefix plus the chunk itself.
 
     Query i of sequence b (0 <= i < q_len) sits at position context_len - q_len + i and sees keys
     0 ..= that position. Returns [T, h, d] in the query's dtype; rows of `query` not covered by
-    cu_query_lens are left uninitialized (as in the reference).
+    cu_query_lens are left uninitialized (as in the reference). With `max_query_len` the launch
+    does not wait for the device (see `launch_prefill_attention`).
     """
     assert math.isfinite(scale)
     return launch_prefill_attention(
         query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
-        k_scale, v_scale,
+        k_scale, v_scale, max_query_len=max_query_len,
     )  # fmt: skip

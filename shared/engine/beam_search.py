@@ -64,7 +64,8 @@ class BeamSearch:
         """logprobs [num_live_beams, vocab] (log-softmax rows, float32) -> the next live beams,
         best first, as (parent, token, score). Sets `done` when the search is over."""
         gen_len = len(self.beams[0]) + 1  # generated length after this step
-        total = logprobs + torch.tensor(self.scores)[:, None]  # [B, V]
+        scores = torch.tensor(self.scores, device=logprobs.device)
+        total = logprobs + scores[:, None]  # [B, V]
         vocab = total.shape[1]
         k = min(self.num_candidates, total.numel())
         top_scores, top_idx = torch.topk(total.flatten(), k)

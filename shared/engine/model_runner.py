@@ -1,6 +1,9 @@
 """ModelRunner: turns a Batch into tensors, runs the model over the paged cache, returns the
 logits of the sequences that sample this step. The KVCache is the KVCacheManager's; the runner
-makes the Batch's block copies in it and the model writes each step's K/V into it."""
+makes the Batch's block copies in it and the model writes each step's K/V into it. The step's
+integers (token ids, positions, slots, block tables, lengths) are built on the host; on a GPU they
+reach the device in one copy that does not wait for it (`upload`), and the longest chunk and
+sequence travel as Python ints, so the forward pass queues its work without a host sync."""
 
 from __future__ import annotations
 
@@ -87,17 +90,70 @@ class ModelRunner:
     ) -> torch.Tensor:
         for src, dst in batch.block_copies:
             self.cache.copy_block(src, dst)
-        input_ids, positions, slots = self._flatten(prefills + decodes)
-        meta = self._metadata(prefills, decodes, slots)
-        out = self._output_rows(prefills, decodes, meta) if only_sampling else None
-        return self.model(input_ids, positions, meta, self.cache, self.backend, out)
+        ids, pos, slots = self._flatten(prefills + decodes)
+        cu = [0]
+        for s in prefills:
+            cu.append(cu[-1] + s.num_new_tokens)
+        p_ctx, d_ctx = _context_lens(prefills), _context_lens(decodes)
+        p_tables, d_tables = _tables(prefills), _tables(decodes)
+        picked = self._output_rows(prefills, decodes) if only_sampling else None
+        # Every integer the step needs, moved to the device together (one copy on a GPU).
+        parts: dict[str, tuple[list[int], torch.dtype]] = {
+            "ids": (ids, torch.long),
+            "pos": (pos, torch.long),
+            "slots": (slots, torch.long),
+            "cu": (cu, torch.int32),
+            "p_ctx": (p_ctx, torch.int32),
+            "p_tables": (_flat(p_tables), torch.int32),
+            "d_ctx": (d_ctx, torch.int32),
+            "d_tables": (_flat(d_tables), torch.int32),
+        }
+        if picked is not None:  # the sampling rows' own metadata: their chunks, their decodes
+            rows, chunks, keep = picked
+            parts["rows"] = (rows, torch.long)
+            parts["sub_p_ctx"] = ([p_ctx[i] for i in chunks], torch.int32)
+            parts["sub_p_tables"] = (_flat([p_tables[i] for i in chunks]), torch.int32)
+            parts["sub_d_ctx"] = ([d_ctx[j] for j in keep], torch.int32)
+            parts["sub_d_tables"] = (_flat([d_tables[j] for j in keep]), torch.int32)
+        t = dict(zip(parts, upload(list(parts.values()), self.device), strict=True))
+        max_seq_len = max(p_ctx + d_ctx, default=0)
+        meta = AttentionMetadata(
+            slot_mapping=t["slots"],
+            num_prefill_tokens=cu[-1],
+            prefill_cu_query_lens=t["cu"],
+            prefill_context_lens=t["p_ctx"],
+            prefill_block_tables=t["p_tables"].view(len(p_tables), _width(p_tables)),
+            decode_context_lens=t["d_ctx"],
+            decode_block_tables=t["d_tables"].view(len(d_tables), _width(d_tables)),
+            prefill_max_query_len=max((s.num_new_tokens for s in prefills), default=0),
+            max_seq_len=max_seq_len,
+        )
+        out = None
+        if picked is not None:
+            _, chunks, keep = picked
+            # Each sampling chunk as a one-token chunk (its last token) at its position.
+            sub = AttentionMetadata(
+                slot_mapping=meta.slot_mapping,  # unused: K/V are written for every token
+                num_prefill_tokens=len(chunks),
+                prefill_cu_query_lens=torch.arange(
+                    len(chunks) + 1, dtype=torch.int32, device=self.device
+                ),
+                prefill_context_lens=t["sub_p_ctx"],
+                prefill_block_tables=t["sub_p_tables"].view(len(chunks), _width(p_tables)),
+                decode_context_lens=t["sub_d_ctx"],
+                decode_block_tables=t["sub_d_tables"].view(len(keep), _width(d_tables)),
+                prefill_max_query_len=1 if chunks else 0,
+                max_seq_len=max_seq_len,
+            )
+            out = OutputRows(t["rows"], sub)
+        return self.model(t["ids"], t["pos"], meta, self.cache, self.backend, out)
 
     def _output_rows(
-        self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq], meta: AttentionMetadata
-    ) -> OutputRows | None:
-        """The sampling rows (each sampling chunk's last token, then the decodes that sample)
-        and attention metadata for them alone: each such chunk as a one-token chunk. None
-        when that is every row of the step (a pure decode step)."""
+        self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]
+    ) -> tuple[list[int], list[int], list[int]] | None:
+        """The sampling rows (each sampling chunk's last token, then the decodes that sample),
+        the prefill chunks they come from and the decodes kept (indices into `prefills` and
+        `decodes`). None when that is every row of the step (a pure decode step)."""
         rows: list[int] = []
         chunks = []
         offset = 0
@@ -110,23 +166,10 @@ class ModelRunner:
         rows += [offset + j for j in keep]
         if len(rows) == offset + len(decodes):
             return None
-        dev = self.device
-        pick = torch.tensor(chunks, dtype=torch.long, device=dev)
-        dpick = torch.tensor(keep, dtype=torch.long, device=dev)
-        sub = AttentionMetadata(
-            slot_mapping=meta.slot_mapping,  # unused: K/V are written for every token
-            num_prefill_tokens=len(chunks),
-            prefill_cu_query_lens=torch.arange(len(chunks) + 1, dtype=torch.int32, device=dev),
-            prefill_context_lens=meta.prefill_context_lens[pick],
-            prefill_block_tables=meta.prefill_block_tables[pick],
-            decode_context_lens=meta.decode_context_lens[dpick],
-            decode_block_tables=meta.decode_block_tables[dpick],
-        )
-        return OutputRows(torch.tensor(rows, dtype=torch.long, device=dev), sub)
+        return rows, chunks, keep
 
-    def _flatten(
-        self, ordered: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _flatten(self, ordered: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
+        """The step's token ids, positions and cache slots, token by token."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -139,36 +182,69 @@ class ModelRunner:
             for p in range(start, end):
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
-        dev = self.device
-        return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            torch.tensor(slots, dtype=torch.long, device=dev),
-        )
+        return ids, pos, slots
 
-    def _tables(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        width = max((len(s.seq.block_table) for s in seqs), default=0)
-        rows = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seqs), width)
 
-    def _metadata(
-        self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq], slots: torch.Tensor
-    ) -> AttentionMetadata:
-        dev = self.device
-        cu = [0]
-        for s in prefills:
-            cu.append(cu[-1] + s.num_new_tokens)
+def _context_lens(seqs: list[ScheduledSeq]) -> list[int]:
+    """Tokens in the cache after this step, per sequence."""
+    return [s.seq.num_computed_tokens + s.num_new_tokens for s in seqs]
 
-        def ctx(seqs: list[ScheduledSeq]) -> torch.Tensor:
-            lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in seqs]
-            return torch.tensor(lens, dtype=torch.int32, device=dev)
 
-        return AttentionMetadata(
-            slot_mapping=slots,
-            num_prefill_tokens=cu[-1],
-            prefill_cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            prefill_context_lens=ctx(prefills),
-            prefill_block_tables=self._tables(prefills),
-            decode_context_lens=ctx(decodes),
-            decode_block_tables=self._tables(decodes),
-        )
+def _tables(seqs: list[ScheduledSeq]) -> list[list[int]]:
+    """The block tables, each padded with block 0 to the longest."""
+    width = max((len(s.seq.block_table) for s in seqs), default=0)
+    return [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in seqs]
+
+
+def _width(rows: list[list[int]]) -> int:
+    return len(rows[0]) if rows else 0
+
+
+def _flat(rows: list[list[int]]) -> list[int]:
+    return [x for row in rows for x in row]
+
+
+ALIGN = 16  # bytes: where each tensor of an upload starts (Triton specialises on 16-byte alignment)
+
+
+def upload(parts: list[tuple[list[int], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """Integer lists as 1-D tensors of their dtypes on `device`. On the CPU each is a tensor of
+    its own. Elsewhere they are laid out in one host buffer (pinned on CUDA), each part at a
+    16-byte boundary, and moved in one copy that does not wait for the device (a copy from
+    pageable memory, as `torch.tensor(values, device=...)` makes, waits for the device to
+    finish its queue); each is a view of that one device buffer."""
+    if device.type == "cpu":
+        return [torch.tensor(values, dtype=dtype) for values, dtype in parts]
+    host, spans = pack(parts, pin=device.type == "cuda")
+    moved = host.to(device, non_blocking=True)
+    return [moved[a:b].view(dtype) for (a, b), (_, dtype) in zip(spans, parts, strict=True)]
+
+
+def pack(
+    parts: list[tuple[list[int], torch.dtype]], pin: bool = False
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The lists in one uint8 host buffer (pinned with `pin`), and each one's byte span in it:
+    each part starts at a multiple of ALIGN bytes; parts of one dtype are written together."""
+    flat: dict[torch.dtype, list[int]] = {}
+    at: list[tuple[torch.dtype, int]] = []  # each part's dtype and first element in flat[dtype]
+    for values, dtype in parts:
+        buf = flat.setdefault(dtype, [])
+        at.append((dtype, len(buf)))
+        buf.extend(values)
+        buf.extend([0] * (-len(buf) % (ALIGN // dtype.itemsize)))
+    start: dict[torch.dtype, int] = {}
+    total = 0
+    for dtype, buf in flat.items():
+        start[dtype] = total
+        total += len(buf) * dtype.itemsize
+    host = torch.empty(max(total, ALIGN), dtype=torch.uint8, pin_memory=pin)
+    for dtype, buf in flat.items():
+        if buf:
+            a = start[dtype]
+            region = host[a : a + len(buf) * dtype.itemsize]
+            region.view(dtype).copy_(torch.tensor(buf, dtype=dtype))
+    spans = []
+    for (values, dtype), (_, first) in zip(parts, at, strict=True):
+        a = start[dtype] + first * dtype.itemsize
+        spans.append((a, a + len(values) * dtype.itemsize))
+    return host, spans

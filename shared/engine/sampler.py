@@ -91,10 +91,34 @@ class Sampler:
             scaled = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
             tokens[i] = draw(torch.softmax(scaled, dim=-1), row.generator)
         chosen = logits.gather(1, tokens[:, None])[:, 0] - lse
-        tops: list[TopLogprobs | None] = [None] * len(rows)
+        asked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (row, values, ids)
         for i, row in enumerate(rows):
             k = min(row.params.top_logprobs, logits.shape[-1])
             if k > 0:
                 values, ids = torch.topk(logits[i] - lse[i], k)
-                tops[i] = dict(zip(ids.tolist(), values.tolist(), strict=True))
+                asked.append((i, values, ids))
+        if not logits.is_cpu:
+            return to_host(tokens, chosen, asked)
+        tops: list[TopLogprobs | None] = [None] * len(rows)
+        for i, values, ids in asked:
+            tops[i] = dict(zip(ids.tolist(), values.tolist(), strict=True))
         return tokens.tolist(), chosen.tolist(), tops
+
+
+def to_host(
+    tokens: torch.Tensor, chosen: torch.Tensor, asked: list[tuple[int, torch.Tensor, torch.Tensor]]
+) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+    """`Sampler.sample`'s results from a device in one copy to the host, the step's one wait
+    for the device: tokens [N], their logprobs [N] and, per (row, values, ids) in `asked`, that
+    row's top logprobs. As float64, which holds every float32 logprob and token id exactly."""
+    parts = [tokens, chosen, *(t for _, values, ids in asked for t in (ids, values))]
+    host = torch.cat([t.to(torch.float64) for t in parts]).tolist()
+    n = tokens.shape[0]
+    tops: list[TopLogprobs | None] = [None] * n
+    at = 2 * n
+    for i, values, _ in asked:
+        k = values.shape[0]
+        top_ids = [int(x) for x in host[at : at + k]]
+        tops[i] = dict(zip(top_ids, host[at + k : at + 2 * k], strict=True))
+        at += 2 * k
+    return [int(x) for x in host[:n]], host[n : 2 * n], tops

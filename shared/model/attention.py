@@ -30,6 +30,10 @@ class AttentionMetadata:
       after this step, `prefill_block_tables` [P, max_blocks].
     - decode part: one token each for `len(decode_context_lens)` sequences,
       `decode_block_tables` [D, max_blocks].
+    - host-side sizes (Python ints, None where the caller has none): `prefill_max_query_len`
+      the longest prefill chunk, `max_seq_len` the longest sequence after this step (its last
+      position + 1). On a GPU they size launches and tables without reading device tensors
+      back (a host-device synchronisation).
     """
 
     slot_mapping: torch.Tensor
@@ -39,6 +43,8 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
     decode_block_tables: torch.Tensor
+    prefill_max_query_len: int | None = None
+    max_seq_len: int | None = None
 
     @property
     def num_decode_tokens(self) -> int:

@@ -124,8 +124,11 @@ class Attention(nn.Module):
                 meta.prefill_block_tables,
                 meta.prefill_cu_query_lens,
                 meta.prefill_context_lens,
+                self.scale,
+                *scales,
             )
-            parts.append(backend.prefill_attention(q[:P], kc, vc, *prefill, self.scale, *scales))
+            longest = meta.prefill_max_query_len  # sizes the launch with no device read
+            parts.append(backend.prefill_attention(q[:P], kc, vc, *prefill, max_query_len=longest))
         if meta.num_decode_tokens:
             decode = meta.decode_block_tables, meta.decode_context_lens
             parts.append(
@@ -246,7 +249,7 @@ class LlamaModel(nn.Module):
         last layer then attends, projects and runs its MLP for those rows alone (every token's
         K/V is still written)."""
         x = self.embed_tokens(input_ids)  # the residual stream, added to in place
-        rope = self.rope(positions, x.dtype)
+        rope = self.rope(positions, x.dtype, meta.max_seq_len)
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         h = layers[0].input_norm(x)
         if out_rows is None and self._decodes_in_cpp(x, meta, cache, backend):

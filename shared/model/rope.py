@@ -90,9 +90,14 @@ class RotaryEmbedding(nn.Module):
             self._cast = {}
         return self._cos, self._sin
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """The tables for the step's positions [T], in `dtype`."""
-        cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, length: int | None = None
+    ) -> Rope:
+        """The tables for the step's positions [T], in `dtype`. `length`: one past the largest
+        position, when the caller knows it (else read from `positions`: on a GPU, a wait for
+        the device)."""
+        n = int(positions.max()) + 1 if length is None else length
+        cos_t, sin_t = self._table(n, positions.device)
         if dtype not in self._cast:
             self._cast[dtype] = (cos_t.to(dtype), sin_t.to(dtype))
         return Rope(positions, *self._cast[dtype])

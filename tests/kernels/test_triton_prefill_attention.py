@@ -97,3 +97,17 @@ def test_prefill_rejects_a_context_shorter_than_its_chunk() -> None:
     query, cu = prefill_batch([(5, 4)], 4, kv, torch.float32)
     with pytest.raises(AssertionError):
         prefill_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, 1.0)
+
+
+def test_prefill_sized_on_the_host_gives_the_same_output() -> None:
+    """The longest chunk given as a Python int (the launch then reads nothing back from the
+    device) gives the output of the launch that reads it, bit for bit; a looser bound too."""
+    chunks = chunks_for(16)
+    kv = make_paged_kv([c for _, c in chunks], 2, 64, 16, torch.float32)
+    query, cu = prefill_batch(chunks, 4, kv, torch.float32)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, 0.125)
+    want = prefill_attention(*args)
+    rows = int(cu[-1])
+    for bound in (max(q for q, _ in chunks), query.shape[0]):
+        got = prefill_attention(*args, max_query_len=bound)
+        assert torch.equal(got[:rows], want[:rows])

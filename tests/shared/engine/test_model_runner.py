@@ -3,10 +3,14 @@ full forward pass, and every token's K/V still reaches the cache."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from kvserve.shared.engine.model_runner import ALIGN, pack
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
 from kvserve.shared.engine.sequence import Sequence
+from kvserve.shared.model.attention import AttentionMetadata
 
 from tests.shared.engine.helpers import prompt_sequence
 
@@ -148,3 +152,97 @@ def test_the_cpp_decode_step_times_its_parts_only_when_asked(make_engine) -> Non
     assert parts is not None and min(parts) > 0
     assert sum(parts) <= wall
     assert cpu_decode_step.timing(False) == (0.0, 0.0, 0.0)
+
+
+# (sequence, tokens cached, new tokens this step): a final chunk after 30 cached, a first chunk
+# of 50 of 90 (samples nothing), a 1-token prompt, decodes at 40 and 33 tokens.
+MIXED = [(0, 30, 40), (1, 0, 50), (2, 0, 1), (3, 39, 1), (4, 32, 1)]
+
+
+def _mixed_batch(engine) -> Batch:  # type: ignore[no-untyped-def]
+    """MIXED as a Batch, the cached parts of its sequences computed."""
+    g = torch.Generator().manual_seed(3)
+    toks = [torch.randint(20, 40000, (n,), generator=g).tolist() for n in (70, 90, 1, 40, 33)]
+    seqs = [_seq(engine, i, toks[i], c) for i, c, _ in MIXED]
+    for i, c, _ in MIXED:
+        if c:
+            seqs[i].num_computed_tokens = 0
+            engine.runner.forward(Batch(scheduled=[ScheduledSeq(seqs[i], c)]))
+            seqs[i].num_computed_tokens = c
+    return Batch(scheduled=[ScheduledSeq(seqs[i], n) for i, _, n in MIXED])
+
+
+def test_the_step_metadata_carries_its_sizes_on_the_host(make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The Python ints the kernels size their launches by are those of the step's tensors, and
+    the sampling rows' metadata is the full step's at the sampling chunks and decodes."""
+    engine = make_engine(num_blocks=64, enable_prefix_caching=False)
+    runner = engine.runner
+    batch = _mixed_batch(engine)
+    seen = []
+    forward = runner.model.forward
+
+    def spy(ids, positions, meta, cache, backend, out=None):  # type: ignore[no-untyped-def]
+        seen.append((positions, meta, out))
+        return forward(ids, positions, meta, cache, backend, out)
+
+    monkeypatch.setattr(runner.model, "forward", spy)
+    runner.run(batch)
+    ((positions, meta, out),) = seen
+    cu = meta.prefill_cu_query_lens
+    assert meta.prefill_max_query_len == int((cu[1:] - cu[:-1]).max()) == 50
+    assert meta.max_seq_len == int(positions.max()) + 1 == 70
+    assert out is not None
+    sub: AttentionMetadata = out.meta
+    # The final chunk's last token, then the one-token rows (the 1-token prompt and decodes).
+    assert out.rows.tolist() == [39, 90, 91, 92]
+    assert sub.prefill_cu_query_lens.tolist() == [0, 1]
+    assert sub.prefill_max_query_len == 1 and sub.max_seq_len == 70
+    pick = torch.tensor([0])  # the one prefill chunk that samples
+    for got, want in (
+        (sub.prefill_context_lens, meta.prefill_context_lens[pick]),
+        (sub.prefill_block_tables, meta.prefill_block_tables[pick]),
+        (sub.decode_context_lens, meta.decode_context_lens),
+        (sub.decode_block_tables, meta.decode_block_tables),
+    ):
+        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
+
+
+def test_a_steps_integers_pack_into_one_aligned_buffer() -> None:
+    """What a GPU step moves in one copy: every list at a 16-byte boundary in its dtype, empty
+    ones too."""
+    parts = [
+        ([3, 1, 4], torch.long),
+        ([], torch.long),
+        ([1], torch.int32),
+        ([5, 9, 2, 6, 5], torch.int32),
+        ([], torch.int32),
+        ([-3, 2**40], torch.long),
+    ]
+    host, spans = pack(parts)
+    assert host.dtype == torch.uint8
+    for (values, dtype), (a, b) in zip(parts, spans, strict=True):
+        assert a % ALIGN == 0 and b - a == len(values) * dtype.itemsize
+        assert host[a:b].view(dtype).tolist() == values
+    taken = sorted(spans)
+    assert all(b <= c for (_, b), (c, _) in itertools.pairwise(taken))  # no overlap
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_step_never_waits_for_the_device(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """The forward pass and logits of a mixed step and of a pure decode step queue their work
+    without one host-device synchronisation (torch's sync debug mode raises on any); the step's
+    one wait is the sampler's copy of its results."""
+    engine = make_engine(num_blocks=64, enable_prefix_caching=False, device="cuda")
+    runner = engine.runner
+    batch = _mixed_batch(engine)
+    decode = Batch(scheduled=[s for s in batch.scheduled if s.num_new_tokens == 1][1:])
+    runner.run(batch)  # compiles the kernels
+    runner.run(decode)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = runner.run(batch)
+        runner.run(decode)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.logits.is_cuda and out.logits.isfinite().all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvserve.kernels import cpu_ops
-from kvserve.shared.engine.sampler import Sampler, SampleRow, draw
+from kvserve.shared.engine.sampler import Sampler, SampleRow, draw, to_host
 from kvserve.shared.sampling_params import SamplingParams
 
 
@@ -40,6 +40,24 @@ def test_sampled_rows_report_the_models_logprob_and_top_alternatives() -> None:
         values, ids = torch.topk(want[i], k)
         assert list(top) == ids.tolist()
         torch.testing.assert_close(torch.tensor(list(top.values())), values)
+
+
+def test_one_copy_to_the_host_gives_each_tensors_own_values() -> None:
+    """A device's results come back in one float64 copy (to_host): the same tokens, logprobs
+    and top logprobs, in the same order, as each tensor's own tolist (what the CPU returns)."""
+    torch.manual_seed(2)
+    logits = torch.randn(4, 300) * 5
+    lse = torch.logsumexp(logits, dim=-1)
+    tokens = torch.tensor([299, 0, 17, 150])
+    chosen = logits.gather(1, tokens[:, None])[:, 0] - lse
+    asked = [(i, *torch.topk(logits[i] - lse[i], k)) for i, k in ((0, 3), (2, 1), (3, 20))]
+    got = to_host(tokens, chosen, asked)
+    tops: list[dict[int, float] | None] = [None] * 4
+    for i, values, ids in asked:
+        tops[i] = dict(zip(ids.tolist(), values.tolist(), strict=True))
+    assert got == (tokens.tolist(), chosen.tolist(), tops)
+    assert [list(t) for t in got[2] if t] == [list(t) for t in tops if t]  # key order too
+    assert all(type(t) is int for t in got[0])
 
 
 def test_without_the_fused_kernel_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,3 +100,16 @@ def test_draws_follow_the_distribution_and_skip_zero_probabilities() -> None:
     expected = probs / probs.sum() * draws
     assert ((counts - expected).abs() <= 4 * (expected * (1 - expected / draws)).sqrt() + 1).all()
     assert draw(probs, gen.manual_seed(7)) == draw(probs, gen.manual_seed(7))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_beam_search_step_takes_a_devices_logprobs() -> None:
+    """The beams' scores go to the logprobs' device: the same candidates as on the CPU."""
+    from kvserve.shared.engine.beam_search import BeamSearch
+
+    torch.manual_seed(4)
+    logprobs = torch.log_softmax(torch.randn(2, 50), dim=-1)
+    searches = [BeamSearch(2, 5, {0}) for _ in range(2)]
+    for search in searches:
+        search.beams, search.scores = [[1], [2]], [-0.5, -0.7]
+    assert searches[0].step(logprobs.cuda()) == searches[1].step(logprobs)
