@@ -11,7 +11,7 @@ it and take the reference's signature behind `_sized`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from kvserve.kernels import reference
@@ -91,21 +91,8 @@ def _sized(fn: ReferencePrefillAttention) -> PrefillAttention:
     """A prefill attention of the reference's signature that takes (and ignores) the
     `max_query_len` hint."""
 
-    def prefill_attention(
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_query_lens: torch.Tensor,
-        context_lens: torch.Tensor,
-        scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-        *,
-        max_query_len: int | None = None,
-    ) -> torch.Tensor:
-        args = (query, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
-        return fn(*args, k_scale, v_scale)
+    def prefill_attention(*args: Any, max_query_len: int | None = None, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
 
     return prefill_attention
 

@@ -22,6 +22,7 @@ script is tested where no GPU is (tests/ops/test_gpu_check.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -53,6 +54,7 @@ class Step:
     timeout_s: float
     env: dict[str, str] = field(default_factory=dict)
     figures: Callable[[str], dict[str, Any]] = lambda log: {}
+    run: Callable[[Any], int] | None = None  # instead of `cmd`: given the log file, the status
 
 
 def pytest_counts(log: str) -> dict[str, Any]:
@@ -115,17 +117,20 @@ def steps(args: argparse.Namespace, model: Path, out: Path) -> list[Step]:
     engine_json = out / "bench_engine" / "engine.json"
     serve_json = out / "bench_serve" / "summary.json"
     gpu_bench = [PY, str(ROOT / "ops" / "gpu_bench.py"), *(["--smoke"] if args.smoke else [])]
+    serve = functools.partial(run_bench_serve, 240, args, model, out)
     return [
         Step("kernels", [*PYTEST, *kernels], 240, figures=pytest_counts),
         Step("engine", [*PYTEST, "-m", "gpu", DEVICE_TESTS], 240, engine_env, pytest_counts),
         Step("bench_engine", bench_engine, 240, figures=json_figures(engine_json, ENGINE_FIGURES)),
         Step("serve", [*PYTEST, SERVE_TESTS], 240, env, pytest_counts),
-        Step("bench_serve", [], 240, figures=json_figures(serve_json, SERVE_FIGURES)),
+        Step("bench_serve", [], 240, figures=json_figures(serve_json, SERVE_FIGURES), run=serve),
         Step("gpu_bench", gpu_bench, 300, figures=gpu_bench_figures),
     ]
 
 
-def run_bench_serve(step: Step, args: argparse.Namespace, model: Path, out: Path, log: Any) -> int:
+def run_bench_serve(
+    timeout_s: float, args: argparse.Namespace, model: Path, out: Path, log: Any
+) -> int:
     """`kvserve serve` on the device, then `kvserve bench serve` against it."""
     from kvserve.services.bench.lib.process import ServerProcess
 
@@ -136,7 +141,7 @@ def run_bench_serve(step: Step, args: argparse.Namespace, model: Path, out: Path
         [*KVSERVE, "serve", "--model", str(model), "--device", device, "--port", str(port)],
         log=out / "bench_serve_server.log",
     )
-    server.start(timeout=step.timeout_s / 2)
+    server.start(timeout=timeout_s / 2)
     try:
         n = "8" if args.smoke else "64"
         bench = [*KVSERVE, "bench", "serve", "--base-url", server.url, "--workload",
@@ -145,18 +150,18 @@ def run_bench_serve(step: Step, args: argparse.Namespace, model: Path, out: Path
         if args.smoke:
             bench += ["--prefix-len", "64", "--question-len", "16", "--max-tokens", "8"]
         return subprocess.run(bench, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=step.timeout_s / 2, cwd=ROOT).returncode  # fmt: skip
+                              timeout=timeout_s / 2, cwd=ROOT).returncode  # fmt: skip
     finally:
         server.stop()
 
 
-def run_step(step: Step, args: argparse.Namespace, model: Path, out: Path) -> dict[str, Any]:
+def run_step(step: Step, out: Path) -> dict[str, Any]:
     log_path = out / f"{step.name}.log"
     t0 = time.perf_counter()
     with log_path.open("w") as log:
         try:
-            if step.name == "bench_serve":
-                rc = run_bench_serve(step, args, model, out, log)
+            if step.run is not None:
+                rc = step.run(log)
             else:
                 env = {**os.environ, **step.env}
                 rc = subprocess.run(step.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in steps(args, model, out):
         if chosen and step.name not in chosen:
             continue
-        summary["steps"][step.name] = result = run_step(step, args, model, out)
+        summary["steps"][step.name] = result = run_step(step, out)
         print(f"gpu_check: {step.name}: {'ok' if result['ok'] else 'FAILED'} "
               f"({result['seconds']} s)", file=sys.stderr, flush=True)  # fmt: skip
     summary["ok"] = all(r["ok"] for r in summary["steps"].values())

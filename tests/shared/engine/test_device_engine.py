@@ -49,14 +49,20 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer: KVTokenizer) 
     return dirs
 
 
-def engine(path: Path, device: str, **cache: Any) -> Engine:
-    backend = BACKEND if device == DEVICE else "auto"
+def engine(path: Path, **cache: Any) -> Engine:
+    """The engine under test: on DEVICE, with BACKEND."""
     cfg = EngineConfig(
         model_path=str(path),
-        device=device,
-        attention_backend=backend,
+        device=DEVICE,
+        attention_backend=BACKEND,
         cache=CacheConfig(num_blocks=256, **cache),
     )
+    return Engine(cfg)
+
+
+def reference(path: Path, **cache: Any) -> Engine:
+    """The CPU engine with its default backend."""
+    cfg = EngineConfig(model_path=str(path), cache=CacheConfig(num_blocks=256, **cache))
     return Engine(cfg)
 
 
@@ -80,9 +86,9 @@ def hf_greedy(path: Path, prompts: list[list[int]]) -> tuple[list[list[int]], li
 
 
 def check_against_cpu_and_hf(path: Path, prompts: list[list[int]]) -> None:
-    ours = engine(path, DEVICE)
+    ours = engine(path)
     got = greedy(ours, prompts)
-    assert got == greedy(engine(path, "cpu"), prompts)
+    assert got == greedy(reference(path), prompts)
     hf_tokens, hf_logits = hf_greedy(path, prompts)
     assert got == hf_tokens
     for p, want in zip(prompts, hf_logits, strict=True):
@@ -110,7 +116,7 @@ def test_quantized_caches_agree_with_the_cpu(
     """The same quantized cache on both sides: the next-token distributions, teacher-forced
     along the CPU's greedy output, agree (the kernels sum in another order, so not bit for bit)."""
     prompts = [tokenizer.encode(t) for t in TEXTS]
-    cpu, ours = (engine(tiny_dirs[2], d, kv_dtype=kv_dtype) for d in ("cpu", DEVICE))
+    cpu, ours = reference(tiny_dirs[2], kv_dtype=kv_dtype), engine(tiny_dirs[2], kv_dtype=kv_dtype)
     for prompt, completion in zip(prompts, greedy(cpu, prompts), strict=True):
         seq = prompt + completion
         want = cpu.score(seq)[len(prompt) - 1 :].float().log_softmax(-1)
@@ -128,7 +134,8 @@ def test_seeded_sampling_draws_what_the_cpu_draws(
     prompts = [tokenizer.encode(t) for t in TEXTS]
     params = SamplingParams(max_tokens=TOKENS, temperature=0.8, top_p=0.95, seed=7)
     runs = [
-        [c[0] for c in engine(tiny_dirs[2], d).generate(prompts, params)] for d in ("cpu", DEVICE)
+        [c[0] for c in e.generate(prompts, params)]
+        for e in (reference(tiny_dirs[2]), engine(tiny_dirs[2]))
     ]
     assert runs[0] == runs[1]
 
@@ -140,9 +147,9 @@ def test_prefix_cache_hit_gives_the_cold_answer(
     answers as an engine without prefix caching does."""
     shared = tokenizer.encode("You are a terse assistant. " * 12)
     prompts = [shared + tokenizer.encode(t) for t in TEXTS]
-    warm = engine(tiny_dirs[2], DEVICE)
+    warm = engine(tiny_dirs[2])
     first = greedy(warm, prompts[:1])
     second = greedy(warm, prompts[1:])
     assert warm.prefix_cache_stats["hits_tokens"] >= 5 * 16 * len(second)
-    cold = engine(tiny_dirs[2], DEVICE, enable_prefix_caching=False)
+    cold = engine(tiny_dirs[2], enable_prefix_caching=False)
     assert first + second == greedy(cold, prompts)
