@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -108,6 +109,8 @@ def steps(args: argparse.Namespace, model: Path, out: Path) -> list[Step]:
     # The full-size engine test on the CPU would run 30 layers in Triton's interpreter.
     engine_env = env if model.is_dir() and not args.smoke else {"KVSERVE_TEST_DEVICE": device}
     kernels = sorted(str(p) for p in (ROOT / "tests" / "kernels").glob("test_triton_*.py"))
+    # Triton compiles each kernel variant on the host: spread them over its cores where xdist is
+    parallel = [] if args.smoke or not importlib.util.find_spec("xdist") else ["-n", "8"]
     sizes = ["--num-requests", "256"]
     if args.smoke:
         sizes = ["--num-requests", "8", "--max-prompt", "64", "--max-output", "16",
@@ -119,7 +122,7 @@ def steps(args: argparse.Namespace, model: Path, out: Path) -> list[Step]:
     gpu_bench = [PY, str(ROOT / "ops" / "gpu_bench.py"), *(["--smoke"] if args.smoke else [])]
     serve = functools.partial(run_bench_serve, 240, args, model, out)
     return [
-        Step("kernels", [*PYTEST, *kernels], 240, figures=pytest_counts),
+        Step("kernels", [*PYTEST, *parallel, *kernels], 240, figures=pytest_counts),
         Step("engine", [*PYTEST, "-m", "gpu", DEVICE_TESTS], 240, engine_env, pytest_counts),
         Step("bench_engine", bench_engine, 240, figures=json_figures(engine_json, ENGINE_FIGURES)),
         Step("serve", [*PYTEST, SERVE_TESTS], 240, env, pytest_counts),
@@ -143,10 +146,10 @@ def run_bench_serve(
     )
     server.start(timeout=timeout_s / 2)
     try:
-        n = "8" if args.smoke else "64"
+        n, groups = ("8", "2") if args.smoke else ("64", "8")  # 8 prompts a group
         bench = [*KVSERVE, "bench", "serve", "--base-url", server.url, "--workload",
                  "shared-prefix", "--num-requests", n, "--max-concurrency", n, "--out",
-                 str(out / "bench_serve"), "--no-plots", "--groups", "2"]  # fmt: skip
+                 str(out / "bench_serve"), "--no-plots", "--groups", groups]  # fmt: skip
         if args.smoke:
             bench += ["--prefix-len", "64", "--question-len", "16", "--max-tokens", "8"]
         return subprocess.run(bench, stdout=log, stderr=subprocess.STDOUT,

@@ -73,7 +73,8 @@ def test_fp8_rounds_every_midpoint_to_nearest_even() -> None:
     q, scale = quantize_kv(x, torch.float8_e4m3fn)
     q_ref, _ = ref.quantize_kv(x, torch.float8_e4m3fn)
     assert torch.equal(scale, torch.ones(8, device=DEVICE))
-    got, want = bits(q), bits(q_ref)
+    # -0 and +0 both decode to 0: a GPU's conversion may drop the sign of what rounds to zero
+    got, want = (torch.where(bits(t) == 0x80, 0, bits(t)) for t in (q, q_ref))
     wrong = (got != want).nonzero().tolist()[:8]  # (input, kernel's code, reference's code)
     assert not wrong, [(x[i, j].item(), int(got[i, j]), int(want[i, j])) for i, j in wrong]
 
