@@ -1,7 +1,7 @@
 """Fused elementwise kernels for the CPU forward pass, fp32: RMSNorm (with the residual add
 folded in), RoPE applied in place, and SiLU(gate) * up, as vLLM's CPU backend fuses them; the
-K/V write into the paged cache in one call (quantizing for an int8 or fp8 cache); and the sampler's
-argmax + logsumexp.
+K/V write into the paged cache in one call (quantizing for an int8 or fp8 cache); a store load's
+blocks into their cache blocks in one call; and the sampler's argmax + logsumexp.
 
 Each replaces several torch ops (and their temporaries) with one pass over the rows, which
 matters both at batch 1, where a decode step is ~25 small ops per layer, and in prefill, where
@@ -125,6 +125,36 @@ def store_kv(
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     ext.store_kv(key, value, k_cache, v_cache, slot_mapping.contiguous(), *scales)
+
+
+def write_frames(
+    k: list[torch.Tensor],  # per block [num_layers, block_size, kvh, d], as stored
+    v: list[torch.Tensor],
+    scales: list[torch.Tensor] | None,  # per block [2, num_layers, block_size, kvh] fp32
+    k_cache: list[torch.Tensor],  # per layer [num_blocks, block_size, kvh, d]
+    v_cache: list[torch.Tensor],
+    k_scale: list[torch.Tensor | None],  # per layer [num_blocks, block_size, kvh], or Nones
+    v_scale: list[torch.Tensor | None],
+    blocks: list[int],  # block j's cache block
+) -> bool:
+    """A store load's blocks into their cache blocks in one call without the GIL: a copy of
+    their bytes (and scales) where they are stored in the cache's own format, dequantized into
+    an fp32 cache where they are int8 / fp8 (as `reference.dequantize_kv`, bit for bit).
+    False (nothing written) where the kernel does not apply: another device or pairing."""
+    ext = _extension()
+    if ext is None or not k or not (k_cache[0].is_cpu and k[0].is_cpu):
+        return False
+    stored, cache = k[0].dtype, k_cache[0].dtype
+    quantized = reference.is_quantized(stored)
+    if any(t.dtype != stored for t in (*k, *v)):  # frames of several formats
+        return False
+    if (stored != cache and not (quantized and cache == torch.float32)) or (
+        quantized and scales is None
+    ):
+        return False
+    cache_scales = ([s for s in k_scale if s is not None], [s for s in v_scale if s is not None])
+    ext.write_frames(k, v, scales or [], k_cache, v_cache, *cache_scales, blocks)
+    return True
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

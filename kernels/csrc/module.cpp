@@ -8,6 +8,7 @@
 #include "cpu_decode_attention.h"
 #include "cpu_prefill_attention.h"
 #include "cpu_decode_step.h"
+#include "cpu_load.h"
 
 PYBIND11_MODULE(KVSERVE_MODULE, m) {
   m.def("rms_norm", &cpu_ops::rms_norm);
@@ -29,4 +30,5 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
   m.def("prefill_attention", &cpu_prefill_attention::prefill_attention);
   m.def("decode_layers", &cpu_decode_step::decode_layers);
   m.def("decode_timing", &cpu_decode_step::timing);
+  m.def("write_frames", &cpu_load::write_frames);
 }

@@ -32,6 +32,7 @@ class LoadArm:
     compress: bool = False
     gets_in_flight: int = 2
     load_threads: int = 1
+    one_call: bool = True  # KVCache.write_frames where it applies (else staged, per layer)
 
 
 # The defaults for each cache, and each step of the load pipeline undone one at a time.
@@ -40,6 +41,8 @@ LOAD_ARMS = (
     LoadArm("int8 -> fp32 cache", "int8", "auto"),
     LoadArm("native -> fp32 cache", "native", "auto"),
     LoadArm("fp8 -> fp8 cache", "fp8", "fp8"),
+    LoadArm("int8 -> int8, staged copies", "int8", "int8", one_call=False),
+    LoadArm("int8 -> fp32, staged copies", "int8", "auto", one_call=False),
     LoadArm("int8 -> fp32, zstd frames", "int8", "auto", compress=True),
     LoadArm("int8 -> fp32, every get at once", "int8", "auto", gets_in_flight=64),
     LoadArm("int8 -> fp32, 2 loader threads", "int8", "auto", load_threads=2),
@@ -129,8 +132,10 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
             for r in range(repeats + 1):
                 got = conn.fetch(src.hashes, src.root, 1.0).result()
                 t0 = time.perf_counter()
+                direct = cache.write_frames if arm.one_call else None
+                dst = list(range(n))
                 res = conn.load(
-                    got, src.hashes, src.root, list(range(n)), cache.write_stacked, LoadJob()
+                    got, src.hashes, src.root, dst, cache.write_stacked, LoadJob(), direct
                 ).result()
                 wall = time.perf_counter() - t0
                 if res.loaded != n:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
+from kvserve.kernels import cpu_ops
 from kvserve.shared.config import POPULATE_MODES, ModelConfig
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
 
@@ -251,6 +252,23 @@ class KVCache:
         if self.quantized:
             scatter(self.k_scale, k_scale)
             scatter(self.v_scale, v_scale)
+
+    def write_frames(
+        self,
+        blocks: Sequence[int],
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        scales: list[torch.Tensor] | None,
+    ) -> bool:
+        """Overwrite `blocks` with blocks as a store frame holds them: each one's k, v
+        [num_layers, block_size, num_kv_heads, head_dim] as stored (int8 / fp8 with its scales
+        [2, num_layers, block_size, num_kv_heads]), in one C++ call: their bytes copied where
+        they are in the cache's own format, dequantized into an fp32 cache. False (nothing
+        written) where that kernel does not apply (another device or pairing): write_stacked
+        takes them then."""
+        return cpu_ops.write_frames(
+            k, v, scales, self.k, self.v, self.k_scale, self.v_scale, list(blocks)
+        )
 
     def _dequantize_into(
         self,

@@ -54,6 +54,7 @@ from kvserve.shared.engine.kv.load import (
     BatchLoader,
     LoadedBatch,
     LoadJob,
+    WriteFrames,
     WriteStacked,
     block_data,
     loader_pool,
@@ -185,12 +186,14 @@ class StoreConnector:
         dst: Sequence[int],
         write: WriteStacked,
         job: LoadJob,
+        write_frames: WriteFrames | None = None,
     ) -> concurrent.futures.Future[FetchResult]:
         """A lookup's second stage: get `hashes`, verify each and write it into cache block
-        `dst[i]` (`write`, from worker threads, under `job`); `res.loaded` says how many
-        leading blocks were written. Counted."""
+        `dst[i]` (`write_frames` where it takes a batch, else `write`; from worker threads,
+        under `job`); `res.loaded` says how many leading blocks were written. Counted."""
         return asyncio.run_coroutine_threadsafe(
-            self._load_into(res, list(hashes), root, list(dst), write, job), self._loop
+            self._load_into(res, list(hashes), root, list(dst), write, job, write_frames),
+            self._loop,
         )
 
     def abandon(self, res: FetchResult) -> None:
@@ -389,11 +392,12 @@ class StoreConnector:
         dst: list[int],
         write: WriteStacked,
         job: LoadJob,
+        write_frames: WriteFrames | None = None,
     ) -> FetchResult:
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(
-                self._load(hashes, root, dst, write, job, res), self.fetch_timeout_s
+                self._load(hashes, root, dst, write, job, res, write_frames), self.fetch_timeout_s
             )
         except TimeoutError:
             self.counters["fetch_timeouts"] += 1
@@ -420,13 +424,14 @@ class StoreConnector:
         write: WriteStacked,
         job: LoadJob,
         res: FetchResult,
+        write_frames: WriteFrames | None = None,
     ) -> None:
         """Get the blocks in batches of FETCH_BATCH, `gets_in_flight` at a time, each verified and
         written into its cache block on the loader thread as soon as it arrives (transfer,
         verification and copies overlap). `res.loaded`: the leading
         run written, up to the first missing or bad frame (deleted from the store)."""
 
-        loader = BatchLoader(self.meta, self.cache_dtype, root, write, job, self.fmt)
+        loader = BatchLoader(self.meta, self.cache_dtype, root, write, job, self.fmt, write_frames)
         window = asyncio.Semaphore(self.gets_in_flight)  # FIFO: the batches arrive in order
 
         async def batch(i: int) -> LoadedBatch:

@@ -137,8 +137,9 @@ class StoreFetches:
             return False
         f.held, f.dst, f.job = held, dst, LoadJob()
         want = hashes[len(held) : len(held) + len(dst)]
+        cache = tiers.cache
         f.future = self.connector.load(
-            res, want, f.seq.root_hash, dst, tiers.cache.write_stacked, f.job
+            res, want, f.seq.root_hash, dst, cache.write_stacked, f.job, cache.write_frames
         )
         f.deadline = time.monotonic() + self.connector.fetch_timeout_s + 1.0
         return True

@@ -1,12 +1,13 @@
 """A store load's writes into the engine's cache blocks, on the loader threads.
 
-Each fetched batch is verified (`BatchLoader.write`) and its blocks gathered, as stored, into
-a staging buffer (each thread reuses its own): an int8 / fp8 frame's bytes and scales as they
-are, a float frame's K/V in the cache's dtype. The batch is then written with one copy per
-layer, under a LoadJob: once stopped, no write starts, and once quiescent none is running, so
-the engine may give the blocks to someone else. An int8 / fp8 cache takes its own format's
-frames as a byte copy (bit-exact with what the engine wrote); a float cache dequantizes them
-on the way in (KVCache.write_stacked); anything else is converted block by block.
+Each fetched batch is verified (`BatchLoader.verify`) and written under a LoadJob: once
+stopped, no write starts, and once quiescent none is running, so the engine may give the
+blocks to someone else. On the CPU a batch goes from its frames into the cache in one C++ call
+without the GIL (KVCache.write_frames): a frame in the cache's own format as a byte copy (an
+int8 / fp8 one with its scales: bit-exact with what the engine wrote), int8 / fp8 frames
+dequantized into an fp32 cache. Otherwise its blocks are gathered, as stored, into a staging
+buffer (each thread reuses its own) and written with one copy per layer (KVCache.write_stacked,
+which dequantizes on the way in for a float cache); anything else is converted block by block.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from kvserve.shared.store.hashing import BlockHash
 # KVCache.write_stacked: (blocks, k, v, k_scale, v_scale), K/V [num_layers, n, ...].
 WriteStacked = Callable[
     [list[int], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None
+]
+# KVCache.write_frames: (blocks, k, v, scales) as frames hold them; False: not written.
+WriteFrames = Callable[
+    [list[int], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None], bool
 ]
 _staging = threading.local()  # each load thread's reusable staging buffers
 
@@ -179,6 +184,7 @@ class BatchLoader:
     write_stacked: WriteStacked
     job: LoadJob
     fmt: str = "native"
+    write_frames: WriteFrames | None = None  # tried first: one call for the whole batch
 
     def load(
         self, hashes: list[BlockHash], frames: list[bytes | None], dst: list[int]
@@ -211,10 +217,11 @@ class BatchLoader:
         got, n = verified.got, len(verified.blocks)
         if n and self.job.begin():
             try:
-                staging = self._staging(n)
-                for j, block in enumerate(verified.blocks):
-                    staging.put(j, block)
-                self._write(dst[:n], staging, n)
+                if not self._write_direct(dst[:n], verified.blocks):
+                    staging = self._staging(n)
+                    for j, block in enumerate(verified.blocks):
+                        staging.put(j, block)
+                    self._write(dst[:n], staging, n)
             finally:
                 self.job.end()
         elif n:
@@ -222,6 +229,15 @@ class BatchLoader:
         got.write_s = time.perf_counter() - t0
         got.seconds = got.verify_s + got.write_s
         return got
+
+    def _write_direct(self, dst: list[int], blocks: list[DecodedBlock]) -> bool:
+        """The blocks straight from their frames into the cache (write_frames), if it takes them."""
+        if self.write_frames is None:
+            return False
+        scales = [b.scales for b in blocks if b.scales is not None]
+        if scales and len(scales) != len(blocks):  # quantized and float frames mixed
+            return False
+        return self.write_frames(dst, [b.k for b in blocks], [b.v for b in blocks], scales or None)
 
     def _staging(self, n: int) -> Staging:
         """Frames of an int8 / fp8 format stay as stored unless the cache is quantized

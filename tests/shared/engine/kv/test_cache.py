@@ -128,3 +128,75 @@ def test_a_float_cache_dequantizes_stacked_blocks_into_place(qdtype, blocks) -> 
         assert torch.equal(block.v, dequantize_kv(v[:, j], vs[:, j], torch.float32))
     others = [b for b in range(8) if b not in blocks]
     assert all(not b.k.any() and not b.v.any() for b in cache.read_blocks(others))
+
+
+def _frames(n: int, layers: int, config, dtype: torch.dtype, g: torch.Generator):  # type: ignore[no-untyped-def]
+    """n blocks as store frames hold them: K, V [layers, 4, kvh, d] of `dtype` (int8 / fp8
+    with their scales [2, layers, 4, kvh]), each its own tensor."""
+    shape = (layers, 4, config.num_kv_heads, config.head_dim)
+    k = [torch.randn(shape, generator=g).mul(50).to(dtype) for _ in range(n)]
+    v = [torch.randn(shape, generator=g).mul(50).to(dtype) for _ in range(n)]
+    quantized = dtype in (torch.int8, torch.float8_e4m3fn)
+    scales = [torch.rand((2, *shape[:-1]), generator=g) for _ in range(n)] if quantized else None
+    return k, v, scales
+
+
+PAIRS = [(torch.int8, torch.int8), (torch.float8_e4m3fn, torch.float8_e4m3fn),
+         (torch.int8, torch.float32), (torch.float8_e4m3fn, torch.float32),
+         (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("stored", "cache_dtype"), PAIRS, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("blocks", [[3, 4, 5], [6, 1, 4]], ids=["consecutive", "scattered"])
+def test_write_frames_writes_what_write_stacked_writes(stored, cache_dtype, blocks) -> None:  # type: ignore[no-untyped-def]
+    """The one-call write of a store load's frames (C++) leaves every block bit for bit as the
+    staged per-layer copies do: a byte copy in the cache's own format (scales too), int8 / fp8
+    dequantized into an fp32 cache; no other block changes."""
+    from kvserve.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    k, v, scales = _frames(len(blocks), 2, config, stored, torch.Generator().manual_seed(1))
+    direct, staged = (KVCache(config, 8, 4, cache_dtype, populate="lazy") for _ in range(2))
+    assert direct.write_frames(blocks, k, v, scales)
+    ks = vs = None
+    if scales is not None:
+        ks, vs = (torch.stack([s[i] for s in scales], 1) for i in (0, 1))
+    staged.write_stacked(blocks, torch.stack(k, 1), torch.stack(v, 1), ks, vs)
+    raw = kv_cache.raw_view
+    for a, b in zip(direct.read_blocks(range(8)), staged.read_blocks(range(8)), strict=True):
+        assert torch.equal(raw(a.k), raw(b.k)) and torch.equal(raw(a.v), raw(b.v))
+        assert (a.k_scale is None) == (b.k_scale is None)
+        if a.k_scale is not None:
+            assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale)
+    assert any(raw(b.k).any() for b in direct.read_blocks(blocks))
+    assert all(not raw(b.k).any() for b in direct.read_blocks([0, 2, 7]))
+
+
+DECLINED = [(torch.int8, torch.float8_e4m3fn), (torch.float32, torch.int8),
+            (torch.float32, torch.bfloat16), (torch.int8, torch.bfloat16)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("stored", "cache_dtype"), DECLINED, ids=lambda d: str(d)[6:])
+def test_write_frames_declines_other_pairings_and_writes_nothing(stored, cache_dtype) -> None:  # type: ignore[no-untyped-def]
+    """Pairings the kernel does not take (another quantized type, a float frame into a
+    quantized or another float cache) are left to write_stacked: False, nothing written."""
+    config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    k, v, scales = _frames(2, 2, config, stored, torch.Generator().manual_seed(2))
+    cache = KVCache(config, 4, 4, cache_dtype, populate="lazy")
+    assert not cache.write_frames([1, 2], k, v, scales)
+    assert all(not kv_cache.raw_view(b.k).any() for b in cache.read_blocks(range(4)))
+
+
+def test_write_frames_refuses_a_block_outside_the_cache_before_writing() -> None:
+    from kvserve.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    k, v, scales = _frames(2, 2, config, torch.int8, torch.Generator().manual_seed(3))
+    cache = KVCache(config, 4, 4, torch.int8, populate="lazy")
+    with pytest.raises(RuntimeError, match="write_frames: block 4"):
+        cache.write_frames([1, 4], k, v, scales)
+    assert all(not b.k.any() for b in cache.read_blocks(range(4)))

@@ -90,15 +90,19 @@ def test_a_request_aborted_during_its_load_gives_back_every_block(  # type: igno
     a.close()
     b = make_engine(store=StoreConfig(f"file://{tmp_path}"))
     writing, gate, writes = threading.Event(), threading.Event(), []
-    write = b.kv.cache.write_stacked
+    cache = b.kv.cache
+    write, write_frames = cache.write_stacked, cache.write_frames
 
-    def slow_write(blocks: list[int], *kv: object) -> None:
-        writes.append(blocks)
-        writing.set()
-        assert gate.wait(30)
-        write(blocks, *kv)  # type: ignore[arg-type]
+    def slow(real):  # type: ignore[no-untyped-def]
+        def write(blocks: list[int], *kv: object) -> object:
+            writes.append(blocks)
+            writing.set()
+            assert gate.wait(30)
+            return real(blocks, *kv)
 
-    b.kv.cache.write_stacked = slow_write  # type: ignore[method-assign]
+        return write
+
+    cache.write_stacked, cache.write_frames = slow(write), slow(write_frames)  # type: ignore[method-assign]
     try:
         b.add_request("b", list(prompts[1]), GREEDY)
         while not writing.is_set():  # the lookup chose to load; a thread is writing a block
@@ -113,7 +117,7 @@ def test_a_request_aborted_during_its_load_gives_back_every_block(  # type: igno
         assert len(writes) == started  # no write started after the abort
         b.kv.pool.check()
         assert b.kv.tiers.num_cached_blocks == 0
-        b.kv.cache.write_stacked = write  # type: ignore[method-assign]
+        cache.write_stacked, cache.write_frames = write, write_frames  # type: ignore[method-assign]
         tokens, _ = run_one(b, "c", prompts[1], GREEDY)  # and the engine goes on serving
         assert tokens == cold[1]
     finally:

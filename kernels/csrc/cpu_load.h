@@ -1,0 +1,137 @@
+// A store load's blocks into their KV-cache blocks in one call (kernels/cpu_ops.py,
+// write_frames): the frames' K and V, as stored, go into every layer's cache block, either as
+// a copy of their bytes (a frame in the cache's own format, int8 / fp8 with its scales) or
+// dequantized into an fp32 cache (code * scale, as reference.dequantize_kv). Without the GIL:
+// the loader thread's copies run while the event loop receives the next batch.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <array>
+#include <cstring>
+#include <vector>
+
+namespace cpu_load {
+
+// Every e4m3 code's value (exact in fp32).
+static const std::array<float, 256>& fp8_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i)
+      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i),
+                                                   c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+template <typename Code, typename Decode>
+static void dequantize_block(const Code* q, const float* scale, float* out, int64_t rows,
+                             int64_t d, Decode decode) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = scale[r];
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] = decode(q[r * d + i]) * s;
+  }
+}
+
+static std::vector<const uint8_t*> pointers(const std::vector<torch::Tensor>& ts, int64_t numel,
+                                            c10::ScalarType type, const char* what) {
+  std::vector<const uint8_t*> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.scalar_type() == type && t.numel() == numel,
+                "write_frames: every ", what, " must be a contiguous CPU tensor of ", numel,
+                " elements of one dtype");
+    out.push_back(static_cast<const uint8_t*>(t.data_ptr()));
+  }
+  return out;
+}
+
+static std::vector<uint8_t*> layers(const std::vector<torch::Tensor>& ts, const torch::Tensor& like,
+                                    const char* what) {
+  std::vector<uint8_t*> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.sizes() == like.sizes() &&
+                    t.scalar_type() == like.scalar_type(),
+                "write_frames: every layer's ", what, " must be alike and contiguous");
+    out.push_back(static_cast<uint8_t*>(t.data_ptr()));
+  }
+  return out;
+}
+
+// k[j], v[j]: block j's K and V [num_layers, block_size, kvh, d] as stored; scales[j] its
+// fp32 scales [2, num_layers, block_size, kvh] (K's, V's) when stored int8 / fp8, else none.
+// k_cache / v_cache: each layer's [num_blocks, block_size, kvh, d] (k_scale / v_scale their
+// [num_blocks, block_size, kvh] for an int8 / fp8 cache); dst[j]: block j's cache block.
+// Either the stored type is the cache's (a copy of the bytes, scales too) or the frames are
+// int8 / fp8 and the cache fp32 (dequantized).
+void write_frames(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
+                  const std::vector<torch::Tensor>& scales,
+                  const std::vector<torch::Tensor>& k_cache,
+                  const std::vector<torch::Tensor>& v_cache,
+                  const std::vector<torch::Tensor>& k_scale,
+                  const std::vector<torch::Tensor>& v_scale, const std::vector<int64_t>& dst) {
+  const int64_t n = static_cast<int64_t>(dst.size()), L = static_cast<int64_t>(k_cache.size());
+  TORCH_CHECK(n > 0 && L > 0 && static_cast<int64_t>(k.size()) == n &&
+                  static_cast<int64_t>(v.size()) == n && static_cast<int64_t>(v_cache.size()) == L,
+              "write_frames: one K and V per block, one cache tensor per layer");
+  const auto& like = k_cache[0];
+  TORCH_CHECK(like.dim() == 4, "write_frames: cache layers are [num_blocks, block_size, kvh, d]");
+  const int64_t num_blocks = like.size(0), rows = like.size(1) * like.size(2), d = like.size(3);
+  const auto stored = k[0].scalar_type(), cache = like.scalar_type();
+  const bool quantized = stored == torch::kChar || stored == torch::kFloat8_e4m3fn;
+  const bool copy = stored == cache;
+  TORCH_CHECK(copy || (quantized && cache == torch::kFloat),
+              "write_frames: frames must be in the cache's format, or int8 / fp8 into fp32");
+  const int64_t block = rows * d, esize = k[0].element_size(), block_bytes = block * esize;
+  const auto kp = pointers(k, L * block, stored, "K");
+  const auto vp = pointers(v, L * block, stored, "V");
+  std::vector<const uint8_t*> sp;
+  if (quantized) {
+    TORCH_CHECK(static_cast<int64_t>(scales.size()) == n, "write_frames: scales per block");
+    sp = pointers(scales, 2 * L * rows, torch::kFloat, "scales");
+  }
+  const auto kc = layers(k_cache, like, "K cache"), vc = layers(v_cache, like, "V cache");
+  std::vector<uint8_t*> ksc, vsc;
+  if (quantized && copy) {
+    TORCH_CHECK(static_cast<int64_t>(k_scale.size()) == L &&
+                    static_cast<int64_t>(v_scale.size()) == L && k_scale[0].dim() == 3 &&
+                    k_scale[0].size(0) == num_blocks && k_scale[0].numel() == num_blocks * rows,
+                "write_frames: an int8 / fp8 cache's scales [num_blocks, block_size, kvh]");
+    ksc = layers(k_scale, k_scale[0], "K scales");
+    vsc = layers(v_scale, k_scale[0], "V scales");
+    TORCH_CHECK(k_scale[0].scalar_type() == torch::kFloat, "write_frames: fp32 scales");
+  }
+  for (int64_t b : dst) TORCH_CHECK(b >= 0 && b < num_blocks, "write_frames: block ", b);
+  const auto& fp8 = fp8_values();
+
+  pybind11::gil_scoped_release no_gil;
+  const int64_t scale_bytes = rows * static_cast<int64_t>(sizeof(float));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t at = dst[j];
+    for (int64_t l = 0; l < L; ++l) {
+      const uint8_t* src[2] = {kp[j] + l * block_bytes, vp[j] + l * block_bytes};
+      uint8_t* out[2] = {kc[l], vc[l]};
+      for (int kv = 0; kv < 2; ++kv) {
+        const float* s = quantized
+            ? reinterpret_cast<const float*>(sp[j]) + (kv * L + l) * rows
+            : nullptr;
+        if (copy) {
+          std::memcpy(out[kv] + at * block_bytes, src[kv], block_bytes);
+          if (quantized)
+            std::memcpy((kv ? vsc : ksc)[l] + at * scale_bytes, s, scale_bytes);
+        } else if (stored == torch::kChar) {
+          dequantize_block(reinterpret_cast<const int8_t*>(src[kv]), s,
+                           reinterpret_cast<float*>(out[kv]) + at * block, rows, d,
+                           [](int8_t x) { return static_cast<float>(x); });
+        } else {
+          dequantize_block(src[kv], s, reinterpret_cast<float*>(out[kv]) + at * block, rows, d,
+                           [&fp8](uint8_t x) { return fp8[x]; });
+        }
+      }
+    }
+  }
+}
+
+}  // namespace cpu_load
