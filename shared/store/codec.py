@@ -43,7 +43,6 @@ Byte order is the host's (little-endian on every supported platform).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hmac
 import math
@@ -547,7 +546,7 @@ def _tensors(
             return Miss("bad_payload")
         s = _tensor_from(f["scales"], torch.float32, (2, *shape[:3]))
         if not dequantize:
-            return dataclasses.replace(_block(f, k, v, root), scales=s)
+            return _block(f, k, v, root, s)
         k = dequantize_kv(k, s[0], torch.float32)
         v = dequantize_kv(v, s[1], torch.float32)
     elif dequantize:
@@ -556,7 +555,13 @@ def _tensors(
     return _block(f, k, v, root)
 
 
-def _block(f: dict[str, Any], k: torch.Tensor, v: torch.Tensor, root: BlockHash) -> DecodedBlock:
+def _block(
+    f: dict[str, Any],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    root: BlockHash,
+    scales: torch.Tensor | None = None,
+) -> DecodedBlock:
     return DecodedBlock(
         token_ids=list(f["token_ids"]),
         k=k,
@@ -564,4 +569,5 @@ def _block(f: dict[str, Any], k: torch.Tensor, v: torch.Tensor, root: BlockHash)
         parent=BlockHash(f["parent"]),
         fmt=f["fmt"],
         is_first=f["parent"] == root,
+        scales=scales,
     )
