@@ -33,6 +33,7 @@ class LoadArm:
     gets_in_flight: int = 2
     load_threads: int = 1
     one_call: bool = True  # KVCache.write_frames where it applies (else staged, per layer)
+    verify_on_loop: bool = True
 
 
 # The defaults for each cache, and each step of the load pipeline undone one at a time.
@@ -43,6 +44,8 @@ LOAD_ARMS = (
     LoadArm("fp8 -> fp8 cache", "fp8", "fp8"),
     LoadArm("int8 -> int8, staged copies", "int8", "int8", one_call=False),
     LoadArm("int8 -> fp32, staged copies", "int8", "auto", one_call=False),
+    LoadArm("int8 -> int8, verified on the loader", "int8", "int8", verify_on_loop=False),
+    LoadArm("int8 -> fp32, verified on the loader", "int8", "auto", verify_on_loop=False),
     LoadArm("int8 -> fp32, zstd frames", "int8", "auto", compress=True),
     LoadArm("int8 -> fp32, every get at once", "int8", "auto", gets_in_flight=64),
     LoadArm("int8 -> fp32, 2 loader threads", "int8", "auto", load_threads=2),
@@ -127,6 +130,7 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
             dtype,
             gets_in_flight=arm.gets_in_flight,
             load_threads=arm.load_threads,
+            verify_on_loop=arm.verify_on_loop,
         )
         try:
             for r in range(repeats + 1):
