@@ -1,13 +1,14 @@
 """A store load's writes into the engine's cache blocks, on the loader threads.
 
-Each fetched batch is verified (`BatchLoader.verify`) and written under a LoadJob: once
-stopped, no write starts, and once quiescent none is running, so the engine may give the
-blocks to someone else. On the CPU a batch goes from its frames into the cache in one C++ call
-without the GIL (KVCache.write_frames): a frame in the cache's own format as a byte copy (an
-int8 / fp8 one with its scales: bit-exact with what the engine wrote), int8 / fp8 frames
-dequantized into an fp32 cache. Otherwise its blocks are gathered, as stored, into a staging
-buffer (each thread reuses its own) and written with one copy per layer (KVCache.write_stacked,
-which dequantizes on the way in for a float cache); anything else is converted block by block.
+Each fetched batch is verified (`BatchLoader.verify`, on the connector's event loop) and
+written (on a loader thread) under a LoadJob: once stopped, no write starts, and once
+quiescent none is running, so the engine may give the blocks to someone else. On the CPU a
+batch goes from its frames into the cache in one C++ call without the GIL
+(KVCache.write_frames): a frame in the cache's own format as a byte copy (an int8 / fp8 one
+with its scales: bit-exact with what the engine wrote), int8 / fp8 frames dequantized into an
+fp32 cache. Otherwise its blocks are gathered, as stored, into a staging buffer (each thread
+reuses its own) and written with one copy per layer (KVCache.write_stacked, which dequantizes
+on the way in for a float cache); anything else is converted block by block.
 """
 
 from __future__ import annotations
