@@ -148,6 +148,7 @@ def ours(r: redis.Redis, after: Any, worker: str, n: int) -> list[Any] | None:
     return ids if len(ids) >= n else None
 
 
+@pytest.mark.slow  # the default run stays within its time on the slowest CPUs
 def test_a_killed_worker_loses_no_request_and_comes_back_empty(
     client: openai.OpenAI, fleet: Fleet
 ) -> None:
@@ -174,6 +175,7 @@ def test_a_killed_worker_loses_no_request_and_comes_back_empty(
     poll_until(lambda: fleet.router()["workers"]["worker-1"]["indexed_blocks"] > 0)
 
 
+@pytest.mark.slow  # the default run stays within its time on the slowest CPUs
 def test_a_sampled_stream_taken_over_mid_way_is_one_generation(
     client: openai.OpenAI, fleet: Fleet, tokenizer: KVTokenizer
 ) -> None:

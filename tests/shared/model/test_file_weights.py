@@ -114,6 +114,7 @@ def engines_on(
     return file, fp32
 
 
+@pytest.mark.slow  # the default run stays within its time on the slowest CPUs
 @needs_kernels
 def test_k_quant_blocks_run_on_the_kernels(
     make_engine,
@@ -145,6 +146,7 @@ def test_k_quant_blocks_run_on_the_kernels(
     assert agree >= 0.99
 
 
+@pytest.mark.slow  # the default run stays within its time on the slowest CPUs
 @needs_kernels
 def test_a_fused_projection_of_two_formats_keeps_both(
     make_engine,

@@ -44,6 +44,7 @@ def test_tokenizer_matches_hf(model_path: Path, tokenizer) -> None:  # type: ign
     )
 
 
+@pytest.mark.slow  # the default run stays within its time on the slowest CPUs
 def test_gguf_greedy_and_logits_match_hf(  # type: ignore[no-untyped-def]
     make_engine, hf_gguf_model, chat_prompt_ids
 ) -> None:

@@ -60,6 +60,7 @@ def test_two_processes_share_a_prefix(make_engine, tokenizer) -> None:  # type: 
     assert first.stdout == second.stdout == expected + "\n"
 
 
+@pytest.mark.slow  # the default run stays within its time on the slowest CPUs
 def test_block_corrupted_in_redis_is_recomputed(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
     url = namespace_url(LOCAL)
     ns = url.split("namespace=")[1]
@@ -86,6 +87,7 @@ def test_block_corrupted_in_redis_is_recomputed(make_engine, tokenizer) -> None:
         r.close()
 
 
+@pytest.mark.slow  # the default run stays within its time on the slowest CPUs
 def test_redis_killed_mid_run_then_back(make_engine, tokenizer, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
     url = namespace_url(redis_server.url, timeout=0.3, cooldown=0.2, failures=2, attempts=1)
     store = StoreConfig(url)
