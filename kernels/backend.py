@@ -10,6 +10,7 @@ it and take the reference's signature behind `_sized`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,26 +51,10 @@ class PagedDecodeAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
-class ReferencePrefillAttention(Protocol):
-    """`reference.prefill_attention`: each sequence's chunk over its cached prefix and itself."""
-
-    def __call__(
-        self,
-        query: torch.Tensor,  # [T, h, d]
-        k_cache: torch.Tensor,  # [nb, bs, kvh, d]
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,  # [B, max_blocks] int32
-        cu_query_lens: torch.Tensor,  # [B + 1] int32
-        context_lens: torch.Tensor,  # [B] int32, tokens in the cache incl. this chunk
-        scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
-
-
 class PrefillAttention(Protocol):
-    """`ReferencePrefillAttention` plus the longest chunk, when the caller knows it (a bound
-    for the launch: cu_query_lens and context_lens must agree with it)."""
+    """`reference.prefill_attention` (each sequence's chunk over its cached prefix and itself)
+    plus the longest chunk, when the caller knows it (a bound for the launch: cu_query_lens and
+    context_lens must agree with it)."""
 
     def __call__(
         self,
@@ -87,7 +72,7 @@ class PrefillAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _sized(fn: ReferencePrefillAttention) -> PrefillAttention:
+def _sized(fn: Callable[..., torch.Tensor]) -> PrefillAttention:
     """A prefill attention of the reference's signature that takes (and ignores) the
     `max_query_len` hint."""
 
