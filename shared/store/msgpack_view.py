@@ -3,8 +3,10 @@
 
 msgpack copies each `bin` into a new bytes object; a store frame is one map whose payload is
 nearly all of its bytes, so reading a frame that way copies it once more than its reader
-needs. Here only the structure of the top level is walked (each value's extent, from the
-msgpack specification's type bytes); the values themselves, keys included, go to msgpack.
+needs (and, for a 200 KB payload, costs ~10x more than reading it in place: a fresh
+allocation per frame). Here msgpack's own streaming unpacker walks the top level: each key and
+non-bin value is unpacked under the limits, each bin value is skipped and its extent
+(`Unpacker.tell`) sliced out of the input.
 
 `unpack` raises ValueError for anything that is not exactly one well-formed object within the
 limits (as msgpack.unpackb raises for the same input).
@@ -12,21 +14,14 @@ limits (as msgpack.unpackb raises for the same input).
 
 from __future__ import annotations
 
-import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-# Type bytes with a fixed extent after them: nil/false/true, float 32/64, (u)int 8..64.
-_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
-          0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}  # fmt: skip
-# Types whose length follows as a 1-, 2- or 4-byte big-endian integer: bin, str.
-_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
-_BIN = frozenset({0xC4, 0xC5, 0xC6})
-# Containers whose element count follows likewise (map entries count twice): array, map.
-_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
-_LENGTH = {1: ">B", 2: ">H", 4: ">I"}
+# The type bytes of bin 8/16/32 (msgpack specification) and the width of the length after them.
+_BIN_LENGTH_WIDTH = {0xC4: 1, 0xC5: 2, 0xC6: 4}
 
 
 @dataclass(frozen=True)
@@ -51,89 +46,78 @@ class Limits:
             max_ext_len=0,
         )
 
-
-def _length(data: memoryview, pos: int, width: int) -> int:
-    if pos + width > len(data):
-        raise ValueError("msgpack: truncated")
-    value: int = struct.unpack_from(_LENGTH[width], data, pos)[0]
-    return value
-
-
-def _end(data: memoryview, pos: int) -> int:
-    """Where the object starting at `pos` ends (its extent, not its validity: msgpack checks
-    that). Iterative: a deeply nested value costs no recursion."""
-    pending = 1
-    while pending:
-        if pos >= len(data):
-            raise ValueError("msgpack: truncated")
-        b = data[pos]
-        pending -= 1
-        pos += 1
-        if b <= 0x7F or b >= 0xE0:  # positive / negative fixint
-            continue
-        if 0xA0 <= b <= 0xBF:  # fixstr
-            pos += b & 0x1F
-        elif 0x90 <= b <= 0x9F:  # fixarray
-            pending += b & 0x0F
-        elif 0x80 <= b <= 0x8F:  # fixmap
-            pending += 2 * (b & 0x0F)
-        elif b in _FIXED:
-            pos += _FIXED[b]
-        elif b in _SIZED:
-            pos += _SIZED[b] + _length(data, pos, _SIZED[b])
-        elif b in _CONTAINERS:
-            width, per = _CONTAINERS[b]
-            pending += per * _length(data, pos, width)
-            pos += width
-        else:  # ext types, and 0xC1, which msgpack never uses
-            raise ValueError(f"msgpack: type byte {b:#x} not read here")
-    if pos > len(data):
-        raise ValueError("msgpack: truncated")
-    return pos
+    def unpacker(self) -> msgpack.Unpacker:
+        """A streaming unpacker with these limits (its buffer grows to the largest input fed)."""
+        return msgpack.Unpacker(
+            None,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_buffer_size=0,  # what is fed is bounded by its caller (codec: MAX_FRAME_BYTES)
+            max_bin_len=self.max_bin_len,
+            max_str_len=self.max_str_len,
+            max_array_len=self.max_array_len,
+            max_map_len=self.max_map_len,
+            max_ext_len=0,
+        )
 
 
-def _map_header(data: memoryview) -> tuple[int, int] | None:
-    """(entries, offset of the first key) of the map at the start of `data`; None if what
-    starts there is no map."""
-    b = data[0] if len(data) else None
-    if b is not None and 0x80 <= b <= 0x8F:
-        return b & 0x0F, 1
-    if b in (0xDE, 0xDF):
-        width = 2 if b == 0xDE else 4
-        return _length(data, 1, width), 1 + width
-    return None
+# One unpacker per thread and per limits, reused: a fresh one allocates a buffer the size of
+# its input, and for a frame of ~200 KB that allocation (fresh pages from the OS, each
+# faulted in) cost more than reading the frame. After any failure the unpacker is dropped.
+_local = threading.local()
+
+
+def _unpacker(limits: Limits) -> msgpack.Unpacker:
+    cache: dict[Limits, msgpack.Unpacker] = _local.__dict__.setdefault("unpackers", {})
+    u = cache.get(limits)
+    if u is None:
+        u = cache[limits] = limits.unpacker()
+    return u
+
+
+def _is_map(view: memoryview) -> bool:
+    return len(view) > 0 and (0x80 <= view[0] <= 0x8F or view[0] in (0xDE, 0xDF))
 
 
 def unpack(data: bytes | bytearray | memoryview, limits: Limits) -> Any:
     """The one object that is all of `data`: a map with its bin values as memoryviews of
     `data`, anything else as msgpack unpacks it."""
     view = memoryview(data).cast("B")
-    header = _map_header(view)
-    if header is None:
+    if not _is_map(view):
         return limits.unpack(view)
-    entries, pos = header
+    u = _unpacker(limits)
+    try:
+        return _map(u, view, limits)
+    except Exception as e:
+        _local.unpackers.pop(limits, None)  # it may hold the rest of `data`
+        if isinstance(e, ValueError):
+            raise
+        raise ValueError(f"msgpack: {type(e).__name__}") from e  # OutOfData and the like
+
+
+def _map(u: msgpack.Unpacker, view: memoryview, limits: Limits) -> dict[Any, Any]:
+    """The map that is all of `view`, read by `u` (which has consumed all it was fed)."""
+    base = u.tell()
+    u.feed(view)
+    out: dict[Any, Any] = {}
+    entries = u.read_map_header()  # read_map_header does not apply max_map_len
     if entries > limits.max_map_len:
         raise ValueError("msgpack: map over its limit")
-    out: dict[Any, Any] = {}
     for _ in range(entries):
-        key_end = _end(view, pos)
-        if 0xA0 <= view[pos] <= 0xBF:  # a fixstr: the usual key, read without a call
-            key: Any = str(view[pos + 1 : key_end], "utf-8")
-        else:
-            key = limits.unpack(view[pos:key_end])
+        key = u.unpack()
         if not isinstance(key, str | bytes):
             raise ValueError("msgpack: map key neither str nor bytes")
-        end = _end(view, key_end)
-        if view[key_end] <= 0x7F:  # a positive fixint
-            out[key] = view[key_end]
-        elif view[key_end] in _BIN:
-            width = _SIZED[view[key_end]]
-            if end - key_end - 1 - width > limits.max_bin_len:
+        start = u.tell() - base
+        if start < len(view) and view[start] in _BIN_LENGTH_WIDTH:
+            u.skip()  # checks the extent, not the limit (skipping builds nothing): below
+            end = u.tell() - base
+            first = start + 1 + _BIN_LENGTH_WIDTH[view[start]]
+            if end - first > limits.max_bin_len:
                 raise ValueError("msgpack: bin over its limit")
-            out[key] = view[key_end + 1 + width : end].toreadonly()
+            out[key] = view[first:end].toreadonly()
         else:
-            out[key] = limits.unpack(view[key_end:end])
-        pos = end
-    if pos != len(view):
+            out[key] = u.unpack()
+    if u.tell() - base != len(view):
         raise ValueError("msgpack: data after the map")
     return out

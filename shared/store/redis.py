@@ -73,6 +73,8 @@ def breaker_from_settings(settings: dict[str, str]) -> CircuitBreaker:
 
 class RedisStore(RedisShards, BlockStore):
     backend: ClassVar[str] = "redis"
+    # Whether one EXISTS may name several keys (not in a cluster: they may lie in other slots).
+    multi_key_exists: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -230,7 +232,12 @@ class RedisStore(RedisShards, BlockStore):
         return (await self.presence(hashes)).stored
 
     async def presence(self, hashes: Sequence[BlockHash]) -> Presence:
-        """``contains``, with the hashes of shards whose breaker short-circuited the call."""
+        """``contains``, with the hashes of shards whose breaker short-circuited the call.
+
+        Where the server takes multi-key commands (one server, not a cluster), one ``EXISTS``
+        of all of a chunk's keys comes first: when it counts them all (the usual hit), that is
+        the answer, at a tenth of the cost of one ``EXISTS`` per key; a chunk whose count falls
+        short is asked again key by key."""
         if not hashes:
             return Presence.answered([])
         keys = [self.key(h) for h in hashes]
@@ -238,16 +245,18 @@ class RedisStore(RedisShards, BlockStore):
         short = [False] * len(keys)
 
         async def exists(shard: str, idx: list[int]) -> None:
+            if self.multi_key_exists:
+                idx = await self._fully_present(shard, idx, keys, found, short)
+            if not idx:
+                return
+
             def build(pipe: Any) -> None:
                 for i in idx:
                     pipe.exists(keys[i])
 
             replies = await self._run(shard, build)
             if isinstance(replies, Unserved):
-                self._stats.get_errors += int(replies.error is not None)
-                if replies.error is None:  # the breaker is open: nothing was sent
-                    for i in idx:
-                        short[i] = True
+                self._unserved(replies, idx, short)
                 return
             for i, r in zip(idx, replies, strict=True):
                 if isinstance(r, BaseException):
@@ -258,6 +267,37 @@ class RedisStore(RedisShards, BlockStore):
 
         await asyncio.gather(*(exists(s, idx) for s, idx in self._route(keys).items()))
         return Presence(found, short)
+
+    async def _fully_present(
+        self, shard: str, idx: list[int], keys: list[str], found: list[bool], short: list[bool]
+    ) -> list[int]:
+        """Marks `found` for the chunks of `idx` whose keys all exist (one multi-key EXISTS
+        each); the indices still to ask key by key (none where the call was unserved)."""
+        chunks = self._chunks(idx)
+
+        def build(pipe: Any) -> None:
+            for chunk in chunks:
+                pipe.exists(*(keys[i] for i in chunk))
+
+        replies = await self._run(shard, build)
+        if isinstance(replies, Unserved):
+            self._unserved(replies, idx, short)
+            return []
+        rest: list[int] = []
+        for chunk, count in zip(chunks, replies, strict=True):
+            if isinstance(count, int) and count == len(chunk):
+                for i in chunk:
+                    found[i] = True
+            else:
+                rest.extend(chunk)
+        return rest
+
+    def _unserved(self, unserved: Unserved, idx: list[int], short: list[bool]) -> None:
+        """Accounts a presence call unserved (`short` marks idx where the breaker sent nothing)."""
+        self._stats.get_errors += int(unserved.error is not None)
+        if unserved.error is None:  # the breaker is open: nothing was sent
+            for i in idx:
+                short[i] = True
 
     async def _write_op(
         self,

@@ -181,6 +181,8 @@ class RedisClusterStore(RedisStore):
         # A cluster pipeline routes each command by its slot; the caller queues one master's keys.
         return self._client.pipeline()
 
+    multi_key_exists: ClassVar[bool] = False  # a master's keys lie in many slots
+
     def _queue_reads(self, pipe: Any, keys: Sequence[str]) -> None:
         for k in keys:
             pipe.get(k)

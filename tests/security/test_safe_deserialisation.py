@@ -177,8 +177,8 @@ def test_no_code_executing_deserialisation_in_the_sources() -> None:
 def test_bus_and_store_decode_with_bounded_msgpack() -> None:
     """What the bus and the store decode is msgpack: each of those modules that unpacks
     imports msgpack, and the store's frame decoder bounds every field (codec.py `_unpack` reads
-    the frame through msgpack_view with `_LIMITS`, whose every value goes to msgpack.unpackb
-    with those limits)."""
+    the frame through msgpack_view with `_LIMITS`, whose every value goes to msgpack.unpackb or
+    msgpack.Unpacker with those limits)."""
     for rel in ("shared/protocol.py", "shared/bus/redis.py", "shared/store/msgpack_view.py"):
         tree = ast.parse((ROOT / rel).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -200,12 +200,14 @@ def test_bus_and_store_decode_with_bounded_msgpack() -> None:
     bounded = {"max_bin_len", "max_str_len", "max_array_len", "max_map_len"}
     assert {k.arg for k in limits.keywords} == bounded
     view = ast.parse((ROOT / "shared/store/msgpack_view.py").read_text())
-    call = next(
+    calls = [
         n
         for n in ast.walk(view)
-        if isinstance(n, ast.Call) and ast.unparse(n.func) == "msgpack.unpackb"
-    )
-    assert bounded | {"max_ext_len"} <= {k.arg for k in call.keywords}
+        if isinstance(n, ast.Call) and ast.unparse(n.func).startswith("msgpack.")
+    ]
+    assert {ast.unparse(c.func) for c in calls} == {"msgpack.unpackb", "msgpack.Unpacker"}
+    for call in calls:
+        assert bounded | {"max_ext_len"} <= {k.arg for k in call.keywords}
 
 
 # ---- the detector ----------------------------------------------------------------------------

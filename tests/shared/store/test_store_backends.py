@@ -138,6 +138,35 @@ async def test_overwrite_and_pin_of_missing(store: BlockStore) -> None:
 # -- LRU by bytes (memory, file) ----------------------------------------------------------------
 
 
+async def test_presence_per_hash_in_any_order(store: BlockStore) -> None:
+    """Every hash answered on its own: a run of stored ones, gaps, a hash asked twice."""
+    await store.put_many([(h(i), val(i)) for i in (0, 1, 2, 3, 5, 8)])
+    asked = [0, 1, 2, 3, 4, 5, 6, 8, 8, 7, 3]
+    assert await store.contains([h(i) for i in asked]) == [i in (0, 1, 2, 3, 5, 8) for i in asked]
+    assert await store.contains([h(i) for i in (0, 1, 2, 3)]) == [True] * 4
+
+
+@pytest.mark.redis
+async def test_redis_presence_counts_whole_chunks_and_asks_the_rest_key_by_key() -> None:
+    """One server: one multi-key EXISTS per chunk of `batch` keys; a chunk whose count falls
+    short (a key absent, or a duplicate of an absent key) is asked key by key."""
+    if not await redis_answers(LOCAL_REDIS):
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    ns = f"kvtest:{uuid.uuid4().hex}"
+    s = open_store(f"{LOCAL_REDIS}?ttl=100&timeout=1&namespace={ns}&batch=3")
+    assert isinstance(s, RedisStore) and s.multi_key_exists
+    try:
+        await s.put_many([(h(i), val(i)) for i in range(6)])
+        # chunks: [0 1 2] whole, [3 9 4] short, [9 9 5] short, [5 5] whole (a duplicate)
+        asked = [0, 1, 2, 3, 9, 4, 9, 9, 5, 5, 5]
+        assert await s.contains([h(i) for i in asked]) == [i < 6 for i in asked]
+        await s.delete([h(1)])
+        assert await s.contains([h(i) for i in range(6)]) == [i != 1 for i in range(6)]
+    finally:
+        await drop_namespace(LOCAL_REDIS, ns)
+        await s.close()
+
+
 def bounded(kind: str, tmp_path: Path, max_bytes: int) -> MemoryStore | DiskStore:
     if kind == "memory":
         return MemoryStore(max_bytes=max_bytes)
