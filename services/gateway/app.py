@@ -117,6 +117,9 @@ class Gateway:
                       "prefix-cache blocks and its host tier (the store keeps its blocks).",
                       response=res.CACHE_FLUSH, auth=True, errors=(401, 429, 503, 504)),
              cache.cache_flush),
+            (RouteDoc("POST", "/reset_prefix_cache", "vLLM's name of POST /v1/cache/flush "
+                      "(the same key, flush and answer).", response=res.CACHE_FLUSH, auth=True,
+                      errors=(401, 429, 503, 504)), cache.cache_flush),
             (RouteDoc("POST", "/tokenize", "Tokenize a prompt or chat messages (vLLM).",
                       req.tokenize_request(f), res.TOKENIZE_RESPONSE, errors=(400, 404, 413)),
              models.tokenize),

@@ -1,8 +1,9 @@
 """API keys and cache salts.
 
-When keys are configured, every /v1 route needs `Authorization: Bearer <key>`. Each key is its
-own tenant for prefix caching: its cache salt is `key-` + the first 32 hex digits of
-sha256(key), so two keys never share a KV block and the salt reveals nothing of the key.
+When keys are configured, every /v1 route (and a vLLM alias of one outside /v1, such as
+/reset_prefix_cache) needs `Authorization: Bearer <key>`. Each key is its own tenant for prefix
+caching: its cache salt is `key-` + the first 32 hex digits of sha256(key), so two keys never
+share a KV block and the salt reveals nothing of the key.
 
 The presented token is compared in constant time: its SHA-256 digest against every configured
 key's digest with `hmac.compare_digest`, all of them whatever matched, so the time a check

@@ -1,6 +1,7 @@
 """The cache admin routes: GET /v1/cache/stats (the gateway's, the workers' and the router's
 counters), POST /v1/cache/warmup and GET /v1/cache/warmup/{id} (warm-up jobs run by a worker),
-POST /v1/cache/flush (drop the workers' unreferenced device blocks and host tier)."""
+POST /v1/cache/flush (drop the workers' unreferenced device blocks and host tier; also at vLLM's
+POST /reset_prefix_cache, which benchmark clients such as aiperf call)."""
 
 from __future__ import annotations
 

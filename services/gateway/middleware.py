@@ -1,7 +1,7 @@
 """What every request passes through before and after its handler: the error middleware (any
 failure becomes an error in OpenAI's shape, counted by route and status), the auth middleware
-(bearer key -> the tenant's cache salt on /v1, then the per-key rate limit on POST), and the
-JSON body reader (size limit, a JSON object or 400).
+(bearer key -> the tenant's cache salt on /v1 and KEYED_ALIASES, then the per-key rate limit on
+POST), and the JSON body reader (size limit, a JSON object or 400).
 
 Invariants: a handler's `APIError` and aiohttp's own HTTP errors (404, 405 with its Allow
 header, 413) answer with the OpenAI error body; anything else is logged and answers 500;
@@ -24,6 +24,9 @@ from kvserve.shared.telemetry import Metrics, get_logger
 log = get_logger("kvserve.gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TENANT_SALT: web.RequestKey[str] = web.RequestKey("tenant_salt", str)  # set by auth on /v1
+# Paths outside /v1 that the bearer key and the rate limit guard as they guard /v1: vLLM's
+# names of /v1 routes (POST /reset_prefix_cache is POST /v1/cache/flush).
+KEYED_ALIASES = frozenset({"/reset_prefix_cache"})
 
 REJECT_REASONS = {
     401: "unauthorized",
@@ -80,7 +83,7 @@ class Middleware:
 
     @web.middleware
     async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in KEYED_ALIASES:
             salt = self.keys.authenticate(request.headers.get("Authorization"))
             if salt is not None:
                 request[TENANT_SALT] = salt

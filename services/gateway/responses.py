@@ -144,27 +144,29 @@ class ResponseBuilder:
             return f"token_id:{token_id}"
         return self.tok.decode([token_id], skip_special_tokens=False)
 
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        """One token's chat logprob: `token` its text (U+FFFD for part of a UTF-8 character),
+        `bytes` its own bytes, so a client that joins the bytes of consecutive tokens gets the
+        character back (OpenAI's meaning; vLLM sends the bytes of the text)."""
+        return {
+            "token": self._token(token_id),
+            "logprob": logprob,
+            "bytes": list(self.tok.token_bytes(token_id)),
+        }
+
     def _logprobs(
         self, token_ids: list[int], logprobs: list[float], tops: list[list[list[float]]]
     ) -> dict[str, Any]:
-        tokens = [self._token(t) for t in token_ids]
         k = self.plan.params.top_logprobs
-        alts = [[(self._token(int(t)), v) for t, v in top] for top in tops] if k else []
         if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": t,
-                        "logprob": lp,
-                        "bytes": list(t.encode("utf-8")),
-                        "top_logprobs": [
-                            {"token": a, "logprob": v, "bytes": list(a.encode("utf-8"))}
-                            for a, v in (alts[i] if i < len(alts) else [])
-                        ],
-                    }
-                    for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=False))
-                ]
-            }
+            content = []
+            for i, (token_id, lp) in enumerate(zip(token_ids, logprobs, strict=False)):
+                top = tops[i] if k and i < len(tops) else []
+                likeliest = [self._chat_entry(int(a), v) for a, v in top]
+                content.append({**self._chat_entry(token_id, lp), "top_logprobs": likeliest})
+            return {"content": content}
+        tokens = [self._token(t) for t in token_ids]
+        alts = [[(self._token(int(t)), v) for t, v in top] for top in tops] if k else []
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)

@@ -3,6 +3,10 @@
 The GGUF vocabulary (a byte-level BPE, `tokenizer.ggml.model == "gpt2"`) is rebuilt as a
 `tokenizers.Tokenizer` the way Hugging Face's GGUF converter does, so token ids match
 `AutoTokenizer.from_pretrained(dir, gguf_file=...)`.
+
+A byte-level BPE spells each token's bytes with GPT-2's byte alphabet (one printable character
+per byte, `BYTE_OF_CHAR`), so a token that holds part of a multi-byte UTF-8 character decodes
+to U+FFFD on its own; `token_bytes` gives its own bytes (what OpenAI's logprobs call `bytes`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,22 @@ _CONTROL_TOKEN_TYPE = 3
 _USER_DEFINED_TOKEN_TYPE = 4
 ENDOFTEXT = "<|endoftext|>"
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's `bytes_to_unicode`, inverted: the printable bytes ('!'..'~', '¡'..'¬',
+    '®'..'ÿ') stand for themselves, the other 68 in byte order for chr(256), chr(257), ...
+    (`tokenizers` applies the same table but does not expose it; transformers is not a runtime
+    dependency.)"""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
+BYTE_OF_CHAR = _byte_alphabet()  # byte-level BPE token character -> the byte it stands for
 
 
 class ChatTemplateError(ValueError):
@@ -44,6 +64,7 @@ class KVTokenizer:
         self.info = info
         self.eos_token_ids = info.eos_token_ids
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.byte_level = isinstance(tok.decoder, decoders.ByteLevel)
         self.document_start_id = _document_start_id(tok, info)
         self.fingerprint = hashlib.sha256(tok.to_str().encode()).hexdigest()
         self._template = None
@@ -130,6 +151,19 @@ class KVTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         tok = self._tok.id_to_token(token_id)
         return None if tok is None else str(tok)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, as decoding a sequence joins them (a partial UTF-8 character
+        stays partial). Byte-level BPE: its characters through `BYTE_OF_CHAR`, or, as the
+        `tokenizers` ByteLevel decoder does, its text's UTF-8 when one is not in that alphabet
+        (an added token whose text has a space, say). Another decoder: the UTF-8 of the token
+        decoded on its own."""
+        tok = self.id_to_token(token_id) if self.byte_level else None
+        if tok is None:
+            return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        if all(c in BYTE_OF_CHAR for c in tok):
+            return bytes(BYTE_OF_CHAR[c] for c in tok)
+        return tok.encode("utf-8")
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True

@@ -1,6 +1,7 @@
 """Cache admin and limits of `kvserve serve`, end to end on the real process: warm-up jobs
 (`POST /v1/cache/warmup`, its status endpoint, `kvserve warmup FILE --server URL`), the prefix
-cache flush, per-key rate limiting (429 + Retry-After) and top-k logprobs in OpenAI's shapes.
+cache flush (also at vLLM's /reset_prefix_cache), per-key rate limiting (429 + Retry-After) and
+top-k logprobs in OpenAI's shapes (chat `bytes`: each token's own).
 
 Two servers: one with a memory:// store (warm-up needs a store), one without a store (so a
 flushed prefix cannot come back from the store) and with a rate limit."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -189,6 +191,32 @@ def test_flush_drops_the_prefix_cache(bare_server: ServerProcess) -> None:
     assert http_for(bare_server, "wrong").post("/v1/cache/flush").status_code == 401
 
 
+def test_vllm_reset_prefix_cache_is_the_flush(bare_server: ServerProcess) -> None:
+    """POST /reset_prefix_cache (vLLM's path, aiperf's --reset-kv-cache) flushes as
+    /v1/cache/flush does, behind the same key."""
+    http = http_for(bare_server, LIMIT_KEYS[0])
+    client = client_for(bare_server, LIMIT_KEYS[0])
+    prompt = f"[{uuid.uuid4().hex}] " + "A preamble that the reset must forget. " * 8
+
+    def cached() -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        return r.usage.prompt_tokens_details.cached_tokens or 0
+
+    time.sleep(1.0)  # a full rate-limit bucket (RATE requests) whatever the tests before used
+    assert Http(bare_server.url).post("/reset_prefix_cache").status_code == 401
+    assert http_for(bare_server, "wrong").post("/reset_prefix_cache").status_code == 401
+    assert cached() == 0
+    assert cached() >= 3 * BLOCK
+    poll_until(lambda: idle(http), timeout=30)
+    r = http.post("/reset_prefix_cache")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "cache.flush" and body["flushed"] is True
+    assert body["device_blocks"] >= 3 and body["workers"]
+    assert cached() == 0
+
+
 # ---- rate limit ------------------------------------------------------------------------------
 
 
@@ -277,3 +305,32 @@ def test_top_logprobs_openai_shapes(store_server: ServerProcess) -> None:
             logprobs=True,
             top_logprobs=21,
         )
+
+
+def test_chat_logprob_bytes_join_into_the_content(
+    store_server: ServerProcess, tokenizer: KVTokenizer
+) -> None:
+    """An emoji comes out in tokens that each hold part of its UTF-8: `token` reads U+FFFD,
+    `bytes` are the token's own (those of its id), and joined they decode to the content."""
+    client = client_for(store_server, STORE_KEYS[0])
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Reply with only this emoji: 🙂"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    content = r.choices[0].message.content or ""
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content is not None
+    entries = r.choices[0].logprobs.content
+    assert b"".join(bytes(e.bytes or []) for e in entries).decode() == content
+    assert not content.isascii()  # the model answers with an emoji
+    ids = [int(e.token.removeprefix("token_id:")) for e in entries]
+    partial = [e for e, t in zip(entries, ids, strict=True) if "\ufffd" in tokenizer.decode([t])]
+    assert partial and all(e.bytes != [239, 191, 189] for e in partial)
+    for e, t in zip(entries, ids, strict=True):
+        assert e.bytes == list(tokenizer.token_bytes(t))
+        for a in e.top_logprobs:
+            assert a.bytes == list(tokenizer.token_bytes(int(a.token.removeprefix("token_id:"))))

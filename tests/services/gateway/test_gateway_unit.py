@@ -347,3 +347,34 @@ async def test_the_plans_user_is_the_routing_key(tokenizer: KVTokenizer) -> None
     await gen.submit()
     await gen.close()
     assert routing.calls == [([1, 2], "salt", "alice"), ([3], "salt", "alice")]
+
+
+async def test_reset_prefix_cache_is_the_keyed_rate_limited_flush(tokenizer: KVTokenizer) -> None:
+    """vLLM's POST /reset_prefix_cache, outside /v1, is POST /v1/cache/flush: the same key,
+    the same rate limit bucket, the same flush job and answer."""
+    ops: list[str] = []
+
+    async def flush(port: WorkerPort, d: Delivery) -> None:
+        ops.append(getattr(d.request, "op", "?"))
+        info = {"worker": "fake", "device_blocks": 3, "host_blocks": 2}
+        await port.emit(TokenEvent(d.request.request_id, 0, info=info, finish_reason="stop"))
+
+    async with Harness(tokenizer, api_keys=("k",), rate_limit=1.0) as h:
+        await h.start_worker(flush)
+        for key in (None, "wrong"):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with h.session.post("/reset_prefix_cache", headers=headers) as r:
+                assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+        assert ops == []
+        keyed = {"Authorization": "Bearer k"}
+        async with h.session.post("/reset_prefix_cache", headers=keyed) as r:
+            assert r.status == 200
+            assert await r.json() == {
+                "object": "cache.flush", "flushed": True, "workers": ["fake"],
+                "device_blocks": 3, "host_blocks": 2,
+            }  # fmt: skip
+        assert ops == ["flush"]
+        for path in ("/reset_prefix_cache", "/v1/cache/flush"):  # one bucket for the key
+            async with h.session.post(path, headers=keyed) as r:
+                assert r.status == 429 and "Retry-After" in r.headers
+        assert ops == ["flush"]

@@ -34,7 +34,7 @@ def test_every_operation_loads_in_schemathesis(
 ) -> None:
     schema = schemathesis.openapi.from_dict(document(tokenizer, **config))
     operations = [result.ok() for result in schema.get_all_operations()]  # raises when invalid
-    assert len(operations) == 15
+    assert len(operations) == 16
 
 
 def test_statuses_path_parameters_and_models(tokenizer: KVTokenizer) -> None:
@@ -63,6 +63,7 @@ def test_security_and_401_only_with_api_keys(tokenizer: KVTokenizer) -> None:
     assert keyed["paths"][stats]["get"]["security"] == [{"bearer": []}]
     assert "401" in keyed["paths"][stats]["get"]["responses"]
     assert "security" not in keyed["paths"]["/tokenize"]["post"]
+    assert keyed["paths"]["/reset_prefix_cache"]["post"]["security"] == [{"bearer": []}]
 
 
 def test_cache_salt_follows_the_key_policy(tokenizer: KVTokenizer) -> None:
