@@ -6,6 +6,7 @@ compose profile: `aggregated` (`worker` replicas behind the routing gateway; the
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -28,10 +29,22 @@ def _load(path: Path) -> dict[str, Any]:
     return data
 
 
+def _defaults(value: Any) -> Any:
+    """`value` with every ${VAR:-default} as its default: what a plain `up` gets."""
+    if isinstance(value, dict):
+        return {k: _defaults(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_defaults(v) for v in value]
+    if isinstance(value, str):
+        return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+    return value
+
+
 @pytest.fixture(scope="module")
 def services() -> dict[str, dict[str, Any]]:
     compose = _load(ROOT / "compose.yaml")
-    return compose["services"]
+    services: dict[str, dict[str, Any]] = _defaults(compose["services"])
+    return services
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +84,9 @@ def test_replicas(services: dict[str, dict[str, Any]]) -> None:
     ("name", "maxmemory", "policy"),
     [
         # The bus: never evicted; at its bound Redis refuses writes.
-        ("bus", "${KVSERVE_BUS_MAXMEMORY:-1gb}", "noeviction"),
+        ("bus", "1gb", "noeviction"),
         # The store: recomputable blocks, the least recently used evicted at the bound.
-        ("store", "${KVSERVE_STORE_MAXMEMORY:-2gb}", "allkeys-lru"),
+        ("store", "2gb", "allkeys-lru"),
     ],
 )
 def test_redis_bus_never_evicts_the_store_is_an_lru_cache(
@@ -92,7 +105,11 @@ def test_redis_bus_never_evicts_the_store_is_an_lru_cache(
 
 def test_one_image_for_all_kvserve_services(services: dict[str, dict[str, Any]]) -> None:
     builds = [services[name]["build"] for name in APP_SERVICES]
-    assert builds[0] == {"context": ".", "dockerfile": "ops/Dockerfile"}
+    assert builds[0] == {
+        "context": ".",
+        "dockerfile": "ops/Dockerfile",
+        "args": {"BASE_IMAGE": "python:3.11-slim", "OFFLINE": "0"},  # an online build by default
+    }
     assert all(b == builds[0] for b in builds)
     assert {services[name]["image"] for name in APP_SERVICES} == {"kvserve:latest"}
     assert (ROOT / "ops" / "Dockerfile").is_file()
@@ -123,7 +140,7 @@ def test_commands(services: dict[str, dict[str, Any]]) -> None:
         assert _flag(command, "--metrics-port") == "9100"
         # kvserve binds 127.0.0.1 by default; the collector scrapes over the compose network.
         assert _flag(command, "--metrics-host") == "0.0.0.0"
-    # Blocks in Redis are int8 + zstd by default (--store-format auto): no flag in compose.
+    # Blocks in Redis are in the KV cache's own format by default (--store-format auto).
     assert all("--store-format" not in services[n]["command"] for n in WORKERS)
 
 
@@ -220,11 +237,17 @@ def test_collector_scrapes_the_metrics_ports(collector: dict[str, Any]) -> None:
 def test_dockerfile() -> None:
     text = (ROOT / "ops" / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines()]
-    assert next(x for x in lines if x.startswith("FROM")).startswith("FROM python:3.11-slim")
-    torch_at = text.index("download.pytorch.org/whl/cpu")
-    project_at = text.index("pip install /src")
-    assert torch_at < project_at < text.index("kvserve fetch-model")
-    assert "TORCH_VERSION=2.13.0" in text
+    assert "ARG BASE_IMAGE=python:3.11-slim" in lines
+    assert {x for x in lines if x.startswith("FROM ")} == {
+        "FROM ${BASE_IMAGE} AS build",
+        "FROM ${BASE_IMAGE}",
+    }
+    install = (ROOT / "ops" / "image-install.sh").read_text()
+    online = install[install.index("else") :]
+    torch_at = online.index("TORCH_INDEX_URL")
+    project_at = online.index("install -q /src")
+    assert torch_at < project_at < online.index("kvserve fetch-model")
+    assert "TORCH_VERSION=2.13.0" in text and "download.pytorch.org/whl/cpu" in text
     assert "[dev]" not in text
     assert "KVSERVE_CACHE_DIR=/models" in text
     user = [x for x in lines if x.startswith("USER ")]
@@ -249,3 +272,16 @@ def test_docker_compose_config(profile: str) -> None:
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_ci_override_adds_only_the_suites_settings(services: dict[str, dict[str, Any]]) -> None:
+    """ops/compose.ci.yaml (ops/test-compose.sh) runs compose.yaml's commands with the suite's
+    served model name and KV-cache size added, nothing else; its collector is the stand-in."""
+    ci = _load(ROOT / "ops" / "compose.ci.yaml")["services"]
+    extra = {"gateway": ["--served-model-name", "kvtest-smol"]}
+    extra.update({name: ["--num-blocks", "256"] for name in WORKERS})
+    for name, flags in extra.items():
+        base = [str(c) for c in services[name]["command"]]
+        assert [str(c) for c in ci[name]["command"]] == base + flags, name
+    assert set(ci) == {*extra, "otel-collector"}
+    assert ci["otel-collector"]["entrypoint"][-1] == "kvserve.services.bench.lib.otlp_sink"

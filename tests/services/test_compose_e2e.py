@@ -1,0 +1,169 @@
+"""The compose stack, run for real: the OpenAI API suite (tests/services/openai_suite.py, the one
+`kvserve serve` and `kvserve stack` pass) against the gateway that `docker compose up` published,
+with the real `openai` client; a request's trace at the collector (the stand-in of
+ops/compose.ci.yaml) with the gateway's and a worker's spans under one trace id; a worker's
+/metrics scraped over the compose network.
+
+ops/test-compose.sh brings each topology up and runs this module with the stack's coordinates in
+the environment (KVSERVE_COMPOSE_*); without them every test here is skipped. Marked `compose`:
+not in the default run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+from kvserve.services.bench.lib.http import Http
+from kvserve.services.bench.lib.readiness import poll_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.services.openai_suite import MODEL, OpenAIApiSuite
+
+pytestmark = pytest.mark.compose
+
+URL = os.environ.get("KVSERVE_COMPOSE_URL", "")
+PROJECT = os.environ.get("KVSERVE_COMPOSE_PROJECT", "")
+SINK = os.environ.get("KVSERVE_COMPOSE_SINK", "")  # the collector stand-in's published URL
+WORKERS = [w for w in os.environ.get("KVSERVE_COMPOSE_WORKERS", "").split(",") if w]
+REPORT = os.environ.get("KVSERVE_COMPOSE_REPORT", "")  # JSON lines: the figures measured here
+UP_AT = float(os.environ.get("KVSERVE_COMPOSE_UP_AT", "0"))  # when `up` started (epoch s)
+READY_TIMEOUT_S = 600.0  # the first worker compiles the CPU kernels; 2 cores load the model
+
+if not (URL and PROJECT and SINK and WORKERS):
+    pytest.skip("no compose stack (ops/test-compose.sh runs this module)", allow_module_level=True)
+
+
+def _docker(*args: str) -> str:
+    return subprocess.run(["docker", *args], check=True, capture_output=True, text=True).stdout
+
+
+def containers(service: str) -> list[str]:
+    """The ids of `service`'s running containers in this project."""
+    out = _docker(
+        "ps", "-q",
+        "--filter", f"label=com.docker.compose.project={PROJECT}",
+        "--filter", f"label=com.docker.compose.service={service}",
+    )  # fmt: skip
+    return out.split()
+
+
+def _metrics_url(container: str) -> str:
+    host_port = _docker("port", container, "9100/tcp").split()[0]
+    return f"http://{host_port}/metrics"
+
+
+def _report(**figures: Any) -> None:
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(json.dumps({"workers": WORKERS, **figures}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def http() -> Http:
+    """The gateway, once every worker container is registered and a request is answered."""
+    gateway = Http(URL)
+    expected = sum(len(containers(w)) for w in WORKERS)
+    assert expected, f"no running container of {WORKERS}"
+
+    def workers_live() -> bool:
+        try:
+            stats = gateway.get("/v1/cache/stats")
+        except OSError:
+            return False
+        return stats.status_code == 200 and len(stats.json()["workers"]) == expected
+
+    poll_until(workers_live, timeout=READY_TIMEOUT_S, interval=1.0)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    poll_until(
+        lambda: gateway.post("/v1/completions", json=body).status_code == 200,
+        timeout=60,
+        interval=0.5,
+    )
+    if UP_AT:
+        _report(up_to_first_answer_s=round(time.time() - UP_AT, 1), live_workers=expected)
+    return gateway
+
+
+@pytest.fixture(scope="module")
+def client(http: Http) -> openai.OpenAI:
+    return openai.OpenAI(base_url=URL + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine_totals(http: Http) -> Callable[[], dict[str, int]]:
+    """Every worker container's own numbers, summed, from its /metrics (published on an
+    ephemeral port of the host's loopback by ops/compose.ci.yaml)."""
+    names = {
+        "kvserve:num_requests_running": "num_requests_running",
+        "kvserve:num_requests_waiting": "num_requests_waiting",
+        "kvserve:kv_cache_used_blocks": "num_used_blocks",
+    }
+    urls = [_metrics_url(c) for w in WORKERS for c in containers(w)]
+
+    def totals() -> dict[str, int]:
+        out = dict.fromkeys(names.values(), 0)
+        for url in urls:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in names:
+                        out[names[sample.name]] += int(sample.value)
+        return out
+
+    return totals
+
+
+class TestOpenAIApi(OpenAIApiSuite):
+    """The OpenAI API suite on the compose stack."""
+
+
+def _sink_spans(trace_id: str | None = None) -> list[dict[str, Any]]:
+    query = f"?trace_id={trace_id}" if trace_id else ""
+    with urllib.request.urlopen(f"{SINK}/spans{query}", timeout=5) as resp:
+        spans: list[dict[str, Any]] = json.loads(resp.read())["spans"]
+    return spans
+
+
+def test_a_requests_trace_reaches_the_collector(client: openai.OpenAI) -> None:
+    """The gateway's and a worker's spans of one request, exported over OTLP/HTTP to the
+    collector's address in the compose network, under one trace id."""
+    marker = f"trace-check-{time.time_ns()}"
+    client.completions.create(model=MODEL, prompt=marker, max_tokens=2, temperature=0)
+    worker_services = {f"kvserve-{w}" for w in WORKERS}
+
+    def joined() -> dict[str, set[str]] | None:
+        by_trace: dict[str, set[str]] = {}
+        for span in _sink_spans():
+            by_trace.setdefault(span["trace_id"], set()).add(span["service_name"])
+        hits = {t: s for t, s in by_trace.items() if "kvserve-gateway" in s and s & worker_services}
+        return hits or None
+
+    traces = poll_until(joined, timeout=30, interval=0.5)  # the SDK exports every few seconds
+    trace_id, services = next(iter(traces.items()))
+    spans = _sink_spans(trace_id)
+    assert {s["trace_id"] for s in spans} == {trace_id}
+    ids = {s["span_id"] for s in spans}
+    roots = [s for s in spans if s["parent_span_id"] not in ids]
+    assert len(roots) == 1 and roots[0]["service_name"] == "kvserve-gateway", services
+
+
+def test_a_workers_metrics_scraped_over_the_compose_network(http: Http) -> None:
+    """From the gateway's container, by service name, as the collector scrapes them."""
+    (gateway, *_) = containers("gateway")
+    for worker in WORKERS:
+        script = (
+            "import urllib.request; "
+            f"print(urllib.request.urlopen('http://{worker}:9100/metrics', timeout=5).read()"
+            ".decode())"
+        )
+        text = _docker("exec", gateway, "python", "-c", script)
+        families = {f.name for f in text_string_to_metric_families(text)}
+        assert "kvserve:num_requests_running" in families, worker
