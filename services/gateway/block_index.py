@@ -127,6 +127,11 @@ class WorkerIndex:
         self._change(event)
         return outcome
 
+    def remember(self, hashes: Iterable[bytes]) -> None:
+        """Blocks the worker has just computed for a request routed to it, held as device
+        blocks ahead of its own events (which confirm or remove them)."""
+        self._store(hashes, TIER_BITS["device"])
+
     def match(self, hashes: Sequence[bytes]) -> int:
         """How many leading `hashes` are present in any tier."""
         return leading(hashes, self._tiers.__contains__)

@@ -27,7 +27,9 @@ Invariants:
 - The shared-store index is only fed ("stored", tier "store"); a store evicts silently, so a stale
   entry costs a misprediction, never a wrong block (the engine checks every block it reads).
 - In-flight load and pending hashes count exactly the decisions not yet `finished`; pending
-  hashes make back-to-back requests of one prefix see each other before any event arrives.
+  hashes make back-to-back requests of one prefix see each other before any event arrives, and
+  a request finished with its prompt computed leaves its blocks in its worker's index (the
+  worker's own events confirm or remove them later).
 - load = max(blocks of in-flight requests routed here, the worker's reported num_used_blocks).
   A report is used only when the worker published it after the last request this router saw
   finish there (its `published_at`): a report up to a heartbeat old would still count a
@@ -211,12 +213,17 @@ class Router:
         chosen, why = self._choose(candidates, user)
         return self._record(chosen, reason or why, len(prompt_token_ids))
 
-    def finished(self, decision: Decision) -> None:
+    def finished(self, decision: Decision, computed: bool = False) -> None:
         """Undo `decision`'s in-flight load and pending hashes (nothing if its worker is gone
-        or restarted since): its request ended there."""
+        or restarted since): its request ended there. `computed`: its worker reported the
+        prompt processed, so the prompt's blocks are in that worker's cache now: they stay in
+        its index (as device blocks) rather than vanish until its KV events arrive, which
+        would send the next request of the same prefix elsewhere in the meantime."""
         worker = self._workers.get(decision.worker)
         if worker is not None and worker.index.info.incarnation == decision.incarnation:
             worker.finished_at = time.time()
+            if computed:
+                worker.index.remember(decision.hashes)
         self._release(decision)
 
     def withdraw(self, decision: Decision) -> None:

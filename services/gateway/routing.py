@@ -149,7 +149,7 @@ class RoutingService:
 
     def finished(self, decision: Decision, cached_tokens: int | None) -> None:
         """The request ended; `cached_tokens` as its worker reported them (None: unknown)."""
-        self.router.finished(decision)
+        self.router.finished(decision, computed=cached_tokens is not None)
         if cached_tokens is None:
             return
         error = abs(decision.predicted_cached_tokens - cached_tokens)

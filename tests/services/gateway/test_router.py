@@ -99,6 +99,25 @@ def test_pending_requests_attract_their_twin_and_finish_to_zero() -> None:
     assert route(router, PROMPT).predicted_cached_tokens == 0  # pending is gone
 
 
+def test_a_computed_prompt_stays_with_its_worker_before_its_events_arrive() -> None:
+    """Back to back, one after the other: the second request of a prefix follows the first to
+    its worker although no KV event has arrived; a request whose prompt was not computed (it
+    failed, or its usage is unknown) leaves nothing behind."""
+    router = make_router(info("A"), info("B"))
+    first = route(router, PROMPT)
+    router.finished(first, computed=True)
+    second = route(router, PROMPT)
+    assert summary(second) == (first.worker, "cache", 12)
+    router.finished(second)
+    other = [*range(50, 63)]
+    failed = route(router, other)
+    router.finished(failed)  # not computed
+    assert route(router, other).predicted_cached_tokens == 0
+    # The worker's own events still rule: a removal takes the block out again.
+    router.apply([KVEvent(first.worker, "i1", 0, "removed", "device", list(first.hashes))])
+    assert route(router, PROMPT).predicted_cached_tokens == 0
+
+
 def test_load_outweighs_overlap() -> None:
     router = make_router(info("A"), info("B"), stats={"A": {"num_used_blocks": 1000}, "B": {}})
     router.apply([stored("A", 0, hashes(PROMPT[:12]))])
