@@ -28,7 +28,7 @@ class HealthRoutes:
     async def ready(self, request: web.Request) -> web.Response:
         if self.ctx.admission.draining:
             return web.json_response({"status": "draining"}, status=503)
-        status = await self.ctx.readiness.status()
+        status = await self.ctx.readiness.serving()
         return web.json_response({"status": status}, status=200 if status == "ready" else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:

@@ -24,6 +24,22 @@ class Readiness:
         except BusUnavailableError:
             return "bus_unavailable"
 
+    async def serving(self) -> str:
+        """What /ready answers: `status()`, and "starting" while the live workers cannot serve a
+        request between them: prefill workers without a decode one, or the reverse (the
+        disaggregated topology needs both roles). So a container's or a pod's readiness, and
+        compose's `up --wait`, mean "answers requests". Workers that have not described
+        themselves yet count as able to serve (a bus that does not say their roles)."""
+        status = await self.status()
+        if status != "ready":
+            return status
+        try:
+            roles = {info.role for info in (await self.bus.workers()).values()}
+        except Exception:  # the bus failed between the two calls: nobody can tell
+            return "bus_unavailable"
+        complete = not roles or "worker" in roles or {"prefill", "decode"} <= roles
+        return "ready" if complete else "starting"
+
     async def require_worker(self) -> None:
         """Return when a worker is ready; else 503 with Retry-After."""
         status = await self.status()

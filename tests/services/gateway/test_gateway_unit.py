@@ -26,7 +26,7 @@ from kvserve.shared.bus.base import Bus, Delivery, WorkerPort
 from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.bus.redis import RedisBus
 from kvserve.shared.model.tokenizer import KVTokenizer
-from kvserve.shared.protocol import ErrorInfo, TokenEvent
+from kvserve.shared.protocol import ErrorInfo, TokenEvent, WorkerInfo
 from kvserve.shared.store.hashing import validate_cache_salt
 
 Script = Callable[[WorkerPort, Delivery], Awaitable[None]]
@@ -129,6 +129,27 @@ async def test_deadline_504_and_mid_stream_timeout(harness: Harness) -> None:
     assert status == 200
     events = [ln.removeprefix("data: ") for ln in text.split("\n\n") if ln]
     assert json.loads(events[-2])["error"]["code"] == "timeout" and events[-1] == "[DONE]"
+
+
+async def test_ready_once_both_disaggregated_roles_are_live(tokenizer: KVTokenizer) -> None:
+    """A prefill worker alone cannot answer (nor a decode one): /ready says starting until
+    both roles are live; an aggregated worker alone is enough."""
+
+    def described(role: str) -> WorkerInfo:
+        return WorkerInfo(role, role, "i1", 16, "m", "t", "fp32")
+
+    async with Harness(tokenizer) as h:
+        prefill, decode = h.bus.worker("p"), h.bus.worker("d")
+        ready = []
+        for port, role in ((prefill, "prefill"), (decode, "decode")):
+            await port.start(info=described(role))
+            async with h.session.get("/ready") as r:
+                ready.append((r.status, (await r.json())["status"]))
+        assert ready == [(503, "starting"), (200, "ready")]
+    async with Harness(tokenizer) as h:
+        await h.bus.worker("w").start(info=described("worker"))
+        async with h.session.get("/ready") as r:
+            assert r.status == 200
 
 
 async def test_not_ready_without_worker_then_ready(harness: Harness) -> None:
