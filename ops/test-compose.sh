@@ -72,7 +72,11 @@ debian_image() {  # name, packages...
   log "building $name from Debian's packages ($*)"
   local tar
   tar=$(mktemp --suffix=.tar)
-  mmdebstrap --quiet --variant=minbase --include="$(IFS=,; echo "$*")" bookworm "$tar"
+  # Without documentation, manual pages and translations (the licences stay).
+  mmdebstrap --quiet --variant=minbase --include="$(IFS=,; echo "$*")" \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+    bookworm "$tar"
   docker import -c 'ENV LANG=C.UTF-8' "$tar" "$name" >/dev/null
   rm -f "$tar"
 }
@@ -102,6 +106,10 @@ dc() { "${compose[@]}" -p "$project" -f compose.yaml -f ops/compose.ci.yaml "$@"
 
 t0=$(date +%s)
 dc build -q gateway
+# The classic builder keeps each build stage as an image: all but the newest (the next build's
+# cache) go.
+docker images -q --filter label=kvserve.stage=build | tail -n +2 | xargs -r docker rmi -f \
+  >/dev/null 2>&1 || true
 size=$(docker image inspect -f '{{.Size}}' kvserve:latest)
 echo "{\"image\": \"kvserve:latest\", \"bytes\": $size, \"build_s\": $(($(date +%s) - t0))}" \
   >>"$report"
