@@ -167,3 +167,24 @@ def test_a_workers_metrics_scraped_over_the_compose_network(http: Http) -> None:
         text = _docker("exec", gateway, "python", "-c", script)
         families = {f.name for f in text_string_to_metric_families(text)}
         assert "kvserve:num_requests_running" in families, worker
+
+
+def test_redis_down_is_503_with_retry_after_then_recovers(http: Http) -> None:
+    """The bus's Redis stopped: the gateway answers 503 with Retry-After (an OpenAI error),
+    as `kvserve stack` does; started again (empty: it keeps nothing), the stack answers once
+    the workers have registered again. Last in the module: it restarts a service."""
+    (bus,) = containers("bus")
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    _docker("stop", bus)
+    try:
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 503 and int(reply.headers["Retry-After"]) > 0
+        assert reply.json()["error"]["code"] == "bus_unavailable"
+        assert http.get("/ready").status_code == 503
+    finally:
+        _docker("start", bus)
+    poll_until(
+        lambda: http.post("/v1/completions", json=body).status_code == 200,
+        timeout=120,
+        interval=1.0,
+    )
