@@ -2,7 +2,8 @@
 `kvserve serve` and `kvserve stack` pass) against the gateway that `docker compose up` published,
 with the real `openai` client; a request's trace at the collector (the stand-in of
 ops/compose.ci.yaml) with the gateway's and a worker's spans under one trace id; a worker's
-/metrics scraped over the compose network.
+/metrics scraped over the compose network; NVIDIA's aiperf with its fixed workload
+(tests/services/aiperf_run.py, as against `kvserve serve`).
 
 ops/test-compose.sh brings each topology up and runs this module with the stack's coordinates in
 the environment (KVSERVE_COMPOSE_*); without them every test here is skipped. Marked `compose`:
@@ -16,15 +17,25 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from kvserve.services.bench.lib.http import Http
+from kvserve.services.bench.lib.process import parse_event
 from kvserve.services.bench.lib.readiness import poll_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.services.aiperf_run import (
+    aiperf_command,
+    check_exports,
+    export_hf_tokenizer,
+    install_aiperf,
+    run_aiperf,
+)
 from tests.services.openai_suite import MODEL, OpenAIApiSuite
+from tests.services.server_state import idle
 
 pytestmark = pytest.mark.compose
 
@@ -167,6 +178,43 @@ def test_a_workers_metrics_scraped_over_the_compose_network(http: Http) -> None:
         text = _docker("exec", gateway, "python", "-c", script)
         families = {f.name for f in text_string_to_metric_families(text)}
         assert "kvserve:num_requests_running" in families, worker
+
+
+def _gateway_log(tail: int | None = None) -> str:
+    """The gateway container's log (JSON lines on stderr), or its last `tail` lines."""
+    (gateway, *_) = containers("gateway")
+    args = ["docker", "logs", *(["--tail", str(tail)] if tail else []), gateway]
+    logs = subprocess.run(args, check=True, capture_output=True, text=True)
+    return logs.stdout + logs.stderr
+
+
+def _gateway_flushes() -> int:
+    """The gateway's flush answers so far (one per POST /reset_prefix_cache or /v1/cache/flush)."""
+    events = map(parse_event, _gateway_log().splitlines())
+    return sum(
+        1 for e in events if e and e.get("event") == "prefix cache flushed" and "workers" in e
+    )
+
+
+@pytest.mark.timeout(900)  # the first run installs aiperf
+def test_aiperf_against_the_stack(http: Http, model_path: Path, tmp_path: Path) -> None:
+    """NVIDIA's aiperf, unchanged, against the published gateway: the fixed workload of
+    tests/services/aiperf_run.py (chat, streamed; no API key on the stack). 16 requests, none
+    failed, every output 16 tokens, aiperf read the gateway's /metrics, and its
+    --reset-kv-cache reached the gateway (in its log)."""
+    aiperf = install_aiperf()
+    tokenizer = export_hf_tokenizer(model_path, tmp_path / "hf-tokenizer")
+    poll_until(lambda: idle(http), timeout=60, interval=0.5)
+    flushed_before = _gateway_flushes()
+    cmd = aiperf_command(aiperf, URL, MODEL, tokenizer, "chat", True, tmp_path / "aiperf")
+    started = time.monotonic()
+    run = run_aiperf(cmd, cwd=tmp_path)
+    _report(aiperf_chat_stream_s=round(time.monotonic() - started, 1))
+    # bursts: on a 2-vCPU host running the workers, the gateway and aiperf, a worker short of CPU
+    # may write a short completion's events in one burst, or the gateway read them only once all
+    # are in the bus (its log: ttft_s ~ e2e_s); aiperf then gets the whole stream in one read.
+    check_exports(run, stream=True, server_tail=lambda: _gateway_log(tail=30), bursts=True)
+    assert _gateway_flushes() > flushed_before  # --reset-kv-cache reached /reset_prefix_cache
 
 
 def test_redis_down_is_503_with_retry_after_then_recovers(http: Http) -> None:
