@@ -13,6 +13,7 @@ Greedy outputs are compared with `services_engine`, the engine in the test proce
 from __future__ import annotations
 
 import json
+import urllib.request
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from kvserve.services.bench.lib.http import Http
 from kvserve.services.bench.lib.readiness import poll_until
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
+from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "kvtest-smol"
 NUM_BLOCKS = 256  # 4096 tokens of KV cache per engine: less than the model's 8192-token context
@@ -56,6 +58,25 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
 
 
 EngineTotals = Callable[[], dict[str, int]]
+# The engine numbers the suite watches, by their names in a worker's /metrics.
+ENGINE_METRICS = {
+    "kvserve:num_requests_running": "num_requests_running",
+    "kvserve:num_requests_waiting": "num_requests_waiting",
+    "kvserve:kv_cache_used_blocks": "num_used_blocks",
+}
+
+
+def metrics_totals(urls: list[str]) -> dict[str, int]:
+    """ENGINE_METRICS summed over the workers' /metrics at `urls`, read now."""
+    out = dict.fromkeys(ENGINE_METRICS.values(), 0)
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in ENGINE_METRICS:
+                    out[ENGINE_METRICS[sample.name]] += int(sample.value)
+    return out
 
 
 def _quiet(engine_totals: EngineTotals, http: Http) -> dict[str, int] | None:

@@ -34,7 +34,7 @@ from tests.services.aiperf_run import (
     install_aiperf,
     run_aiperf,
 )
-from tests.services.openai_suite import MODEL, OpenAIApiSuite
+from tests.services.openai_suite import MODEL, OpenAIApiSuite, metrics_totals
 from tests.services.server_state import idle
 
 pytestmark = pytest.mark.compose
@@ -111,25 +111,8 @@ def client(http: Http) -> openai.OpenAI:
 def engine_totals(http: Http) -> Callable[[], dict[str, int]]:
     """Every worker container's own numbers, summed, from its /metrics (published on an
     ephemeral port of the host's loopback by ops/compose.ci.yaml)."""
-    names = {
-        "kvserve:num_requests_running": "num_requests_running",
-        "kvserve:num_requests_waiting": "num_requests_waiting",
-        "kvserve:kv_cache_used_blocks": "num_used_blocks",
-    }
     urls = [_metrics_url(c) for w in WORKERS for c in containers(w)]
-
-    def totals() -> dict[str, int]:
-        out = dict.fromkeys(names.values(), 0)
-        for url in urls:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                text = resp.read().decode()
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name in names:
-                        out[names[sample.name]] += int(sample.value)
-        return out
-
-    return totals
+    return lambda: metrics_totals(urls)
 
 
 class TestOpenAIApi(OpenAIApiSuite):

@@ -24,9 +24,8 @@ from kvserve.services.bench.lib.readiness import poll_until
 from kvserve.services.bench.lib.redis_server import RedisServer, redis_binaries_present
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services.openai_suite import MODEL, NUM_BLOCKS, OpenAIApiSuite
+from tests.services.openai_suite import MODEL, NUM_BLOCKS, OpenAIApiSuite, metrics_totals
 from tests.services.server_state import read_spans
 
 pytestmark = pytest.mark.redis
@@ -107,24 +106,10 @@ def client(stack: Stack) -> openai.OpenAI:
 def engine_totals(stack: Stack) -> Callable[[], dict[str, int]]:
     """The live workers' numbers, summed, from each worker's own /metrics (the gateway's view
     of them waits for the workers' next heartbeat)."""
-    names = {
-        "kvserve:num_requests_running": "num_requests_running",
-        "kvserve:num_requests_waiting": "num_requests_waiting",
-        "kvserve:kv_cache_used_blocks": "num_used_blocks",
-    }
 
     def totals() -> dict[str, int]:
-        out = dict.fromkeys(names.values(), 0)
-        for name, p in stack.procs.items():
-            if name == "gateway" or p.proc.poll() is not None:
-                continue
-            with urllib.request.urlopen(p.url, timeout=5) as resp:
-                text = resp.read().decode()
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name in names:
-                        out[names[sample.name]] += int(sample.value)
-        return out
+        live = [p for name, p in stack.procs.items() if name != "gateway" and p.proc.poll() is None]
+        return metrics_totals([p.url for p in live])
 
     return totals
 
