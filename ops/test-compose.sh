@@ -87,7 +87,9 @@ debian_image kvserve-redis:bookworm redis-server
 # The wheelhouse: this checkout's environment as wheels (torch from the local CPU build), the
 # extra CA certificates of this host, the model file (ops/offline/README.md).
 mkdir -p ops/offline/wheels ops/offline/models ops/offline/certs
-.venv/bin/python -m pip wheel -q -w ops/offline/wheels . torch==2.13.0 setuptools wheel \
+# torch exactly as installed here (2.13.0+cpu): never a CUDA build of the same version.
+torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
+.venv/bin/python -m pip wheel -q -w ops/offline/wheels . "torch==$torch_version" setuptools wheel \
   "async-timeout>=4.0.3" 2>&1 | grep -v "is ignored" >&2 || true  # the base's 3.11.2 needs it
 rm -f ops/offline/wheels/kvserve-*.whl  # the image installs this checkout's sources
 model=$(.venv/bin/python -c 'from kvserve.shared.config import default_model_path as p; print(p())')
