@@ -39,7 +39,7 @@ import msgpack
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
 PROTOCOL_VERSION = 1
-SAMPLING_VERSION = 1
+SAMPLING_VERSION = 2  # 2: min_tokens
 
 
 class ProtocolError(ValueError):
@@ -290,6 +290,7 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "stop": (list,),
     "stop_token_ids": (list,),
     "ignore_eos": (bool,),
+    "min_tokens": _INT,
     "logprobs": (bool,),
     "top_logprobs": _INT,
     "beam_width": _INT,

@@ -41,6 +41,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # No EOS, stop token or stop string ends the output before this many tokens (vLLM's).
+    min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: this many most likely alternatives per token
     beam_width: int = 1
@@ -64,6 +66,11 @@ class SamplingParams:
             object.__setattr__(self, "top_p", MIN_TOP_P)
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"top_k must be >= 0, got {self.top_k}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens",
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}",
+            )
         if not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequestError("n", f"n must be >= 1, got {self.n}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP:
@@ -74,6 +81,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "beam_width", f"beam_width must be >= 1, got {self.beam_width}"
             )
+        if self.beam_width > 1 and self.min_tokens:
+            raise InvalidRequestError("min_tokens", "min_tokens is not supported with beam search")
         if self.beam_width > 1 and (self.n > 1 or not self.greedy):
             raise InvalidRequestError(
                 "beam_width", "beam search is deterministic: use it with n=1 and temperature=0"

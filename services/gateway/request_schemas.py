@@ -161,6 +161,13 @@ def _sampling(f: ApiFacts) -> Schema:
         ),
         "stop_token_ids": _nullable({"type": "array", "items": _token(f)}),
         "ignore_eos": _BOOL,
+        "min_tokens": _nullable(
+            {
+                "type": "integer",
+                "minimum": 0,
+                "description": "vLLM extension: no stop before this many tokens; <= max_tokens",
+            }
+        ),
         "skip_special_tokens": _BOOL,
         "stream": _BOOL,
         "stream_options": _nullable(

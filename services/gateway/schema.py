@@ -263,6 +263,7 @@ def _sampling(
             stop=_stop(body),
             stop_token_ids=tuple(_token_list(stop_ids or [], "stop_token_ids", info.vocab_size)),
             ignore_eos=_bool(body, "ignore_eos", False),
+            min_tokens=_int(body, "min_tokens", 0, 0) or 0,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             skip_special_tokens=_bool(body, "skip_special_tokens", True),

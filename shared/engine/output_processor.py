@@ -13,6 +13,7 @@ sequences and adds forks through the Scheduler; forks share blocks through the K
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -156,6 +157,12 @@ class OutputProcessor:
     ) -> list[tuple[int, float, dict[int, float] | None] | None]:
         if not rows:
             return []
+        if out.columns is not None and any(r.suppressed for r in rows):  # ids -> columns
+            at = {t: j for j, t in enumerate(out.columns)}
+            rows = [
+                dataclasses.replace(r, suppressed=tuple(at[t] for t in r.suppressed if t in at))
+                for r in rows
+            ]
         columns, logprobs, tops = self.sampler.sample(logits, rows)
         tokens = [out.token_id(c) for c in columns]
         if out.columns is not None:
@@ -172,7 +179,16 @@ class OutputProcessor:
         if gen is not None:
             seed = self.requests[seq.request_id].seed
             gen.manual_seed(position_seed(seed, seq.index, seq.num_output_tokens))
-        return SampleRow(seq.params, gen)
+        return SampleRow(seq.params, gen, self._suppressed(seq))
+
+    def _suppressed(self, seq: Sequence) -> tuple[int, ...]:
+        """The token ids a sequence may not draw next: its stop tokens (and EOS, unless it
+        ignores EOS) while it has fewer than `min_tokens` outputs."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return ()
+        eos = () if p.ignore_eos else tuple(self.eos_token_ids)
+        return tuple(dict.fromkeys((*p.stop_token_ids, *eos)))
 
     def _fork(self, parent: Sequence, sibling: int) -> Sequence:
         child = self._pending_children.pop((parent.seq_id, sibling))
@@ -261,6 +277,8 @@ class OutputProcessor:
 
     def _stop_reason(self, seq: Sequence, comp: Completion, token: int) -> FinishReason | None:
         p = seq.params
+        if seq.num_output_tokens < p.min_tokens:  # nothing but the length ends it yet
+            return FinishReason.LENGTH if seq.num_tokens >= self.max_model_len else None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
         if p.stop and comp.cut_at_stop(p.stop):

@@ -23,6 +23,8 @@ from kvserve.shared.sampling_params import SamplingParams
 class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None
+    # Columns this row may not draw now: its stop tokens before `min_tokens` outputs.
+    suppressed: tuple[int, ...] = ()
 
 
 def position_seed(seed: int, index: int, position: int) -> int:
@@ -77,6 +79,11 @@ class Sampler:
     ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
         """As `__call__`, plus per row the `params.top_logprobs` most likely tokens and their
         logprobs (None for rows that ask for none)."""
+        suppressed = [(i, row.suppressed) for i, row in enumerate(rows) if row.suppressed]
+        if suppressed:  # the distribution drawn from (and reported) has them at zero
+            logits = logits.clone()
+            for i, cols in suppressed:
+                logits[i, list(cols)] = float("-inf")
         # log p(token) = logit - logsumexp(logits). On the CPU one fused pass gives the argmax
         # and the logsumexp, reading the logits once and writing no [N, V] log-softmax.
         fused = cpu_ops.argmax_logsumexp(logits)

@@ -43,6 +43,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": -5}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),

@@ -11,7 +11,8 @@ one is marked slow; both are derandomized, so each run sends the same cases. A r
 many more examples is marked `fuzz` (`bash ops/test.sh -m fuzz`), outside both suites.
 
 A hook on the generated cases keeps completions to MAX_NEW_TOKENS tokens (the document rightly
-allows up to the context window), changing a case only into another of the same validity.
+allows up to the context window) and min_tokens within them, changing a case only into another
+of the same validity.
 Prompt strings are sent as generated: one that tokenizes to nothing ("", a few control
 characters) runs as the document-start token, as in OpenAI's legacy completions API.
 Afterwards the server must still answer an ordinary request and have nothing left running."""
@@ -83,6 +84,11 @@ def small_generations(max_model_len: int) -> Callable[[HookContext, Case], Case]
                 body[name] = MAX_NEW_TOKENS
         if all(body.get(name) is None for name in names):
             body["max_tokens"] = MAX_NEW_TOKENS
+        # min_tokens may not exceed the limit (a rule across two fields, which the document
+        # states in words): one above it is lowered to it, so the case stays valid.
+        limit = min((body[n] for n in names if is_whole(body.get(n))), default=MAX_NEW_TOKENS)
+        if is_whole(body.get("min_tokens")) and body["min_tokens"] > limit >= 0:
+            body["min_tokens"] = limit
         return case
 
     return hook

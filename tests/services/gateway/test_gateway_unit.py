@@ -310,6 +310,21 @@ def test_a_top_k_of_the_whole_vocabulary_or_more_is_off(tokenizer: KVTokenizer) 
         parse_completion({"prompt": "hi", "top_k": -2}, info)
 
 
+def test_min_tokens_is_parsed_and_bounded_by_max_tokens(tokenizer: KVTokenizer) -> None:
+    """vLLM's min_tokens reaches the engine's parameters; above max_tokens or below 0 it is a
+    400 naming it (no longer an unknown field, silently dropped)."""
+    info = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size)
+    body = {"prompt": "hi", "max_tokens": 8, "min_tokens": 8, "ignore_eos": True}
+    assert parse_completion(body, info).params.min_tokens == 8
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 2}
+    assert parse_chat(chat, info).params.min_tokens == 2
+    assert parse_completion({"prompt": "hi"}, info).params.min_tokens == 0
+    for bad in (9, -1, "two"):
+        with pytest.raises(APIError) as e:
+            parse_completion({**body, "min_tokens": bad}, info)
+        assert e.value.status == 400 and e.value.param == "min_tokens"
+
+
 async def test_whole_floats_are_integers_and_tokenize_answers_token_strs(
     harness: Harness, tokenizer: KVTokenizer
 ) -> None:

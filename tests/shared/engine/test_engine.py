@@ -289,6 +289,38 @@ def test_stop_token_ids_stop_generation(make_engine: MakeEngine, prompt: list[in
     assert_no_leak(engine)
 
 
+def test_min_tokens_holds_back_stop_tokens_and_strings(
+    make_engine: MakeEngine, prompt: list[int]
+) -> None:
+    """Before `min_tokens` outputs no stop token can be drawn (the next most likely is) and no
+    stop string ends the output; from then on they stop it as usual."""
+    engine = make_engine(num_blocks=32)
+    (full,) = run_one(engine, prompt, greedy(8))
+    first = full.tokens[0]
+    (stopped,) = run_one(engine, prompt, greedy(8, stop_token_ids=(first,)))
+    assert (stopped.tokens, stopped.finish_reason) == ([first], "stop")
+    (held,) = run_one(engine, prompt, greedy(8, stop_token_ids=(first,), min_tokens=3))
+    assert first not in held.tokens[:3] and len(held.tokens) >= 3
+    assert held.finish_reason == "stop" or len(held.tokens) == 8
+    # The hold changed what was drawn: the first token is not greedy's.
+    assert held.tokens[0] != full.tokens[0]
+    text = engine.tokenizer.decode(full.tokens[:1])
+    (by_string,) = run_one(engine, prompt, greedy(8, stop=(text,), min_tokens=2))
+    assert len(by_string.tokens) >= 2
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [({"min_tokens": 9}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+     ({"min_tokens": 2, "beam_width": 2}, "min_tokens")],
+)  # fmt: skip
+def test_min_tokens_bounds(kw: dict[str, int], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(max_tokens=8, **kw)
+    assert e.value.param == param
+
+
 def test_stop_string_truncates_the_text(make_engine: MakeEngine, prompt: list[int]) -> None:
     engine = make_engine(num_blocks=32)
     (full,) = run_one(engine, prompt, greedy(24))
