@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ MODEL = "kvtest-admin"
 BLOCK = 16
 ERROR_KEYS = {"message", "type", "param", "code"}
 STORE_KEYS = ("store-key-one", "store-key-two")
-LIMIT_KEYS = ("limit-key-one", "limit-key-two")
+LIMIT_KEYS = ("limit-key-one", "limit-key-two", "limit-key-three")
 RATE = 5  # requests per second per key on the store-less server
 
 
@@ -47,7 +46,7 @@ def store_server(start_server) -> ServerProcess:
 def bare_server(start_server) -> ServerProcess:
     return start_server(
         "--store", "none", "--served-model-name", MODEL, "--num-blocks", "256",
-        "--api-key", LIMIT_KEYS[0], "--api-key", LIMIT_KEYS[1],
+        *(arg for key in LIMIT_KEYS for arg in ("--api-key", key)),
         "--rate-limit", f"{RATE}/s",
     )  # fmt: skip
 
@@ -169,9 +168,15 @@ def test_warmup_bad_bodies(store_server: ServerProcess) -> None:
 # ---- flush -----------------------------------------------------------------------------------
 
 
-def test_flush_drops_the_prefix_cache(bare_server: ServerProcess) -> None:
-    http = http_for(bare_server, LIMIT_KEYS[0])
-    client = client_for(bare_server, LIMIT_KEYS[0])
+@pytest.mark.parametrize(
+    ("path", "key"),
+    [("/v1/cache/flush", LIMIT_KEYS[0]), ("/reset_prefix_cache", LIMIT_KEYS[2])],
+)
+def test_flush_drops_the_prefix_cache(bare_server: ServerProcess, path: str, key: str) -> None:
+    """The flush, and vLLM's POST /reset_prefix_cache (aiperf's --reset-kv-cache) as the same
+    flush behind the same key. Each path with a key of its own: a rate-limit bucket of its own."""
+    http = http_for(bare_server, key)
+    client = client_for(bare_server, key)
     prompt = f"[{uuid.uuid4().hex}] " + "A preamble that the flush must forget. " * 8
 
     def cached() -> int:
@@ -179,42 +184,17 @@ def test_flush_drops_the_prefix_cache(bare_server: ServerProcess) -> None:
         assert r.usage is not None and r.usage.prompt_tokens_details is not None
         return r.usage.prompt_tokens_details.cached_tokens or 0
 
+    assert Http(bare_server.url).post(path).status_code == 401
     assert cached() == 0
     assert cached() >= 3 * BLOCK
     poll_until(lambda: idle(http), timeout=30)
-    r = http.post("/v1/cache/flush")
+    r = http.post(path)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "cache.flush" and body["flushed"] is True
     assert body["device_blocks"] >= 3 and body["host_blocks"] == 0 and body["workers"]
     assert cached() == 0
-    assert http_for(bare_server, "wrong").post("/v1/cache/flush").status_code == 401
-
-
-def test_vllm_reset_prefix_cache_is_the_flush(bare_server: ServerProcess) -> None:
-    """POST /reset_prefix_cache (vLLM's path, aiperf's --reset-kv-cache) flushes as
-    /v1/cache/flush does, behind the same key."""
-    http = http_for(bare_server, LIMIT_KEYS[0])
-    client = client_for(bare_server, LIMIT_KEYS[0])
-    prompt = f"[{uuid.uuid4().hex}] " + "A preamble that the reset must forget. " * 8
-
-    def cached() -> int:
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
-        assert r.usage is not None and r.usage.prompt_tokens_details is not None
-        return r.usage.prompt_tokens_details.cached_tokens or 0
-
-    time.sleep(1.0)  # a full rate-limit bucket (RATE requests) whatever the tests before used
-    assert Http(bare_server.url).post("/reset_prefix_cache").status_code == 401
-    assert http_for(bare_server, "wrong").post("/reset_prefix_cache").status_code == 401
-    assert cached() == 0
-    assert cached() >= 3 * BLOCK
-    poll_until(lambda: idle(http), timeout=30)
-    r = http.post("/reset_prefix_cache")
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["object"] == "cache.flush" and body["flushed"] is True
-    assert body["device_blocks"] >= 3 and body["workers"]
-    assert cached() == 0
+    assert http_for(bare_server, "wrong").post(path).status_code == 401
 
 
 # ---- rate limit ------------------------------------------------------------------------------
