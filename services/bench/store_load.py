@@ -34,6 +34,7 @@ class LoadArm:
     load_threads: int = 1
     one_call: bool = True  # KVCache.write_frames where it applies (else staged, per layer)
     verify_on_loop: bool = True
+    in_place: bool = True  # gets read into one buffer (RedisStore.bulk), else through redis-py
 
 
 # The defaults for each cache, and each step of the load pipeline undone one at a time.
@@ -48,6 +49,8 @@ LOAD_ARMS = (
     LoadArm("int8 -> fp32, verified on the loader", "int8", "auto", verify_on_loop=False),
     LoadArm("int8 -> fp32, zstd frames", "int8", "auto", compress=True),
     LoadArm("int8 -> fp32, every get at once", "int8", "auto", gets_in_flight=64),
+    LoadArm("int8 -> int8, gets through redis-py", "int8", "int8", in_place=False),
+    LoadArm("int8 -> fp32, gets through redis-py", "int8", "auto", in_place=False),
     LoadArm("int8 -> fp32, 2 loader threads", "int8", "auto", load_threads=2),
 )
 _DTYPES = {"auto": torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -111,6 +114,7 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
     from kvserve.shared.engine.kv.connector import StoreConnector
     from kvserve.shared.engine.kv.load import LoadJob
     from kvserve.shared.store.backends import open_store
+    from kvserve.shared.store.redis import RedisStore
 
     dtype = _DTYPES[arm.cache]
     meta = dataclasses.replace(src.meta, kv_format="float32" if arm.cache == "auto" else arm.cache)
@@ -123,8 +127,11 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
         asyncio.run(_put(store, frames))
         n = len(frames)
         cache = KVCache(src.config, n + 8, 16, dtype, populate="eager")
+        reads = open_store(url)
+        if not arm.in_place and isinstance(reads, RedisStore):
+            reads.bulk = None
         conn = StoreConnector(
-            open_store(url),
+            reads,
             meta,
             arm.fmt,
             dtype,

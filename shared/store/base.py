@@ -76,6 +76,11 @@ class BlockStore(ABC):
     async def get_many(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
         """The stored value of each hash, or None (missing, evicted, or store unavailable)."""
 
+    async def get_views(self, hashes: Sequence[BlockHash]) -> Sequence[bytes | memoryview | None]:
+        """As `get_many`, the values possibly as read-only-by-convention memoryviews of the
+        store's reply buffer (what a load reads in place); a reader must not write into them."""
+        return await self.get_many(hashes)
+
     @abstractmethod
     async def put_many(
         self, items: Sequence[tuple[BlockHash, bytes]], ttl_s: int | None = None

@@ -59,7 +59,7 @@ import zstandard
 from kvserve.kernels.reference import dequantize_kv, quantize_kv
 from kvserve.shared.store import quant
 from kvserve.shared.store.hashing import SCHEMA_VERSION, BlockHash, chain_hash
-from kvserve.shared.store.msgpack_view import Limits, unpack
+from kvserve.shared.store.msgpack_view import Limits, unpack, unpack_first
 
 P = ParamSpec("P")
 # Uncompressed payloads are read in place, as tensors over the frame's immutable bytes, which
@@ -384,7 +384,9 @@ def _check_types(obj: dict[str, Any]) -> dict[str, Any] | None:
     for n in ("parent", "scales", "checksum"):  # small: copied out of the frame
         obj[n] = bytes(obj[n])
     toks = obj["token_ids"]
-    if not isinstance(toks, list) or not all(_is_int(t) and 0 <= t < 2**32 for t in toks):
+    if not isinstance(toks, list) or any(type(t) is not int for t in toks):  # bool: not int
+        return None
+    if toks and (min(toks) < 0 or max(toks) >= 2**32):
         return None
     if len(obj["parent"]) != HASH_LEN or len(obj["checksum"]) != CHECKSUM_LEN:
         return None
@@ -450,11 +452,16 @@ def decode_block(
 
 def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[str, Any] | Miss:
     """The frame's fields, bounded by the limits before anything is allocated; its bin fields
-    are views of `data` (msgpack_view: the payload is not copied)."""
+    are views of `data` (msgpack_view: the payload is not copied). A frame laid out as
+    `encode_block` writes one for `expected` is read by `_read_as_written`; any other goes
+    through msgpack, which also names what is wrong with it."""
     if not isinstance(data, bytes | bytearray | memoryview):
         return Miss("not_msgpack")
     if len(data) > MAX_FRAME_BYTES:
         return Miss("too_large")
+    fields = _read_as_written(memoryview(data).cast("B"), expected)
+    if fields is not None:
+        return fields
     try:
         obj = unpack(data, _LIMITS)
     except Exception:  # ValueError / msgpack's own errors / TypeError on bad input
@@ -466,6 +473,92 @@ def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[s
         return Miss("bad_schema")
     f = _check_types(obj)
     return Miss("bad_schema") if f is None else f
+
+
+@functools.lru_cache(maxsize=32)
+def _frame_head(expected: BlockMeta) -> bytes:
+    """The bytes `encode_block` begins a frame for `expected` with: the map's header and the
+    seven header fields, each equal to the reader's."""
+    header = {
+        "v": FRAME_VERSION,
+        "model_fp": expected.model_fp,
+        "kv_format": expected.kv_format,
+        "block_size": expected.block_size,
+        "num_layers": expected.num_layers,
+        "num_kv_heads": expected.num_kv_heads,
+        "head_dim": expected.head_dim,
+    }
+    packed = msgpack.packb(header)
+    return bytes([0x80 | len(FRAME_FIELDS)]) + packed[1:]  # a fixmap of the frame's 15 fields
+
+
+# msgpack's encodings of what follows the header, as encode_block writes them: each key as a
+# fixstr, then its value's type byte(s).
+_KEYS: Final = {name: msgpack.packb(name) for name in FRAME_FIELDS}
+_BIN_WIDTH: Final = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+
+
+def _read_as_written(view: memoryview, expected: BlockMeta) -> dict[str, Any] | None:
+    """The fields of a version-3 frame for `expected` whose bytes are laid out exactly as
+    `encode_block` writes them (its fields in FRAME_FIELDS order, the header's equal to the
+    reader's), read by position without msgpack's
+    unpacker (which copies all of the frame into its buffer first). None for any other frame,
+    which `_unpack` then reads with msgpack: this only ever returns what that would, for a
+    frame that msgpack reads as the same map."""
+    head = _frame_head(expected)
+    n = len(view)
+    if view[: len(head)] != head:
+        return None
+    at = len(head)
+    token_key = _KEYS["token_ids"]
+    if view[at : at + len(token_key)] != token_key:
+        return None
+    at += len(token_key)
+    count = expected.block_size
+    try:  # an array of count uints takes at most 5 bytes each after its 3-byte header
+        tokens, used = unpack_first(view[at : at + 3 + 5 * count], _LIMITS)
+    except ValueError:
+        return None
+    at += used
+    fields: dict[str, Any] = {"v": FRAME_VERSION, "token_ids": tokens}
+    fields.update(
+        model_fp=expected.model_fp,
+        kv_format=expected.kv_format,
+        block_size=expected.block_size,
+        num_layers=expected.num_layers,
+        num_kv_heads=expected.num_kv_heads,
+        head_dim=expected.head_dim,
+    )
+    for name in ("parent", "fmt", "dtype", "scales", "comp", "payload", "checksum"):
+        key = _KEYS[name]
+        if view[at : at + len(key)] != key:
+            return None
+        at += len(key)
+        if at >= n:
+            return None
+        b = view[at]
+        if name in _BINS:
+            width = _BIN_WIDTH.get(b)
+            if width is None:
+                return None
+            size = int.from_bytes(view[at + 1 : at + 1 + width], "big")
+            start = at + 1 + width
+            if start + size > n:
+                return None
+            fields[name] = view[start : start + size].toreadonly()
+            at = start + size
+        else:
+            if not 0xA0 <= b <= 0xBF:  # a fixstr: fmt, dtype and comp are short names
+                return None
+            size = b & 0x1F
+            try:
+                fields[name] = bytes(view[at + 1 : at + 1 + size]).decode()
+            except UnicodeDecodeError:
+                return None
+            at += 1 + size
+    if at != n:
+        return None
+    return _check_types(fields)
 
 
 def _identity_miss(f: dict[str, Any], expected: BlockMeta) -> Miss | None:

@@ -96,6 +96,25 @@ def unpack(data: bytes | bytearray | memoryview, limits: Limits) -> Any:
         raise ValueError(f"msgpack: {type(e).__name__}") from e  # OutOfData and the like
 
 
+def unpack_first(data: memoryview, limits: Limits) -> tuple[Any, int]:
+    """The first object in `data` (which may go on past it) and its length in bytes; ValueError
+    when `data` does not begin with one within the limits. Everything in `data` is copied into
+    the unpacker's buffer first: give it a bounded slice."""
+    u = _unpacker(limits)
+    base = u.tell()
+    try:
+        u.feed(data)
+        obj = u.unpack()
+        used = u.tell() - base
+        u.read_bytes(len(data) - used)  # the rest of `data`: the unpacker is empty again
+    except Exception as e:
+        _local.unpackers.pop(limits, None)
+        if isinstance(e, ValueError):
+            raise
+        raise ValueError(f"msgpack: {type(e).__name__}") from e
+    return obj, used
+
+
 def _map(u: msgpack.Unpacker, view: memoryview, limits: Limits) -> dict[Any, Any]:
     """The map that is all of `view`, read by `u` (which has consumed all it was fed)."""
     base = u.tell()

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from kvserve.shared.store.base import KEY_NAMESPACE, BlockStore, Presence, block_key
 from kvserve.shared.store.base import pinned_set_key as _pinned_set_key
 from kvserve.shared.store.breaker import CircuitBreaker
+from kvserve.shared.store.bulk_reader import BulkReader, Endpoint
 from kvserve.shared.store.hashing import BlockHash
 from kvserve.shared.store.redis_shards import RedisShards, Unserved
 from redis.asyncio.retry import Retry
@@ -93,6 +94,8 @@ class RedisStore(RedisShards, BlockStore):
         super().__init__(client, namespace, timeout_s, attempts, backoff_s, breaker)
         self.ttl_s = ttl_s or None
         self.batch_size = batch_size
+        # Loads' gets, read in place (bulk_reader.py); None: through redis-py (TLS, a cluster).
+        self.bulk: BulkReader | None = None
 
     @classmethod
     def from_url(
@@ -115,7 +118,9 @@ class RedisStore(RedisShards, BlockStore):
             retry=Retry(NoBackoff(), 0),
         )
         client = aioredis.Redis(connection_pool=pool)
-        return cls(client, breaker=breaker or breaker_from_settings(breaker_settings), **kw)
+        store = cls(client, breaker=breaker or breaker_from_settings(breaker_settings), **kw)
+        store.bulk = _bulk_reader(pool)
+        return store
 
     # -- keys ------------------------------------------------------------------------------------
 
@@ -170,6 +175,35 @@ class RedisStore(RedisShards, BlockStore):
 
         await asyncio.gather(*(read(s, idx) for s, idx in self._route(keys).items()))
         return result
+
+    async def get_views(self, hashes: Sequence[BlockHash]) -> Sequence[bytes | memoryview | None]:
+        """As get_many, through the bulk reader when there is one: each value a view of its
+        chunk's reply buffer (one MGET per `batch_size` keys, on one connection)."""
+        if self.bulk is None or not hashes:
+            return await self.get_many(hashes)
+        bulk = self.bulk
+        keys = [self.key(h) for h in hashes]
+        if not await self._available(self.SERVER):
+            self._stats.misses += len(keys)
+            return [None] * len(keys)
+
+        async def read() -> list[memoryview | None]:
+            out: list[memoryview | None] = []
+            for chunk in self._chunks(keys):
+                out += await bulk.mget(chunk)
+            return out
+
+        try:
+            values = await self._call(read)
+        except self.store_errors as e:
+            self._failed(e, self.SERVER)
+            self._stats.get_errors += 1
+            self._stats.misses += len(keys)
+            return [None] * len(keys)
+        hits = sum(v is not None for v in values)
+        self._stats.hits += hits
+        self._stats.misses += len(keys) - hits
+        return values
 
     async def _pinned_flags(self, hexes: Sequence[str]) -> list[bool] | Unserved:
         """Whether each hex is in the pinned set (False where the server refused the lookup)."""
@@ -363,8 +397,33 @@ class RedisStore(RedisShards, BlockStore):
         d.update(self.failure_stats())
         return d
 
+    async def _drop_idle_connections(self, shard: str) -> None:
+        await super()._drop_idle_connections(shard)
+        if self.bulk is not None:
+            self.bulk.drop_idle()
+
     async def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.drop_idle()
         try:
             await self._client.aclose()
         finally:
             await self._client.connection_pool.disconnect()
+
+
+def _bulk_reader(pool: aioredis.ConnectionPool) -> BulkReader | None:
+    """A BulkReader to the pool's server, when its connections are plain TCP or a Unix socket
+    (not TLS) speaking RESP2 with no options the reader would ignore; else None."""
+    kw = pool.connection_kwargs
+    plain = pool.connection_class in (aioredis.Connection, aioredis.UnixDomainSocketConnection)
+    if not plain or kw.get("protocol") not in (None, 2, "2") or kw.get("credential_provider"):
+        return None
+    endpoint = Endpoint(
+        host=kw.get("host", "localhost"),
+        port=int(kw.get("port", 6379)),
+        path=kw.get("path"),
+        db=int(kw.get("db", 0) or 0),
+        username=kw.get("username"),
+        password=kw.get("password"),
+    )
+    return BulkReader(endpoint)

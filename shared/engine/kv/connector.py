@@ -447,7 +447,7 @@ class StoreConnector:
             part = hashes[i : i + FETCH_BATCH]
             async with window:
                 with self.latency.time("get"):
-                    frames = await self.store.get_many(part)
+                    frames = await self.store.get_views(part)
             loop, out = asyncio.get_running_loop(), dst[i : i + FETCH_BATCH]
             if self.verify_on_loop:
                 verified = loader.verify(part, frames)

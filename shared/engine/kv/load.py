@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -188,13 +188,15 @@ class BatchLoader:
     write_frames: WriteFrames | None = None  # tried first: one call for the whole batch
 
     def load(
-        self, hashes: list[BlockHash], frames: list[bytes | None], dst: list[int]
+        self, hashes: list[BlockHash], frames: Sequence[bytes | memoryview | None], dst: list[int]
     ) -> LoadedBatch:
         """Verify each frame, up to the first missing or bad one, and write those blocks into
         theirs (a loader thread: it touches only its own blocks)."""
         return self.write(self.verify(hashes, frames), dst)
 
-    def verify(self, hashes: list[BlockHash], frames: list[bytes | None]) -> Verified:
+    def verify(
+        self, hashes: list[BlockHash], frames: Sequence[bytes | memoryview | None]
+    ) -> Verified:
         """The leading verified frames, up to the first missing or bad one."""
         t0 = time.perf_counter()
         got, blocks = LoadedBatch(), []

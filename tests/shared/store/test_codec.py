@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import torch
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvserve.shared.store import codec
 from kvserve.shared.store.codec import (
     FORMATS,
     FRAME_VERSION,
@@ -26,6 +28,7 @@ from kvserve.shared.store.codec import (
     frame_checksum,
 )
 from kvserve.shared.store.hashing import BlockHash, chain_hash, root_hash
+from kvserve.shared.store.msgpack_view import unpack
 
 # The default model's shape: 30 layers, 3 KV heads, head_dim 64; block 16.
 META = BlockMeta(
@@ -528,3 +531,62 @@ def test_encoder_rejects_inputs_that_do_not_match_meta() -> None:
         encode_block(META, TOKENS, K, V, "int4", ROOT)
     with pytest.raises(ValueError):
         encode_block(META, TOKENS, K.double(), V.double(), "native", ROOT)
+
+
+# --- frames read by position -------------------------------------------------------------------
+
+
+def _by_msgpack(frame: bytes, meta: BlockMeta) -> dict[str, Any] | None:
+    """The fields as the msgpack path reads them (None where it finds the frame malformed)."""
+    try:
+        obj = unpack(memoryview(frame), codec._LIMITS)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("v") != FRAME_VERSION:
+        return None
+    fields = codec._check_types(obj)
+    if fields is None or codec._identity_miss(fields, meta) is not None:
+        return None
+    return fields
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    norm = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in a.items()}
+    return norm == {k: bytes(v) if isinstance(v, memoryview) else v for k, v in b.items()}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_frames_as_written_are_read_by_position(fmt: str) -> None:
+    """Every format's frame, as encode_block writes it, takes the positional read (so that the
+    load's fast path cannot silently stop applying), with exactly msgpack's fields."""
+    for meta, tokens, frame in (
+        (META, TOKENS, FRAMES[fmt]),
+        (SMALL, SMALL_TOKENS, encode_block(SMALL, SMALL_TOKENS, *_kv(SMALL), fmt, SMALL_ROOT)),
+    ):
+        fast = codec._read_as_written(memoryview(frame), meta)
+        slow = _by_msgpack(frame, meta)
+        assert fast is not None and slow is not None and _same(fast, slow)
+        assert fast["token_ids"] == tokens
+    # another reader's meta, another field order: msgpack's path, with its verdict
+    other = dataclasses.replace(META, model_fp="model-b")
+    assert codec._read_as_written(memoryview(FRAMES[fmt]), other) is None
+    reordered = msgpack.packb(dict(reversed(msgpack.unpackb(FRAMES[fmt]).items())))
+    assert codec._read_as_written(memoryview(reordered), META) is None
+    assert isinstance(decode_block(reordered, META, KEY, ROOT), DecodedBlock)
+
+
+def test_the_positional_read_agrees_with_msgpack_on_every_corruption() -> None:
+    """Exhaustive over a small frame of each format: every bit flip, every truncation and every
+    one-byte insertion either leaves the positional read (None) or reads the fields msgpack
+    reads."""
+    k, v = _kv(SMALL)
+    for fmt in FORMATS:
+        frame = encode_block(SMALL, SMALL_TOKENS, k, v, fmt, SMALL_ROOT)
+        variants = [_flip(frame, bit) for bit in range(len(frame) * 8)]
+        variants += [frame[:n] for n in range(len(frame))]
+        variants += [frame[:i] + b"\x00" + frame[i:] for i in range(len(frame) + 1)]
+        for bad in variants:
+            fast = codec._read_as_written(memoryview(bad), SMALL)
+            if fast is not None:
+                slow = _by_msgpack(bad, SMALL)
+                assert slow is not None and _same(fast, slow), fmt

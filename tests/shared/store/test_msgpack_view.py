@@ -9,7 +9,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvserve.shared.store.msgpack_view import Limits, unpack
+from kvserve.shared.store.msgpack_view import Limits, unpack, unpack_first
 
 LIMITS = Limits(max_bin_len=1 << 20, max_str_len=64, max_array_len=64, max_map_len=16)
 
@@ -86,3 +86,14 @@ def test_what_msgpack_refuses_is_refused(data: bytes) -> None:
         _reference(data)
     with pytest.raises(ValueError):
         unpack(data, LIMITS)
+
+
+def test_unpack_first_reads_one_object_and_leaves_the_unpacker_empty() -> None:
+    first, second = msgpack.packb([1, 70000, "x"]), msgpack.packb({"k": b"v"})
+    data = memoryview(first + second + b"\xc1")  # 0xc1 is never valid msgpack
+    assert unpack_first(data, LIMITS) == ([1, 70000, "x"], len(first))
+    assert unpack_first(data[len(first) :], LIMITS) == ({"k": b"v"}, len(second))
+    for bad in (b"", b"\x93\x01", b"\xc1", msgpack.packb(list(range(LIMITS.max_array_len + 1)))):
+        with pytest.raises(ValueError):
+            unpack_first(memoryview(bad), LIMITS)
+    assert unpack_first(memoryview(first), LIMITS) == ([1, 70000, "x"], len(first))

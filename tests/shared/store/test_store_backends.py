@@ -109,6 +109,8 @@ async def test_round_trip(store: BlockStore) -> None:
     items = [(h(i), val(i)) for i in range(5)]
     assert await store.put_many(items) == 5
     assert await store.get_many([h(0), h(99), h(4)]) == [val(0), None, val(4)]
+    views = await store.get_views([h(4), h(99), h(0)])  # a load's read: views or bytes
+    assert [None if v is None else bytes(v) for v in views] == [val(4), None, val(0)]
     assert await store.contains([h(1), h(99)]) == [True, False]
     # every hash asked and answered: no breaker in the way
     assert await store.presence([h(1), h(99)]) == Presence([True, False], [False, False])
@@ -119,7 +121,7 @@ async def test_round_trip(store: BlockStore) -> None:
     assert await store.get_many([]) == []
     assert await store.put_many([]) == 0
     st = store.stats()
-    assert st["hits"] == 3 and st["misses"] == 2 and st["puts"] == 5
+    assert st["hits"] == 5 and st["misses"] == 3 and st["puts"] == 5
     for k in ("hits", "misses", "puts", "put_errors", "get_errors", "bytes_stored"):
         assert k in st
     assert st["skipped_writes"] == 0
@@ -325,13 +327,14 @@ def test_breaker_state_machine() -> None:
     assert b.closed and b.consecutive_failures == 0
 
 
-async def test_dead_redis_misses_fast_and_opens_breaker() -> None:
+@pytest.mark.parametrize("read", ["get_many", "get_views"])
+async def test_dead_redis_misses_fast_and_opens_breaker(read: str) -> None:
     clock = FakeClock()
     breaker = CircuitBreaker(failure_threshold=3, cooldown_s=0.2, clock=clock)
     s = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.3, breaker=breaker)
     for i in range(3):
         t0 = time.monotonic()
-        assert await s.get_many([h(i), h(i + 1)]) == [None, None]
+        assert await getattr(s, read)([h(i), h(i + 1)]) == [None, None]
         assert time.monotonic() - t0 < 0.3 + 0.2
     assert breaker.state == "open"
     st = s.stats()
@@ -339,7 +342,7 @@ async def test_dead_redis_misses_fast_and_opens_breaker() -> None:
 
     t0 = time.monotonic()  # open: answered without touching the network
     assert await s.put_many([(h(0), b"x")]) == 0
-    assert await s.get_many([h(0)]) == [None]
+    assert await getattr(s, read)([h(0)]) == [None]
     assert await s.contains([h(0)]) == [False]
     await s.pin([h(0)])
     assert time.monotonic() - t0 < 0.05
@@ -354,7 +357,8 @@ async def test_dead_redis_misses_fast_and_opens_breaker() -> None:
     await s.close()
 
 
-async def test_unresponsive_redis_times_out() -> None:
+@pytest.mark.parametrize("read", ["get_many", "get_views"])
+async def test_unresponsive_redis_times_out(read: str) -> None:
     """A server that accepts connections but never answers: each call ends at its deadline."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -363,7 +367,7 @@ async def test_unresponsive_redis_times_out() -> None:
         breaker = CircuitBreaker(failure_threshold=2, cooldown_s=60.0)
         s = RedisStore.from_url(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, breaker=breaker)
         t0 = time.monotonic()
-        assert await s.get_many([h(0)]) == [None]
+        assert await getattr(s, read)([h(0)]) == [None]
         assert time.monotonic() - t0 < 0.2 + 0.15
         assert breaker.consecutive_failures == 1
         t0 = time.monotonic()

@@ -1,0 +1,162 @@
+"""BulkReader: MGET read in place against real Redis servers (the shared one, and one of the
+test's own with a password and an ACL user), and what a broken stream does to it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from kvserve.services.bench.lib.redis_server import RedisServer, redis_answers
+from kvserve.shared.store.bulk_reader import BulkReader, Endpoint, command
+from kvserve.shared.store.hashing import BlockHash
+from kvserve.shared.store.redis import RedisStore
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+pytestmark = pytest.mark.redis
+LOCAL_REDIS = "redis://127.0.0.1:6379/15"
+
+
+@pytest.fixture
+async def local() -> AsyncIterator[tuple[aioredis.Redis, str]]:
+    """A redis-py client on db 15 of the shared server and a key prefix of the test's own."""
+    if not await redis_answers(LOCAL_REDIS):
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    client = aioredis.from_url(LOCAL_REDIS)
+    prefix = f"kvtest:bulk:{uuid.uuid4().hex}"
+    yield client, prefix
+    keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def test_values_match_redis_py_and_the_buffer_grows(
+    local: tuple[aioredis.Redis, str],
+) -> None:
+    client, prefix = local
+    values = {
+        "empty": b"",
+        "crlf": b"\r\n$5\r\n*2\r\n" * 3,  # RESP framing inside a value is only data
+        "small": b"x",
+        "large": bytes(range(256)) * 4096,  # 1 MiB: far past the first call's size hint
+    }
+    for name, value in values.items():
+        await client.set(f"{prefix}:{name}", value)
+    keys = [f"{prefix}:{n}" for n in ("small", "missing", "empty", "crlf", "large", "small")]
+    reader = BulkReader(Endpoint(port=6379, db=15))
+    try:
+        for _ in range(2):  # the second call reuses the connection and sizes from the first
+            got = await reader.mget(keys)
+            expected = await client.mget(keys)
+            assert [None if v is None else bytes(v) for v in got] == expected
+            assert got[1] is None and bytes(got[4] or b"") == values["large"]
+        assert len(reader._idle) == 1
+    finally:
+        reader.drop_idle()
+
+
+async def test_store_get_views_equals_get_many_in_chunks(local: tuple[aioredis.Redis, str]) -> None:
+    """RedisStore's loads read through the bulk reader, one MGET per `batch` keys."""
+    _, prefix = local
+    store = RedisStore.from_url(f"{LOCAL_REDIS}?namespace={prefix}&batch=2&timeout=2")
+    assert store.bulk is not None
+    hashes = [BlockHash(hashlib.sha256(bytes([i])).digest()) for i in range(5)]
+    try:
+        await store.put_many([(hh, bytes([i]) * (1000 * i)) for i, hh in enumerate(hashes[:4])])
+        views = await store.get_views(hashes)
+        assert [None if v is None else bytes(v) for v in views] == await store.get_many(hashes)
+        assert views[4] is None and all(isinstance(v, memoryview) for v in views[:4])
+        st = store.stats()
+        assert st["hits"] == 8 and st["misses"] == 2 and st["get_errors"] == 0
+    finally:
+        await store.close()
+
+
+async def test_tls_and_resp3_urls_stay_with_redis_py() -> None:
+    for url in ("rediss://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0?protocol=3"):
+        store = RedisStore.from_url(url)
+        assert store.bulk is None, url
+        await store.close()
+
+
+@pytest.fixture
+async def locked_server(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    """A server of the test's own whose default user needs a password (set once it answers)."""
+    server = RedisServer(workdir=tmp_path)
+    server.start()
+    client = aioredis.Redis(port=server.port)
+    await client.config_set("requirepass", "s3cret")
+    await client.aclose()
+    yield server
+    server.stop()
+
+
+async def test_auth_select_and_an_error_reply(locked_server: RedisServer) -> None:
+    """The default user with its password, db 3 and db 0; a wrong password; a user that may
+    read only `ok:*` keys, whose MGET of another key gets an error reply."""
+    server = locked_server
+    admin = aioredis.Redis(port=server.port, password="s3cret", db=3)
+    try:
+        await admin.execute_command(
+            "ACL", "SETUSER", "reader", "on", ">r-pass", "~ok:*", "+@read", "+select"
+        )
+        await admin.set("ok:a", b"A")
+        await admin.set("secret:b", b"B")
+        good = BulkReader(Endpoint(port=server.port, db=3, password="s3cret"))
+        assert [bytes(v or b"") for v in await good.mget(["ok:a", "secret:b"])] == [b"A", b"B"]
+        other_db = BulkReader(Endpoint(port=server.port, db=0, password="s3cret"))
+        assert await other_db.mget(["ok:a"]) == [None]
+        with pytest.raises(AuthenticationError):
+            await BulkReader(Endpoint(port=server.port, db=3, password="wrong")).mget(["ok:a"])
+        user = BulkReader(Endpoint(port=server.port, db=3, username="reader", password="r-pass"))
+        assert [bytes(v or b"") for v in await user.mget(["ok:a"])] == [b"A"]
+        with pytest.raises(ResponseError, match="NOPERM"):  # the server answered: kept
+            await user.mget(["ok:a", "secret:b"])
+        assert len(user._idle) == 1
+        assert [bytes(v or b"") for v in await user.mget(["ok:a"])] == [b"A"]
+        for reader in (good, other_db, user):
+            reader.drop_idle()
+    finally:
+        await admin.aclose()
+
+
+async def test_a_reply_cut_short_fails_the_call_and_drops_the_connection() -> None:
+    """A server that dies in the middle of a reply (a stand-in speaking RESP: a real Redis cannot
+    be stopped at a chosen byte of its reply): the call raises, the connection is not kept."""
+    replies = [
+        b"*2\r\n$5\r\nhello\r\n$10\r\nonly",  # cut inside the second value
+        b"*2\r\n$5\r\nhello\r\n",  # cut between values
+        b"*3\r\n$5\r\nhello\r\n$-1\r\n$3\r\nabc\r\n",  # a whole reply, answered next time
+    ]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reply = replies.pop(0)
+        expected = len(command("MGET", *(["k"] * (3 if not replies else 2))))
+        await reader.readexactly(expected)
+        writer.write(reply)
+        await writer.drain()
+        if replies:
+            writer.close()
+        else:
+            await reader.read()  # keep the last connection open until the client lets go
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader = BulkReader(Endpoint(port=port))
+    try:
+        for _ in range(2):
+            with pytest.raises(RedisConnectionError):
+                await reader.mget(["k", "k"])
+            assert reader._idle == []
+        got = await reader.mget(["k", "k", "k"])
+        assert [None if v is None else bytes(v) for v in got] == [b"hello", None, b"abc"]
+    finally:
+        reader.drop_idle()
+        server.close()
+        await server.wait_closed()
