@@ -30,7 +30,6 @@ class LoadArm:
     fmt: str
     cache: str  # CacheConfig.kv_dtype: auto (the model's fp32), int8, fp8
     compress: bool = False
-    gets_in_flight: int = 2
     load_threads: int = 1
     one_call: bool = True  # KVCache.write_frames where it applies (else staged, per layer)
     verify_on_loop: bool = True
@@ -48,7 +47,6 @@ LOAD_ARMS = (
     LoadArm("int8 -> int8, verified on the loader", "int8", "int8", verify_on_loop=False),
     LoadArm("int8 -> fp32, verified on the loader", "int8", "auto", verify_on_loop=False),
     LoadArm("int8 -> fp32, zstd frames", "int8", "auto", compress=True),
-    LoadArm("int8 -> fp32, every get at once", "int8", "auto", gets_in_flight=64),
     LoadArm("int8 -> int8, gets through redis-py", "int8", "int8", in_place=False),
     LoadArm("int8 -> fp32, gets through redis-py", "int8", "auto", in_place=False),
     LoadArm("int8 -> fp32, 2 loader threads", "int8", "auto", load_threads=2),
@@ -135,7 +133,6 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
             meta,
             arm.fmt,
             dtype,
-            gets_in_flight=arm.gets_in_flight,
             load_threads=arm.load_threads,
             verify_on_loop=arm.verify_on_loop,
         )

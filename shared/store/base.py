@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from kvserve.shared.store.hashing import BlockHash
 
@@ -80,6 +80,15 @@ class BlockStore(ABC):
         """As `get_many`, the values possibly as read-only-by-convention memoryviews of the
         store's reply buffer (what a load reads in place); a reader must not write into them."""
         return await self.get_many(hashes)
+
+    async def stream_views(
+        self, hashes: Sequence[BlockHash], chunk: int
+    ) -> AsyncIterator[Sequence[bytes | memoryview | None]]:
+        """`get_views` of `hashes` a chunk of `chunk` at a time, each chunk as soon as it is in
+        (a store that can keeps every chunk's read in flight at once). A chunk the store could
+        not answer is all None, as in `get_many`."""
+        for i in range(0, len(hashes), chunk):
+            yield await self.get_views(hashes[i : i + chunk])
 
     @abstractmethod
     async def put_many(

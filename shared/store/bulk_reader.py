@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
@@ -69,9 +69,9 @@ class _Connection:
         if not line.startswith(b"+") or reply.pos != reply.filled:
             raise RedisConnectionError(f"unexpected reply {bytes(line[:32])!r}")
 
-    async def mget(self, keys: Sequence[str], size_hint: int) -> list[memoryview | None]:
-        await self.loop.sock_sendall(self.sock, command("MGET", *keys))
-        reply = _Reply(self, size_hint)
+    async def read_mget(self, keys: Sequence[str], reply: _Reply) -> list[memoryview | None]:
+        """The reply to an MGET of `keys`, read into `reply` (which may hold its first bytes);
+        bytes past its end (the next pipelined reply's) stay in `reply` from `reply.pos`."""
         head = await reply.line()
         if head.startswith(b"-"):
             raise _error(head)
@@ -94,20 +94,24 @@ class _Connection:
                 raise RedisConnectionError("value not followed by CRLF")
             reply.pos = start + size + 2
             spans.append((start, start + size))
-        if reply.pos != reply.filled:
-            raise RedisConnectionError("data after the MGET reply")
         view = memoryview(reply.buf)  # views only now: `fill` may have moved the buffer
         return [None if s is None else view[s[0] : s[1]] for s in spans]
 
 
 class _Reply:
-    """One reply read into `buf` (grown, by copying, when it outruns the size hint)."""
+    """One reply read into `buf` (grown, by copying, when it outruns the size hint), starting
+    with `head`: what the read of the reply before it received past its end."""
 
-    def __init__(self, conn: _Connection, size_hint: int) -> None:
+    def __init__(self, conn: _Connection, size_hint: int, head: bytes | bytearray = b"") -> None:
         self.conn = conn
-        self.buf = bytearray(max(size_hint, 256))
-        self.filled = 0  # bytes received into buf
+        self.buf = bytearray(max(size_hint, len(head), 256))
+        self.buf[: len(head)] = head
+        self.filled = len(head)  # bytes received into buf
         self.pos = 0  # bytes parsed
+
+    def rest(self) -> bytearray:
+        """The bytes received past the parsed reply (the next reply's first bytes)."""
+        return self.buf[self.pos : self.filled]
 
     async def fill(self, end: int) -> None:
         """Receive until `buf` holds its first `end` bytes."""
@@ -162,21 +166,47 @@ class BulkReader:
 
     async def mget(self, keys: Sequence[str]) -> list[memoryview | None]:
         """The values of `keys` (None where a key holds none), views of one buffer."""
+        out: list[memoryview | None] = []
+        async for values in self.mget_chunks([keys]):
+            out = values
+        return out
+
+    async def mget_chunks(
+        self, chunks: Sequence[Sequence[str]]
+    ) -> AsyncIterator[list[memoryview | None]]:
+        """One MGET per chunk, all sent at once on one connection (the server answers them in
+        order, one after the other); each chunk's values as soon as its reply is in, views of a
+        buffer of its own. An error reply raises after the chunks before it were yielded (and
+        the connection is kept once the rest of the replies are read); a generator left
+        before its end, or any other failure, closes the connection."""
         conn = self._idle.pop() if self._idle else await self._connect()
+        error: ResponseError | None = None
         try:
-            hint = self._bytes_per_key * len(keys) + 16 * len(keys) + 16
-            out = await conn.mget(keys, hint)
-        except ResponseError:
-            self._keep(conn)  # the server answered: the stream is where it should be
-            raise
+            await conn.loop.sock_sendall(conn.sock, b"".join(command("MGET", *c) for c in chunks))
+            rest = bytearray()
+            for keys in chunks:
+                hint = (self._bytes_per_key + 16) * len(keys) + 16
+                reply = _Reply(conn, hint, rest)
+                try:
+                    values = await conn.read_mget(keys, reply)
+                except ResponseError as e:  # the server answered: the stream is intact
+                    error = error or e
+                    rest = reply.rest()
+                    continue
+                rest = reply.rest()
+                sizes = [len(v) for v in values if v is not None]
+                if sizes:
+                    self._bytes_per_key = max(sizes)
+                if error is None:
+                    yield values
+            if rest:
+                raise RedisConnectionError("data after the replies")
         except BaseException:
             conn.close()
             raise
         self._keep(conn)
-        sizes = [len(v) for v in out if v is not None]
-        if sizes:
-            self._bytes_per_key = max(sizes)
-        return out
+        if error is not None:
+            raise error
 
     def _keep(self, conn: _Connection) -> None:
         if len(self._idle) < self.max_idle:

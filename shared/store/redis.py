@@ -16,7 +16,7 @@ them); the server's own usage is in ``INFO memory``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -204,6 +204,46 @@ class RedisStore(RedisShards, BlockStore):
         self._stats.hits += hits
         self._stats.misses += len(keys) - hits
         return values
+
+    async def stream_views(
+        self, hashes: Sequence[BlockHash], chunk: int
+    ) -> AsyncIterator[Sequence[bytes | memoryview | None]]:
+        """Every chunk's MGET sent at once on one connection of the bulk reader (the server
+        answers them one after the other: none waits behind another's interleaved reply), each
+        chunk yielded when its reply is in. Under the failure policy, except that a stream is
+        not retried: a failure answers the chunks not yet yielded with misses."""
+        if self.bulk is None:
+            async for values in super().stream_views(hashes, chunk):
+                yield values
+            return
+        keys = [self.key(h) for h in hashes]
+        chunks = [keys[i : i + chunk] for i in range(0, len(keys), chunk)]
+        if not await self._available(self.SERVER):
+            self._stats.misses += len(keys)
+            for c in chunks:
+                yield [None] * len(c)
+            return
+        served = 0
+        stream = self.bulk.mget_chunks(chunks)
+        try:
+            while True:  # to the generator's end: there it keeps its connection
+                try:
+                    values = await asyncio.wait_for(anext(stream), self.timeout_s)
+                except StopAsyncIteration:
+                    break
+                hits = sum(v is not None for v in values)
+                self._stats.hits += hits
+                self._stats.misses += len(values) - hits
+                served += 1
+                yield values
+        except self.store_errors as e:
+            self._failed(e, self.SERVER)
+            self._stats.get_errors += 1
+            for c in chunks[served:]:
+                self._stats.misses += len(c)
+                yield [None] * len(c)
+        finally:
+            await stream.aclose()
 
     async def _pinned_flags(self, hexes: Sequence[str]) -> list[bool] | Unserved:
         """Whether each hex is in the pinned set (False where the server refused the lookup)."""

@@ -14,10 +14,10 @@ Invariants:
   transfer and decode, both running averages of what loads really took) is below the
   estimated time to recompute them (the caller's prefill seconds per block). Every decision is
   counted and logged.
-- A load (`load`) gets the run in batches of FETCH_BATCH, GETS_IN_FLIGHT at a time (so that
-  they arrive one after the other); each batch is verified on the loader thread as soon as it
-  arrives, gathered as stored into a staging buffer and written into the engine's device
-  blocks with one copy per layer, an int8 / fp8 frame as a copy of its bytes into a cache of
+- A load (`load`) gets the run in batches of FETCH_BATCH, all of them asked at once (so that
+  they arrive one after the other); each batch is verified as soon as it arrives, gathered
+  as stored into a staging buffer and written into the engine's device blocks with one copy
+  per layer (or one C++ call), an int8 / fp8 frame as a copy of its bytes into a cache of
   its own format or dequantized into a float one (load.BatchLoader, under a LoadJob: once
   stopped, no write starts). A frame that fails to decode (any codec Miss: corrupt,
   wrong model or format, hash mismatch) ends the run there, is counted by reason and deleted
@@ -68,10 +68,6 @@ log = logging.getLogger("kvserve.store")
 
 WRITE_BATCH = 32
 FETCH_BATCH = 16  # blocks per get of a load
-# Gets of one load outstanding at once: a server answering many at once interleaves their
-# replies, so that every batch would arrive at the end; two keep the link busy and the batches
-# arriving one after the other, each verified and written while the next one comes.
-GETS_IN_FLIGHT = 2
 # Threads that verify and write a load's batches: one. On two cores the store's server and this
 # process's reads take most of one core while a load runs; a second loader thread only contends
 # for the other (and for the GIL) and made loads slower (docs/architecture.md).
@@ -122,15 +118,13 @@ class StoreConnector:
         queue_blocks: int = 1024,
         fetch_timeout_s: float = 2.0,
         *,
-        gets_in_flight: int = GETS_IN_FLIGHT,
         load_threads: int = LOAD_THREADS,
         verify_on_loop: bool = True,
     ) -> None:
-        """`gets_in_flight`, `load_threads`, `verify_on_loop`: the load's pipeline (the
+        """`load_threads`, `verify_on_loop`: the load's pipeline (the
         defaults are what measured fastest; `kvserve bench store --parts load` compares
         others)."""
         self.store = store
-        self.gets_in_flight = gets_in_flight
         self.verify_on_loop = verify_on_loop
         self.meta = meta
         self.fmt = fmt
@@ -429,32 +423,40 @@ class StoreConnector:
         res: FetchResult,
         write_frames: WriteFrames | None = None,
     ) -> None:
-        """Get the blocks in batches of FETCH_BATCH, `gets_in_flight` at a time, each verified
-        as soon as it arrives and written into its cache blocks on the loader thread (transfer,
-        verification and copies overlap). `res.loaded`: the leading run written, up to the
-        first missing or bad frame (deleted from the store).
+        """Get the blocks in batches of FETCH_BATCH, every batch's read sent at once
+        (`stream_views`: on Redis one connection, the replies one after the other), each batch
+        verified as soon as it arrives and written into its cache blocks on the loader thread
+        (transfer, verification and copies overlap). `res.loaded`: the leading run written, up
+        to the first missing or bad frame (deleted from the store); no batch after it is read.
 
         With `verify_on_loop` a batch is verified on this event loop's thread, right after its
-        reply (2-3 ms of Python a batch, during which the loop waits), and the loader thread
-        only writes (C++, without the GIL where it applies): the loop and the loader then do
-        not hand the GIL back and forth for every reply chunk, which made a 2,048-token load
-        20-27% slower (`bench store --parts load`)."""
+        reply (~1 ms of Python a batch, during which the kernel receives the next one), and the
+        loader thread only writes (C++, without the GIL where it applies): the loop and the
+        loader then do not hand the GIL back and forth, which made a 2,048-token load 20-27%
+        slower (`bench store --parts load`)."""
 
         loader = BatchLoader(self.meta, self.cache_dtype, root, write, job, self.fmt, write_frames)
-        window = asyncio.Semaphore(self.gets_in_flight)  # FIFO: the batches arrive in order
-
-        async def batch(i: int) -> LoadedBatch:
-            part = hashes[i : i + FETCH_BATCH]
-            async with window:
+        loop = asyncio.get_running_loop()
+        writes: list[asyncio.Future[LoadedBatch]] = []
+        stream = self.store.stream_views(hashes, FETCH_BATCH)
+        try:
+            at = 0
+            while at < len(hashes):
                 with self.latency.time("get"):
-                    frames = await self.store.get_views(part)
-            loop, out = asyncio.get_running_loop(), dst[i : i + FETCH_BATCH]
-            if self.verify_on_loop:
-                verified = loader.verify(part, frames)
-                return await loop.run_in_executor(self._decoders, loader.write, verified, out)
-            return await loop.run_in_executor(self._decoders, loader.load, part, frames, out)
-
-        done = await asyncio.gather(*(batch(i) for i in range(0, len(hashes), FETCH_BATCH)))
+                    frames = await anext(stream)
+                part, out = hashes[at : at + FETCH_BATCH], dst[at : at + FETCH_BATCH]
+                at += FETCH_BATCH
+                if self.verify_on_loop:
+                    verified = loader.verify(part, frames)
+                    writes.append(loop.run_in_executor(self._decoders, loader.write, verified, out))
+                    if verified.got.miss is not None:
+                        break
+                else:
+                    load = loader.load
+                    writes.append(loop.run_in_executor(self._decoders, load, part, frames, out))
+        finally:
+            await stream.aclose()
+        done = await asyncio.gather(*writes)
         res.timings["decode_cpu_s"] = sum(d.seconds for d in done)
         res.timings["verify_cpu_s"] = sum(d.verify_s for d in done)
         res.timings["write_cpu_s"] = sum(d.write_s for d in done)

@@ -61,6 +61,28 @@ async def test_values_match_redis_py_and_the_buffer_grows(
         reader.drop_idle()
 
 
+async def test_chunks_pipelined_on_one_connection(local: tuple[aioredis.Redis, str]) -> None:
+    """Every chunk's MGET sent at once: each chunk's values in order, from one connection,
+    replies that arrive in the same read split where they end; leaving early drops it."""
+    client, prefix = local
+    values = {f"{prefix}:{i}": bytes([i]) * (70_000 * (i % 3)) for i in range(9)}
+    await client.mset(values)
+    keys = list(values)
+    chunks = [keys[0:4], [f"{prefix}:none", keys[4]], keys[5:9], keys[0:1]]
+    reader = BulkReader(Endpoint(port=6379, db=15))
+    try:
+        got = [c async for c in reader.mget_chunks(chunks)]
+        assert [[None if v is None else bytes(v) for v in c] for c in got] == [
+            await client.mget(c) for c in chunks
+        ]
+        assert len(reader._idle) == 1
+        async for _ in reader.mget_chunks(chunks):
+            break  # replies left unread: the connection cannot be reused
+        assert reader._idle == []
+    finally:
+        reader.drop_idle()
+
+
 async def test_store_get_views_equals_get_many_in_chunks(local: tuple[aioredis.Redis, str]) -> None:
     """RedisStore's loads read through the bulk reader, one MGET per `batch` keys."""
     _, prefix = local
@@ -119,6 +141,11 @@ async def test_auth_select_and_an_error_reply(locked_server: RedisServer) -> Non
         with pytest.raises(ResponseError, match="NOPERM"):  # the server answered: kept
             await user.mget(["ok:a", "secret:b"])
         assert len(user._idle) == 1
+        seen = []
+        with pytest.raises(ResponseError, match="NOPERM"):  # the chunks before it still come
+            async for c in user.mget_chunks([["ok:a"], ["secret:b"], ["ok:a"]]):
+                seen.append([bytes(v or b"") for v in c])
+        assert seen == [[b"A"]] and len(user._idle) == 1
         assert [bytes(v or b"") for v in await user.mget(["ok:a"])] == [b"A"]
         for reader in (good, other_db, user):
             reader.drop_idle()

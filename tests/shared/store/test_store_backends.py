@@ -111,6 +111,12 @@ async def test_round_trip(store: BlockStore) -> None:
     assert await store.get_many([h(0), h(99), h(4)]) == [val(0), None, val(4)]
     views = await store.get_views([h(4), h(99), h(0)])  # a load's read: views or bytes
     assert [None if v is None else bytes(v) for v in views] == [val(4), None, val(0)]
+    chunks = [list(c) async for c in store.stream_views([h(i) for i in (0, 1, 99, 3, 4)], 2)]
+    assert [[None if v is None else bytes(v) for v in c] for c in chunks] == [
+        [val(0), val(1)],
+        [None, val(3)],
+        [val(4)],
+    ]
     assert await store.contains([h(1), h(99)]) == [True, False]
     # every hash asked and answered: no breaker in the way
     assert await store.presence([h(1), h(99)]) == Presence([True, False], [False, False])
@@ -121,7 +127,7 @@ async def test_round_trip(store: BlockStore) -> None:
     assert await store.get_many([]) == []
     assert await store.put_many([]) == 0
     st = store.stats()
-    assert st["hits"] == 5 and st["misses"] == 3 and st["puts"] == 5
+    assert st["hits"] == 9 and st["misses"] == 4 and st["puts"] == 5
     for k in ("hits", "misses", "puts", "put_errors", "get_errors", "bytes_stored"):
         assert k in st
     assert st["skipped_writes"] == 0
@@ -327,14 +333,21 @@ def test_breaker_state_machine() -> None:
     assert b.closed and b.consecutive_failures == 0
 
 
-@pytest.mark.parametrize("read", ["get_many", "get_views"])
+async def read_with(store: RedisStore, read: str, hashes: list[BlockHash]) -> list[Any]:
+    """get_many, get_views, or stream_views (two hashes a chunk) flattened."""
+    if read == "stream_views":
+        return [v async for chunk in store.stream_views(hashes, 2) for v in chunk]
+    return list(await getattr(store, read)(hashes))
+
+
+@pytest.mark.parametrize("read", ["get_many", "get_views", "stream_views"])
 async def test_dead_redis_misses_fast_and_opens_breaker(read: str) -> None:
     clock = FakeClock()
     breaker = CircuitBreaker(failure_threshold=3, cooldown_s=0.2, clock=clock)
     s = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.3, breaker=breaker)
     for i in range(3):
         t0 = time.monotonic()
-        assert await getattr(s, read)([h(i), h(i + 1)]) == [None, None]
+        assert await read_with(s, read, [h(i), h(i + 1)]) == [None, None]
         assert time.monotonic() - t0 < 0.3 + 0.2
     assert breaker.state == "open"
     st = s.stats()
@@ -342,7 +355,7 @@ async def test_dead_redis_misses_fast_and_opens_breaker(read: str) -> None:
 
     t0 = time.monotonic()  # open: answered without touching the network
     assert await s.put_many([(h(0), b"x")]) == 0
-    assert await getattr(s, read)([h(0)]) == [None]
+    assert await read_with(s, read, [h(0)]) == [None]
     assert await s.contains([h(0)]) == [False]
     await s.pin([h(0)])
     assert time.monotonic() - t0 < 0.05
@@ -357,7 +370,7 @@ async def test_dead_redis_misses_fast_and_opens_breaker(read: str) -> None:
     await s.close()
 
 
-@pytest.mark.parametrize("read", ["get_many", "get_views"])
+@pytest.mark.parametrize("read", ["get_many", "get_views", "stream_views"])
 async def test_unresponsive_redis_times_out(read: str) -> None:
     """A server that accepts connections but never answers: each call ends at its deadline."""
     with socket.socket() as listener:
@@ -367,7 +380,7 @@ async def test_unresponsive_redis_times_out(read: str) -> None:
         breaker = CircuitBreaker(failure_threshold=2, cooldown_s=60.0)
         s = RedisStore.from_url(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, breaker=breaker)
         t0 = time.monotonic()
-        assert await getattr(s, read)([h(0)]) == [None]
+        assert await read_with(s, read, [h(0)]) == [None]
         assert time.monotonic() - t0 < 0.2 + 0.15
         assert breaker.consecutive_failures == 1
         t0 = time.monotonic()
