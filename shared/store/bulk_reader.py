@@ -172,19 +172,23 @@ class BulkReader:
         return out
 
     async def mget_chunks(
-        self, chunks: Sequence[Sequence[str]]
+        self, chunks: Sequence[Sequence[str]], ahead: int = 4
     ) -> AsyncIterator[list[memoryview | None]]:
-        """One MGET per chunk, all sent at once on one connection (the server answers them in
-        order, one after the other); each chunk's values as soon as its reply is in, views of a
-        buffer of its own. An error reply raises after the chunks before it were yielded (and
-        the connection is kept once the rest of the replies are read); a generator left
-        before its end, or any other failure, closes the connection."""
+        """One MGET per chunk, pipelined on one connection, `ahead` of them asked before their
+        replies are read (the server answers them in order, one after the other, and holds at
+        most `ahead` replies for this client); each chunk's values as soon as its reply is in,
+        views of a buffer of its own. An error reply raises after the chunks before it were
+        yielded (the connection is kept once the rest of the replies are read); a generator
+        left before its end, or any other failure, closes the connection."""
         conn = self._idle.pop() if self._idle else await self._connect()
         error: ResponseError | None = None
+        commands = [command("MGET", *c) for c in chunks]
         try:
-            await conn.loop.sock_sendall(conn.sock, b"".join(command("MGET", *c) for c in chunks))
+            await conn.loop.sock_sendall(conn.sock, b"".join(commands[:ahead]))
             rest = bytearray()
-            for keys in chunks:
+            for i, keys in enumerate(chunks):
+                if i + ahead < len(commands):
+                    await conn.loop.sock_sendall(conn.sock, commands[i + ahead])
                 hint = (self._bytes_per_key + 16) * len(keys) + 16
                 reply = _Reply(conn, hint, rest)
                 try:

@@ -71,11 +71,12 @@ async def test_chunks_pipelined_on_one_connection(local: tuple[aioredis.Redis, s
     chunks = [keys[0:4], [f"{prefix}:none", keys[4]], keys[5:9], keys[0:1]]
     reader = BulkReader(Endpoint(port=6379, db=15))
     try:
-        got = [c async for c in reader.mget_chunks(chunks)]
-        assert [[None if v is None else bytes(v) for v in c] for c in got] == [
-            await client.mget(c) for c in chunks
-        ]
-        assert len(reader._idle) == 1
+        for ahead in (1, 2, 4):  # commands sent before their replies are read
+            got = [c async for c in reader.mget_chunks(chunks, ahead)]
+            assert [[None if v is None else bytes(v) for v in c] for c in got] == [
+                await client.mget(c) for c in chunks
+            ]
+            assert len(reader._idle) == 1
         async for _ in reader.mget_chunks(chunks):
             break  # replies left unread: the connection cannot be reused
         assert reader._idle == []
