@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import hmac
 import math
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -486,72 +487,95 @@ def _frame_head(expected: BlockMeta) -> bytes:
     return bytes([0x80 | len(FRAME_FIELDS)]) + packed[1:]  # a fixmap of the frame's 15 fields
 
 
-# msgpack's encodings of what follows the header, as encode_block writes them: each key as a
-# fixstr, then its value's type byte(s).
-_KEYS: Final = {name: msgpack.packb(name) for name in FRAME_FIELDS}
-_BIN_WIDTH: Final = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+def _packed(name: str) -> bytes:
+    return re.escape(msgpack.packb(name))
+
+
+def _choice(group: str, names: Any) -> bytes:
+    """A regex group matching any of `names` as msgpack strings."""
+    return b"(?P<" + group.encode() + b">" + b"|".join(_packed(n) for n in names) + b")"
+
+
+def _bin(group: str) -> bytes:
+    """A regex matching a msgpack bin's header (bin 8/16/32), its length's bytes in `group`."""
+    return b"(?:\xc4(?P<%s1>.)|\xc5(?P<%s2>..)|\xc6(?P<%s4>....))" % ((group.encode(),) * 3)
+
+
+# What follows the token ids in a frame as encode_block writes it (fixstr keys, each value's
+# shortest encoding): the parent, fmt, dtype and the scales' bin header; then comp and the
+# payload's bin header; then the checksum.
+_AFTER_TOKENS: Final = re.compile(
+    _packed("parent")
+    + b"\xc4\x20(?P<parent>.{32})"
+    + _packed("fmt")
+    + _choice("fmt", FORMATS)
+    + _packed("dtype")
+    + _choice("dtype", NATIVE_DTYPES)
+    + _packed("scales")
+    + _bin("s"),
+    re.DOTALL,
+)
+_AFTER_SCALES: Final = re.compile(
+    _packed("comp") + _choice("comp", COMPRESSIONS) + _packed("payload") + _bin("p"), re.DOTALL
+)
+_NAMES: Final = {msgpack.packb(n): n for n in (*FORMATS, *NATIVE_DTYPES, *COMPRESSIONS)}
+_CHECKSUM_KEY: Final = msgpack.packb("checksum") + b"\xc4" + bytes([CHECKSUM_LEN])
+_TOKEN_KEY: Final = msgpack.packb("token_ids")
+
+
+def _bin_length(m: re.Match[bytes], group: str) -> int:
+    raw = m.group(group + "1") or m.group(group + "2") or m.group(group + "4")
+    return int.from_bytes(raw, "big")
 
 
 def _read_as_written(view: memoryview, expected: BlockMeta) -> dict[str, Any] | None:
     """The fields of a version-3 frame for `expected` whose bytes are laid out exactly as
     `encode_block` writes them (its fields in FRAME_FIELDS order, the header's equal to the
-    reader's), read by position without msgpack's
-    unpacker (which copies all of the frame into its buffer first). None for any other frame,
-    which `_unpack` then reads with msgpack: this only ever returns what that would, for a
-    frame that msgpack reads as the same map."""
+    reader's, fmt, dtype and comp among the known names), read by position (two regular
+    expressions and msgpack for the token ids) without msgpack's unpacker, which copies all
+    of the frame into its buffer first. None for any other frame, which `_unpack` then reads
+    with msgpack: this only ever returns what that would, for a frame that msgpack reads as
+    the same map."""
     head = _frame_head(expected)
     n = len(view)
-    if view[: len(head)] != head:
+    at = len(head) + len(_TOKEN_KEY)
+    if view[: len(head)] != head or view[len(head) : at] != _TOKEN_KEY:
         return None
-    at = len(head)
-    token_key = _KEYS["token_ids"]
-    if view[at : at + len(token_key)] != token_key:
-        return None
-    at += len(token_key)
     count = expected.block_size
     try:  # an array of count uints takes at most 5 bytes each after its 3-byte header
         tokens, used = unpack_first(view[at : at + 3 + 5 * count], _LIMITS)
     except ValueError:
         return None
-    at += used
-    fields: dict[str, Any] = {"v": FRAME_VERSION, "token_ids": tokens}
-    fields.update(
-        model_fp=expected.model_fp,
-        kv_format=expected.kv_format,
-        block_size=expected.block_size,
-        num_layers=expected.num_layers,
-        num_kv_heads=expected.num_kv_heads,
-        head_dim=expected.head_dim,
-    )
-    for name in ("parent", "fmt", "dtype", "scales", "comp", "payload", "checksum"):
-        key = _KEYS[name]
-        if view[at : at + len(key)] != key:
-            return None
-        at += len(key)
-        if at >= n:
-            return None
-        b = view[at]
-        if name in _BINS:
-            width = _BIN_WIDTH.get(b)
-            if width is None:
-                return None
-            size = int.from_bytes(view[at + 1 : at + 1 + width], "big")
-            start = at + 1 + width
-            if start + size > n:
-                return None
-            fields[name] = view[start : start + size].toreadonly()
-            at = start + size
-        else:
-            if not 0xA0 <= b <= 0xBF:  # a fixstr: fmt, dtype and comp are short names
-                return None
-            size = b & 0x1F
-            try:
-                fields[name] = bytes(view[at + 1 : at + 1 + size]).decode()
-            except UnicodeDecodeError:
-                return None
-            at += 1 + size
-    if at != n:
+    m = _AFTER_TOKENS.match(view, at + used)
+    if m is None:
         return None
+    scales_at = m.end()
+    scales_end = scales_at + _bin_length(m, "s")
+    e = _AFTER_SCALES.match(view, scales_end)
+    if e is None:
+        return None
+    payload_at = e.end()
+    payload_end = payload_at + _bin_length(e, "p")
+    checksum_at = payload_end + len(_CHECKSUM_KEY)
+    if checksum_at + CHECKSUM_LEN != n or view[payload_end:checksum_at] != _CHECKSUM_KEY:
+        return None
+    fields = {
+        "v": FRAME_VERSION,
+        "model_fp": expected.model_fp,
+        "kv_format": expected.kv_format,
+        "block_size": expected.block_size,
+        "num_layers": expected.num_layers,
+        "num_kv_heads": expected.num_kv_heads,
+        "head_dim": expected.head_dim,
+        "token_ids": tokens,
+        "parent": view[m.start("parent") : m.end("parent")],
+        "fmt": _NAMES[m.group("fmt")],
+        "dtype": _NAMES[m.group("dtype")],
+        "scales": view[scales_at:scales_end],
+        "comp": _NAMES[e.group("comp")],
+        "payload": view[payload_at:payload_end],
+        "checksum": view[checksum_at:n],
+    }
     return _check_types(fields)
 
 
