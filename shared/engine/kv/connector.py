@@ -67,7 +67,9 @@ from kvserve.shared.store.hashing import BlockHash, padded_tail, tail_hash, tail
 log = logging.getLogger("kvserve.store")
 
 WRITE_BATCH = 32
-FETCH_BATCH = 16  # blocks per get of a load
+# Blocks per get of a load: 8 against 16 brings the first batch in sooner and the verification
+# and writes start earlier (a 2,048-token load ~20% shorter on `epyc-zen4`).
+FETCH_BATCH = 8
 # Threads that verify and write a load's batches: one. On two cores the store's server and this
 # process's reads take most of one core while a load runs; a second loader thread only contends
 # for the other (and for the GIL) and made loads slower (docs/architecture.md).
