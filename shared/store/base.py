@@ -76,6 +76,10 @@ class BlockStore(ABC):
     async def get_many(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
         """The stored value of each hash, or None (missing, evicted, or store unavailable)."""
 
+    async def connect(self) -> None:  # noqa: B027 - most stores have nothing to open
+        """Open what the first call would otherwise open (connections), so that the first
+        lookup does not pay for it; never raises (a store that is down is found out later)."""
+
     async def get_views(self, hashes: Sequence[BlockHash]) -> Sequence[bytes | memoryview | None]:
         """As `get_many`, the values possibly as read-only-by-convention memoryviews of the
         store's reply buffer (what a load reads in place); a reader must not write into them."""

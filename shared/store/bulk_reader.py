@@ -212,6 +212,11 @@ class BulkReader:
         if error is not None:
             raise error
 
+    async def open(self) -> None:
+        """One connection opened now and kept idle for the next call."""
+        if not self._idle:
+            self._keep(await self._connect())
+
     def _keep(self, conn: _Connection) -> None:
         if len(self._idle) < self.max_idle:
             self._idle.append(conn)

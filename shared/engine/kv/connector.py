@@ -150,6 +150,8 @@ class StoreConnector:
         self._thread.start()
         self._wake = asyncio.Event()
         self._writer = asyncio.run_coroutine_threadsafe(self._write_loop(), self._loop)
+        # The store's connections opened before the first lookup needs them.
+        self.connected = asyncio.run_coroutine_threadsafe(self.store.connect(), self._loop)
 
     # ---- engine thread --------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from kvserve.services.bench.lib.process import free_port
 from kvserve.services.bench.lib.redis_server import RedisServer, redis_answers
 from kvserve.shared.store.bulk_reader import BulkReader, Endpoint, command
 from kvserve.shared.store.hashing import BlockHash
@@ -188,3 +189,19 @@ async def test_a_reply_cut_short_fails_the_call_and_drops_the_connection() -> No
         reader.drop_idle()
         server.close()
         await server.wait_closed()
+
+
+async def test_connect_opens_the_loads_connection_and_never_raises() -> None:
+    """`connect` (the connector calls it at start) leaves the bulk reader a connection; against
+    a server that is not there it returns, having opened nothing."""
+    if not await redis_answers(LOCAL_REDIS):
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    store = RedisStore.from_url(LOCAL_REDIS)
+    assert store.bulk is not None and store.bulk._idle == []
+    await store.connect()
+    assert len(store.bulk._idle) == 1
+    await store.close()
+    dead = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
+    await dead.connect()
+    assert dead.bulk is not None and dead.bulk._idle == []
+    await dead.close()
