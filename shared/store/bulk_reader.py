@@ -6,14 +6,14 @@ asyncio's buffer, from there into hiredis's, and from that into the value, three
 every byte of a store load (~0.2 MB a block), fresh allocations each time. Here the reply
 goes from the socket into the call's buffer (one copy, made by the kernel while the GIL is
 free) and each value is a view of it; a 2,048-token load's gets took 10 ms this way against
-15 ms through redis-py (docs/architecture.md, "Store loads").
+15 ms through redis-py (docs/benchmarks.md, "Prefix store").
 
 It speaks RESP2 over plain TCP or a Unix socket (AUTH and SELECT on connect) and does
-nothing but MGET; everything else, and TLS, stays with redis-py (RedisStore uses this for its
-loads when its URL allows). A connection is used by one call at a time and closed when a call
-on it fails or is cancelled: its stream may then be anywhere inside a reply. Errors: a
-transport failure raises redis's ConnectionError (or OSError); an error reply, redis's
-ResponseError (the connection stays usable).
+nothing but MGET, pipelined (`mget_chunks`); everything else, and TLS, stays with redis-py
+(RedisStore uses this for its loads when its URL allows). A connection is used by one call at
+a time and closed when a call on it fails or is cancelled: its stream may then be anywhere
+inside a reply. Errors: a transport failure raises redis's ConnectionError (or OSError); an
+error reply, redis's ResponseError (the connection stays usable).
 """
 
 from __future__ import annotations
