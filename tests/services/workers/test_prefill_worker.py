@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 from kvserve.shared.protocol import GenerateRequest
@@ -108,7 +109,13 @@ async def test_a_request_cancelled_while_its_prompt_computes_is_not_forwarded(
     await disagg.prefill.engine.call(lambda: None)  # the abort has been applied
     assert [r.request_id for r in disagg.forwarded] == ["warm"]
     assert disagg.prefill_port.acks == ["warm", "c"]
-    assert prefill_engine.kv.pool.num_used == 0 and not prefill_engine.has_unfinished_requests()
+    assert not prefill_engine.has_unfinished_requests()
+    # Had the fetch ended before the abort landed, a load into held blocks was under way: its
+    # blocks come back at a step once its writes are over (never while a write may run).
+    deadline = time.monotonic() + 30
+    while prefill_engine.kv.pool.num_used and time.monotonic() < deadline:
+        await disagg.prefill.engine.call(prefill_engine.step)
+    assert prefill_engine.kv.pool.num_used == 0
 
 
 async def test_a_prefill_during_which_the_bus_failed_runs_again(disagg: Disagg) -> None:
