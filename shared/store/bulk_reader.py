@@ -172,11 +172,12 @@ class BulkReader:
         return out
 
     async def mget_chunks(
-        self, chunks: Sequence[Sequence[str]], ahead: int = 4
+        self, chunks: Sequence[Sequence[str]], ahead: int = 2
     ) -> AsyncIterator[list[memoryview | None]]:
         """One MGET per chunk, pipelined on one connection, `ahead` of them asked before their
         replies are read (the server answers them in order, one after the other, and holds at
-        most `ahead` replies for this client); each chunk's values as soon as its reply is in,
+        most `ahead` + 1 replies for this client, whose output buffers count against `maxmemory`);
+        each chunk's values as soon as its reply is in,
         views of a buffer of its own. An error reply raises after the chunks before it were
         yielded (the connection is kept once the rest of the replies are read); a generator
         left before its end, or any other failure, closes the connection."""
