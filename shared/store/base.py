@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from kvserve.shared.store.hashing import BlockHash
 
@@ -87,7 +87,7 @@ class BlockStore(ABC):
 
     async def stream_views(
         self, hashes: Sequence[BlockHash], chunk: int
-    ) -> AsyncIterator[Sequence[bytes | memoryview | None]]:
+    ) -> AsyncGenerator[Sequence[bytes | memoryview | None], None]:
         """`get_views` of `hashes` a chunk of `chunk` at a time, each chunk as soon as it is in
         (a store that can keeps every chunk's read in flight at once). A chunk the store could
         not answer is all None, as in `get_many`."""

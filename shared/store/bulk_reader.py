@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
@@ -173,7 +173,7 @@ class BulkReader:
 
     async def mget_chunks(
         self, chunks: Sequence[Sequence[str]], ahead: int = 2
-    ) -> AsyncIterator[list[memoryview | None]]:
+    ) -> AsyncGenerator[list[memoryview | None], None]:
         """One MGET per chunk, pipelined on one connection, `ahead` of them asked before their
         replies are read (the server answers them in order, one after the other, and holds at
         most `ahead` + 1 replies for this client, whose output buffers count against `maxmemory`);

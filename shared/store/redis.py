@@ -16,7 +16,7 @@ them); the server's own usage is in ``INFO memory``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -217,7 +217,7 @@ class RedisStore(RedisShards, BlockStore):
 
     async def stream_views(
         self, hashes: Sequence[BlockHash], chunk: int
-    ) -> AsyncIterator[Sequence[bytes | memoryview | None]]:
+    ) -> AsyncGenerator[Sequence[bytes | memoryview | None], None]:
         """Every chunk's MGET sent at once on one connection of the bulk reader (the server
         answers them one after the other: none waits behind another's interleaved reply), each
         chunk yielded when its reply is in. Under the failure policy, except that a stream is
