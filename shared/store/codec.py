@@ -278,13 +278,7 @@ def encode_block(
         raise ValueError("encode_block: the compact format is always compressed")
     scale_bytes, payload = _encode_payload(k, v, fmt, first, scales, compress)
     fields: dict[str, Any] = {
-        "v": FRAME_VERSION,
-        "model_fp": meta.model_fp,
-        "kv_format": meta.kv_format,
-        "block_size": meta.block_size,
-        "num_layers": meta.num_layers,
-        "num_kv_heads": meta.num_kv_heads,
-        "head_dim": meta.head_dim,
+        **_header(meta),
         "token_ids": [int(t) for t in token_ids],
         "parent": bytes(parent),
         "fmt": fmt,
@@ -470,20 +464,24 @@ def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[s
     return Miss("bad_schema") if f is None else f
 
 
+def _header(meta: BlockMeta) -> dict[str, Any]:
+    """A frame's seven header fields for `meta`, in FRAME_FIELDS order."""
+    return {
+        "v": FRAME_VERSION,
+        "model_fp": meta.model_fp,
+        "kv_format": meta.kv_format,
+        "block_size": meta.block_size,
+        "num_layers": meta.num_layers,
+        "num_kv_heads": meta.num_kv_heads,
+        "head_dim": meta.head_dim,
+    }
+
+
 @functools.lru_cache(maxsize=32)
 def _frame_head(expected: BlockMeta) -> bytes:
     """The bytes `encode_block` begins a frame for `expected` with: the map's header and the
     seven header fields, each equal to the reader's."""
-    header = {
-        "v": FRAME_VERSION,
-        "model_fp": expected.model_fp,
-        "kv_format": expected.kv_format,
-        "block_size": expected.block_size,
-        "num_layers": expected.num_layers,
-        "num_kv_heads": expected.num_kv_heads,
-        "head_dim": expected.head_dim,
-    }
-    packed = msgpack.packb(header)
+    packed = msgpack.packb(_header(expected))
     return bytes([0x80 | len(FRAME_FIELDS)]) + packed[1:]  # a fixmap of the frame's 15 fields
 
 
@@ -560,13 +558,7 @@ def _read_as_written(view: memoryview, expected: BlockMeta) -> dict[str, Any] | 
     if checksum_at + CHECKSUM_LEN != n or view[payload_end:checksum_at] != _CHECKSUM_KEY:
         return None
     fields = {
-        "v": FRAME_VERSION,
-        "model_fp": expected.model_fp,
-        "kv_format": expected.kv_format,
-        "block_size": expected.block_size,
-        "num_layers": expected.num_layers,
-        "num_kv_heads": expected.num_kv_heads,
-        "head_dim": expected.head_dim,
+        **_header(expected),
         "token_ids": tokens,
         "parent": view[m.start("parent") : m.end("parent")],
         "fmt": _NAMES[m.group("fmt")],
