@@ -11,10 +11,13 @@ from kvserve.services.cli_support import CliError, check_at_least_one
 from kvserve.shared.config import (
     KV_DTYPES,
     MATMUL_DTYPES,
+    MAX_SPECULATIVE_TOKENS,
     MODEL_DTYPES,
     POPULATE_MODES,
     SIM_PAYLOADS,
+    SPECULATIVE_METHODS,
     WEIGHT_MODES,
+    SpeculativeConfig,
     StoreConfig,
 )
 
@@ -82,7 +85,86 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="the host-RAM tier (blocks evicted from the device cache, kept for reuse), MiB",
     )
     add_fault_injection_argument(p)
+    add_speculative_arguments(p)
     p.add_argument("--log-level", default=None)
+
+
+# The speculative decoding options: (dest, flag); their defaults are SpeculativeConfig's.
+SPECULATIVE_OPTIONS = (
+    ("num_speculative_tokens", "--num-speculative-tokens"),
+    ("prompt_lookup_max", "--prompt-lookup-max"),
+    ("prompt_lookup_min", "--prompt-lookup-min"),
+)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding by n-gram lookup (vLLM's option names), off by default."""
+    d = SpeculativeConfig()
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="draft tokens by n-gram lookup in the sequence's own tokens (no draft model), "
+        "verified in one forward pass; default: off",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"drafts per sequence and step, 1..{MAX_SPECULATIVE_TOKENS} "
+        f"(default {d.num_speculative_tokens})",
+    )
+    g.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"the longest n-gram looked up (default {d.prompt_lookup_max})",
+    )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"the shortest n-gram looked up (default {d.prompt_lookup_min})",
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The SpeculativeConfig of --speculative and its options (None: off); CliError, naming
+    the flag, for a value or combination that cannot run."""
+    method = getattr(args, "speculative", None)
+    given = [(dest, flag) for dest, flag in SPECULATIVE_OPTIONS if getattr(args, dest) is not None]
+    if method is None:
+        if given:
+            raise CliError(f"{given[0][1]} needs --speculative ngram")
+        return None
+    if getattr(args, "simulate", None) is not None:
+        raise CliError("--speculative needs the real model: it does not run with --simulate")
+    k = args.num_speculative_tokens
+    if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise CliError(f"--num-speculative-tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
+    check_at_least_one(args, ("prompt_lookup_max", "prompt_lookup_min"))
+    lo, hi = (
+        getattr(args, dest) if getattr(args, dest) is not None else getattr(SpeculativeConfig, dest)
+        for dest in ("prompt_lookup_min", "prompt_lookup_max")
+    )
+    if lo > hi:
+        raise CliError(f"--prompt-lookup-min ({lo}) must be <= --prompt-lookup-max ({hi})")
+    return SpeculativeConfig(method, **{dest: getattr(args, dest) for dest, _ in given})
+
+
+def speculative_flags(args: argparse.Namespace) -> list[str]:
+    """The speculative decoding options as given, for a worker's command line."""
+    if getattr(args, "speculative", None) is None:
+        return []
+    out = ["--speculative", args.speculative]
+    for dest, flag in SPECULATIVE_OPTIONS:
+        if getattr(args, dest) is not None:
+            out += [flag, str(getattr(args, dest))]
+    return out
 
 
 def add_fault_injection_argument(p: argparse.ArgumentParser) -> None:
@@ -135,6 +217,7 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise CliError(str(e)) from e
     check_sim_arguments(args)
+    speculative_config(args)
 
 
 def check_sim_arguments(args: argparse.Namespace) -> None:
@@ -200,6 +283,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             faults=FaultConfig(
                 quarantine_after=args.quarantine_after, injection=args.enable_fault_injection
             ),
+            speculative=speculative_config(args),
         )
     except ValueError as e:
         raise CliError(str(e)) from e

@@ -10,7 +10,11 @@ import time
 from typing import TYPE_CHECKING
 
 from kvserve.services.cli_support import CliError
-from kvserve.services.engine_options import add_kernel_arguments
+from kvserve.services.engine_options import (
+    add_kernel_arguments,
+    add_speculative_arguments,
+    speculative_config,
+)
 from kvserve.shared.config import (
     DEFAULT_STORE,
     STORE_FORMATS,
@@ -53,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "'default' (disk tier under the cache directory) or 'none' (the default here)",
     )
     p.add_argument("--store-format", choices=STORE_FORMATS, default="auto")
+    add_speculative_arguments(p)
     p.add_argument(
         "--timings",
         action="store_true",
@@ -70,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("prompt must not be empty")
     params = _sampling_params(args)
     store = _store_url(args.store)
+    speculative = speculative_config(args)
     imports_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = Engine(
@@ -78,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             cache=CacheConfig(kv_dtype=args.kv_dtype, populate="lazy"),
             store=StoreConfig(url=store, format=args.store_format),
             attention_backend=args.attention_backend,
+            speculative=speculative,
         )
     )
     load_s = time.perf_counter() - t0
@@ -149,10 +156,16 @@ def _generate(
                 sys.stdout.flush()
     total = time.perf_counter() - t1
     sys.stdout.write("\n")
+    spec = engine.spec_decode_stats
+    drafts = (
+        f", drafts accepted {spec['num_accepted_tokens']}/{spec['num_draft_tokens']}"
+        if engine.config.speculative is not None
+        else ""
+    )
     print(
         f"[load {load_s:.2f}s, prompt {len(ids)} tokens ({cached} cached), "
         f"ttft {first or 0:.3f}s, "
-        f"{n_out} tokens in {total:.2f}s, {n_out / total if total else 0:.1f} tok/s]",
+        f"{n_out} tokens in {total:.2f}s, {n_out / total if total else 0:.1f} tok/s{drafts}]",
         file=sys.stderr,
     )
     return first or 0.0, total

@@ -11,9 +11,10 @@ and a store that it does; `--store-redis` lays the stack out the same way):
   `--decode` decode workers (1), which meet only in the Redis store; the gateway routes among
   the prefill workers.
 
-Every worker gets `--store-format` and the next metrics port from `--metrics-port` on. The
-workers share the machine's cores: each gets `--threads-per-worker` torch threads (default: the
-cores divided among them, at least one), so that they do not oversubscribe the cores. With
+Every worker gets `--store-format`, the speculative decoding options given (`--speculative`
+and its own) and the next metrics port from `--metrics-port` on. The workers share the
+machine's cores: each gets `--threads-per-worker` torch threads (default: the cores divided
+among them, at least one), so that they do not oversubscribe the cores. With
 `--simulate PROFILE` the workers are simulated (DESIGN.md section 2.2), all of them in one
 `kvserve sim-fleet` process, named as the real ones would be.
 
@@ -34,7 +35,12 @@ import sys
 import time
 
 from kvserve.services.cli_support import CliError
-from kvserve.services.engine_options import check_sim_arguments
+from kvserve.services.engine_options import (
+    add_speculative_arguments,
+    check_sim_arguments,
+    speculative_config,
+    speculative_flags,
+)
 from kvserve.services.gateway.router import POLICIES
 from kvserve.services.supervisor import Supervisor
 from kvserve.shared.config import KV_DTYPES, SIM_PAYLOADS, STORE_FORMATS, default_model_path
@@ -107,6 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="gateway and workers accept `kvserve_fault` (tests, chaos runs)",
     )
+    add_speculative_arguments(p)  # the workers'
     g = p.add_argument_group("simulation")
     g.add_argument("--simulate", metavar="PROFILE", default=None,
                    help="simulated workers (one sim-fleet process) on this cost profile: gpu, "
@@ -171,6 +178,7 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
         own += ["--quarantine-after", str(args.quarantine_after)]
     if args.kv_dtype != "auto":
         own += ["--kv-dtype", args.kv_dtype]
+    own += speculative_flags(args)
     if args.simulate is not None:
         return [*out, sim_fleet_command(args, base)]
     for i, (role, name) in enumerate(worker_roles(args)):
@@ -263,6 +271,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.threads_per_worker is not None and args.threads_per_worker < 1:
         raise CliError("--threads-per-worker must be >= 1")
     check_sim_arguments(args)
+    speculative_config(args)
 
 
 def _check_topology(args: argparse.Namespace) -> None:

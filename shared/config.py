@@ -217,6 +217,40 @@ class FaultConfig:
             raise ValueError("max_step_failures must be >= 1 and window_s > 0")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding without a draft model: n-gram lookup ("prompt lookup", vLLM's
+    `ngram` method). Each step a decoding sequence's last n tokens (n from `prompt_lookup_max`
+    down to `prompt_lookup_min`) are looked up in its own earlier tokens, and up to
+    `num_speculative_tokens` tokens that followed the latest match are verified by one forward
+    pass over them all (shared/engine/ngram_proposer.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt lookup needs 1 <= min <= max, got min {self.prompt_lookup_min} "
+                f"and max {self.prompt_lookup_max}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str = field(default_factory=lambda: str(default_model_path()))
@@ -233,6 +267,7 @@ class EngineConfig:
     num_threads: int | None = None
     simulate: SimConfig | None = None  # a simulated engine: no model, the profile's timing
     faults: FaultConfig = field(default_factory=FaultConfig)
+    speculative: SpeculativeConfig | None = None  # None: one token per sequence and step
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -251,6 +286,10 @@ class EngineConfig:
             self.dtype != "float32" or self.resolved_matmul_dtype != "float32"
         ):
             raise ValueError("weights 'file' computes in float32: it needs dtype float32")
+        if self.speculative is not None and self.simulate is not None:
+            # a simulated step's logits are one row per sequence, of a few words: nothing to
+            # verify drafts against
+            raise ValueError("speculative decoding needs the real model, not a simulated engine")
 
     @property
     def resolved_matmul_dtype(self) -> str:

@@ -8,7 +8,9 @@ tokens), greedy (temperature 0), `ignore_eos` and a fixed `max_tokens` per reque
 (what a perfect prefix cache could have served: see kvserve.services.bench.lib.reuse). Overall:
 request and output-token throughput, goodput under --slo (requests/s meeting every SLO given),
 mean / median / p99 of TTFT, TPOT, ITL and e2e, the cached and the reused fraction (cached /
-prompt tokens, cached / reusable tokens).
+prompt tokens, cached / reusable tokens). From the server's /metrics, read before and after each
+run (a server without them reports none): speculative decoding's draft tokens, the acceptance
+rate (accepted / drafted) and the mean drafts accepted per verification step.
 
 Arrivals: Poisson at --request-rate (seeded), all at once for `inf`, the trace's own times for
 `mooncake` unless a rate is given; --max-concurrency bounds the requests in flight. A comma list
@@ -32,12 +34,19 @@ import json
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.services.bench.lib.completions import Client, RequestResult
 from kvserve.services.bench.lib.reuse import DEFAULT_BLOCK_SIZE
-from kvserve.services.bench.serve_report import plot, summarize, table
+from kvserve.services.bench.serve_report import (
+    plot,
+    spec_counters,
+    spec_decode,
+    summarize,
+    table,
+)
 from kvserve.services.bench.serve_sessions import run_once, warmup
+from kvserve.services.bench.workloads.chat import CopyEdit, OpenEnded
 from kvserve.services.bench.workloads.mooncake import (
     MOONCAKE_BLOCK,
     MOONCAKE_TRACE,
@@ -57,7 +66,15 @@ from kvserve.services.bench.workloads.sessions import (
 from kvserve.services.bench.workloads.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID
 from kvserve.services.cli_support import CliError
 
+if TYPE_CHECKING:
+    from kvserve.shared.model.tokenizer import KVTokenizer
+
 # ---- arguments ---------------------------------------------------------------------------------
+
+OUTPUT_LEN = 64  # --output-len's default
+CHAT_OUTPUT_LEN = 192  # copy-edit's and open-ended's: a single user's answer
+CHAT_REQUESTS = 16  # copy-edit's and open-ended's --num-requests
+COUNTED = ("random", "copy-edit", "open-ended")  # --num-requests is their count, not a cap
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or the trace's arrival times for mooncake")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--num-requests", type=int, default=None,
-                   help="random: how many (default 100); other workloads: a cap")  # fmt: skip
+                   help="random, copy-edit, open-ended: how many (default 100, 16, 16); other "
+                        "workloads: a cap")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-serve", help="output directory")
     p.add_argument("--slo", default="", help="ttft=MS,tpot=MS (either or both) for goodput")
@@ -103,8 +121,9 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """Each workload's own options, a group each."""
     g = p.add_argument_group("random")
     g.add_argument("--input-len", type=int, default=256)
-    g.add_argument("--output-len", type=int, default=64,
-                   help="also shared-prefix, multi-round, multi-tenant, agentic")  # fmt: skip
+    g.add_argument("--output-len", type=int, default=None,
+                   help=f"default {OUTPUT_LEN}, {CHAT_OUTPUT_LEN} for copy-edit and open-ended; "
+                        "also every other workload but mooncake")  # fmt: skip
     g.add_argument("--range-ratio", type=float, default=0.0)
     g = p.add_argument_group("shared-prefix")
     g.add_argument("--groups", type=int, default=8)
@@ -133,6 +152,10 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=8.0,
                    help="arrival times divided by it (1: as recorded)")  # fmt: skip
     g.add_argument("--max-context", type=int, default=2048, help="input + output at most")
+    g = p.add_argument_group("copy-edit, open-ended")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="GGUF file or HF dir whose chat template and tokenizer make the prompts: "
+                        "the served model's (default: the default model)")  # fmt: skip
 
 
 def parse_rates(text: str | None) -> list[float] | None:
@@ -204,27 +227,41 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 def workload_spec(args: argparse.Namespace) -> Workload:
     """The --workload's spec from its options (see workloads/)."""
+    out = args.output_len or OUTPUT_LEN
     if args.workload == "random":
-        return RandomLengths(
-            args.num_requests or 100, args.input_len, args.output_len, args.range_ratio
-        )
+        return RandomLengths(args.num_requests or 100, args.input_len, out, args.range_ratio)
     if args.workload == "shared-prefix":
         return SharedPrefix(args.groups, args.prompts_per_group, args.prefix_len,
-                            args.question_len, args.output_len)  # fmt: skip
+                            args.question_len, out)  # fmt: skip
     if args.workload == "multi-round":
         return MultiRound(args.users, args.rounds, args.system_len, args.question_len,
-                          args.output_len, args.user_context_len)  # fmt: skip
+                          out, args.user_context_len)  # fmt: skip
     if args.workload == "multi-tenant":
         return MultiTenant(args.tenants, args.users_per_tenant, args.queries_per_user,
-                           args.context_len, args.question_len, args.output_len)  # fmt: skip
+                           args.context_len, args.question_len, out)  # fmt: skip
     if args.workload == "agentic":
         return Agentic(args.agents, args.turns, args.system_len, args.task_len,
-                       args.tool_output_len, args.output_len)  # fmt: skip
+                       args.tool_output_len, out)  # fmt: skip
+    if args.workload in ("copy-edit", "open-ended"):
+        chat = CopyEdit if args.workload == "copy-edit" else OpenEnded
+        n = args.num_requests or CHAT_REQUESTS
+        return chat(n, args.output_len or CHAT_OUTPUT_LEN, chat_tokenizer(args.tokenizer))
     path = Path(args.trace)
     if not path.is_file():
         raise CliError(f"--trace: no such file {path}")
     return MooncakeTrace(path, parse_window(args.window), args.scale, args.time_scale,
                          args.max_context)  # fmt: skip
+
+
+def chat_tokenizer(path: str | None) -> KVTokenizer:
+    """The tokenizer of `path` (None: the default model); CliError when there is none."""
+    from kvserve.shared.config import default_model_path
+    from kvserve.shared.model.tokenizer import KVTokenizer
+
+    where = Path(path) if path else default_model_path()
+    if not where.exists():
+        raise CliError(f"--tokenizer: no such file or directory {where}")
+    return KVTokenizer.from_path(where)
 
 
 def build_workload(args: argparse.Namespace, vocab_size: int, run: int = 0) -> list[Session]:
@@ -235,7 +272,7 @@ def build_workload(args: argparse.Namespace, vocab_size: int, run: int = 0) -> l
         for s in sessions:
             for t in s.turns:
                 t.output_len = args.max_tokens
-    if args.num_requests is not None and args.workload != "random":
+    if args.num_requests is not None and args.workload not in COUNTED:
         sessions = cap_requests(sessions, args.num_requests)
     return sessions
 
@@ -314,8 +351,10 @@ async def _run_rates(
         for i, rate in enumerate(rates):
             if i:
                 sessions = build_workload(args, vocab, run=i)
+            before = await server_counters(client)
             results, duration = await run_once(args, client, sessions, rate, vocab)
             summary = summarize(results, duration, slo, rate)
+            summary |= spec_decode(before, await server_counters(client))
             runs.append((summary, results))
             for r in results:
                 row = asdict(r)
@@ -324,6 +363,24 @@ async def _run_rates(
                 f.write(json.dumps(row) + "\n")
             print(table(summary), flush=True)
     return runs
+
+
+async def server_counters(client: Client) -> dict[str, float] | None:
+    """The server's speculative decoding counters from its /metrics (None: no /metrics, or
+    none of them there)."""
+    import aiohttp
+
+    try:
+        async with client.http.get(client.url + "/metrics", headers=client.headers) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (OSError, TimeoutError, aiohttp.ClientError):
+        return None
+    try:
+        return spec_counters(text)
+    except ValueError:  # not Prometheus text
+        return None
 
 
 def _write_summary(

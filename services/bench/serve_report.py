@@ -1,5 +1,6 @@
 """The serving benchmark's metrics of one run (`summarize`: throughput, goodput under SLOs,
-latency statistics, cached and reused fractions), its table and its plots."""
+latency statistics, cached and reused fractions; `spec_decode`: speculative decoding's
+acceptance from the server's counters), its table and its plots."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from kvserve.services.bench.lib.completions import RequestResult
 from kvserve.services.bench.lib.plots import pyplot, save_figure
 
 NOT_RATES = ("inf", "trace")
+# The server's speculative decoding counters (kvserve:spec_decode_*_total, vLLM's names).
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def _stats(values: list[float], name: str) -> dict[str, float | None]:
@@ -82,6 +85,44 @@ def summarize(
     return s
 
 
+def spec_counters(text: str) -> dict[str, float] | None:
+    """The speculative decoding counters in Prometheus text (summed over workers), by
+    SPEC_COUNTERS' names; None when the server exposes none of them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.rsplit(":", 1)[-1].removeprefix("spec_decode_")
+            if sample.name.endswith("_total") and name[: -len("_total")] in SPEC_COUNTERS:
+                key = name[: -len("_total")]
+                out[key] = out.get(key, 0.0) + sample.value
+    return out or None
+
+
+def spec_decode(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+    """A run's speculative decoding figures from the counters read before and after it: draft
+    tokens and accepted ones, the acceptance rate (accepted / drafted) and the mean accepted
+    drafts per verification step; None where the server has no such counters or drafted
+    nothing."""
+    if before is None or after is None:
+        grew = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    else:
+        grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
+    drafted, accepted, steps = (
+        grew["num_draft_tokens"],
+        grew["num_accepted_tokens"],
+        grew["num_drafts"],
+    )
+    reported = before is not None and after is not None
+    return {
+        "spec_decode_draft_tokens": round(drafted) if reported else None,
+        "spec_decode_accepted_tokens": round(accepted) if reported else None,
+        "spec_decode_acceptance_rate": accepted / drafted if drafted else None,
+        "spec_decode_mean_accepted_tokens": accepted / steps if steps else None,
+    }
+
+
 def table(s: dict[str, Any]) -> str:
     def fmt(v: Any, ms: bool = False) -> str:
         if v is None:
@@ -101,6 +142,13 @@ def table(s: dict[str, Any]) -> str:
         ("prompt / cached tokens", f"{s['prompt_tokens_total']} / {s['cached_tokens_total']}"),
         ("reusable tokens / reused", f"{s['reusable_tokens_total']} / {fmt(s['reused_fraction'])}"),
     ]
+    if s.get("spec_decode_draft_tokens"):
+        rows.append((
+            "spec decode: drafts accepted / rate / per step",
+            f"{s['spec_decode_accepted_tokens']} of {s['spec_decode_draft_tokens']} / "
+            f"{fmt(s['spec_decode_acceptance_rate'])} / "
+            f"{fmt(s['spec_decode_mean_accepted_tokens'])}",
+        ))  # fmt: skip
     for m in ("ttft", "tpot", "itl", "e2e"):
         vals = [fmt(s[f"{m}_{k}_s"], ms=True) for k in ("mean", "median", "p99")]
         rows.append((f"{m.upper()} mean / median / p99 (ms)", " / ".join(vals)))

@@ -25,7 +25,8 @@ log = get_logger("kvserve.gateway")
 # The workers' counters that /v1/cache/stats sums into its totals.
 STAT_TOTALS = ("num_requests_running", "num_requests_waiting", "num_blocks", "num_used_blocks",
                "cached_blocks", "evicted_blocks", "prefix_cache_queries", "prefix_cache_hits",
-               "num_preemptions")  # fmt: skip
+               "num_preemptions", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+               "spec_decode_num_accepted_tokens")  # fmt: skip
 
 
 class CacheAdmin:

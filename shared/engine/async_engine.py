@@ -271,6 +271,7 @@ class AsyncEngine:
                 if k.startswith("hits_tokens_")
             },
             "num_preemptions": sched.num_preemptions,
+            **{f"spec_decode_{k}": v for k, v in eng.spec_decode_stats.items()},
             "num_steps": eng.num_steps,
             "num_step_failures": eng.num_step_failures,
             "num_requests_failed": eng.num_failed_requests,

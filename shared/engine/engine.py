@@ -1,9 +1,10 @@
 """Engine: requests in, token and text deltas out, one `step()` at a time.
 
-A step: schedule (which also admits the requests whose store fetch has landed) -> run the
-model -> advance the scheduled sequences (computed tokens, newly full blocks published) ->
-process the outputs (sample or advance beam searches, append tokens, fork n > 1 siblings,
-detect stops) -> emit deltas (returned, and given to `on_outputs` when it is set).
+A step: schedule (which also admits the requests whose store fetch has landed, and with
+speculative decoding gives decoding sequences their draft tokens) -> run the model -> advance
+the scheduled sequences (computed tokens, newly full blocks published) -> process the outputs
+(sample or advance beam searches, verify drafts, append tokens, fork n > 1 siblings, detect
+stops) -> emit deltas (returned, and given to `on_outputs` when it is set).
 
 Owns the request table and the step loop. Blocks, in every tier, belong to the KVCacheManager
 (`kv`); the waiting and running queues to the Scheduler; what a step's logits become to the
@@ -29,6 +30,7 @@ from kvserve.shared.engine.failure import (
     inject_step_faults,
 )
 from kvserve.shared.engine.model_runner import ModelRunner
+from kvserve.shared.engine.ngram_proposer import NgramProposer
 from kvserve.shared.engine.output_processor import OutputProcessor
 from kvserve.shared.engine.outputs import Emitted, RequestOutput
 from kvserve.shared.engine.request import Request, SequenceFactory
@@ -81,7 +83,9 @@ class Engine:
             self._load_simulated(config, tokenizer)
         config = self.config
         self.block_size = self.kv.block_size
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        spec = config.speculative
+        drafter = NgramProposer(spec) if spec is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, drafter)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids
         )
@@ -318,6 +322,17 @@ class Engine:
             "evicted_blocks": kv["evicted_blocks"],
             **{f"hits_tokens_{src}": n for src, n in sched.cached_tokens_by_source.items()},
             "host_tier_blocks": kv["host_tier_blocks"],
+        }
+
+    @property
+    def spec_decode_stats(self) -> dict[str, int]:
+        """Speculative decoding: verification steps of sequences with drafts, draft tokens
+        verified, drafts accepted (all 0 without speculation)."""
+        spec = self.outputs.spec_decode
+        return {
+            "num_drafts": spec.num_drafts,
+            "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
         }
 
     def store_stats(self) -> dict[str, object]:

@@ -20,16 +20,29 @@ from kvserve.shared.model.llama import LlamaModel
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Logits [len(sampling_seqs), columns] (float32), row i for sampling_seqs[i]. Column j
-    stands for token j, or for token `columns[j]` when `columns` is given (a simulated step's
-    logits cover a few words only)."""
+    """Logits [rows, columns] (float32): one row per sequence of `sampling_seqs`, in order, or,
+    for a sequence with draft tokens (`num_drafts[i]` > 0), 1 + num_drafts[i] rows: the
+    logits after its last token and after each draft. Column j stands for token j, or for
+    token `columns[j]` when `columns` is given (a simulated step's logits cover a few words
+    only)."""
 
     sampling_seqs: list[Sequence]
     logits: torch.Tensor
     columns: tuple[int, ...] | None = None
+    num_drafts: tuple[int, ...] | None = None  # None: no sequence has drafts
 
     def token_id(self, column: int) -> int:
         return column if self.columns is None else self.columns[column]
+
+    def row_spans(self) -> list[tuple[int, int]]:
+        """Each sampling sequence's [first, end) rows of `logits`."""
+        spans = []
+        at = 0
+        for i in range(len(self.sampling_seqs)):
+            n = 1 + (self.num_drafts[i] if self.num_drafts is not None else 0)
+            spans.append((at, at + n))
+            at += n
+        return spans
 
     def by_token_id(self) -> torch.Tensor:
         """The logits with column j standing for token j (-inf where `columns` has none)."""
@@ -58,15 +71,21 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
         """Logits of the sequences that sample: the model computes its last layer only for
-        their rows (the last token of each sampling chunk, every decode)."""
+        their rows (the last token of each sampling chunk, every row of a chunk that carries
+        drafts, every decode)."""
         prefills, decodes = self._split(batch)
         ordered = prefills + decodes
-        sampling = [s.seq for s in ordered if s.samples]
+        sampling = [s for s in ordered if s.samples]
         if not sampling:
             self._run_model(batch, prefills, decodes)
             return StepOutput([], torch.empty((0, 0), device=self.device))
         hidden = self._run_model(batch, prefills, decodes, only_sampling=True)
-        return StepOutput(sampling, self.model.compute_logits(hidden))
+        drafts = tuple(s.num_drafts for s in sampling)
+        return StepOutput(
+            [s.seq for s in sampling],
+            self.model.compute_logits(hidden),
+            num_drafts=drafts if any(drafts) else None,
+        )
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[list[ScheduledSeq], torch.Tensor]:
@@ -111,8 +130,8 @@ class ModelRunner:
         if picked is not None:  # the sampling rows' own metadata: their chunks, their decodes
             rows, chunks, keep = picked
             parts["rows"] = (rows, torch.long)
-            parts["sub_p_ctx"] = ([p_ctx[i] for i in chunks], torch.int32)
-            parts["sub_p_tables"] = (_flat([p_tables[i] for i in chunks]), torch.int32)
+            parts["sub_p_ctx"] = ([ctx for _, ctx in chunks], torch.int32)
+            parts["sub_p_tables"] = (_flat([p_tables[i] for i, _ in chunks]), torch.int32)
             parts["sub_d_ctx"] = ([d_ctx[j] for j in keep], torch.int32)
             parts["sub_d_tables"] = (_flat([d_tables[j] for j in keep]), torch.int32)
         t = dict(zip(parts, upload(list(parts.values()), self.device), strict=True))
@@ -150,18 +169,23 @@ class ModelRunner:
 
     def _output_rows(
         self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]
-    ) -> tuple[list[int], list[int], list[int]] | None:
-        """The sampling rows (each sampling chunk's last token, then the decodes that sample),
-        the prefill chunks they come from and the decodes kept (indices into `prefills` and
-        `decodes`). None when that is every row of the step (a pure decode step)."""
+    ) -> tuple[list[int], list[tuple[int, int]], list[int]] | None:
+        """The sampling rows (each sampling chunk's last token, or every token of a chunk with
+        drafts; then the decodes that sample), per prefill row the chunk it comes from (an
+        index into `prefills`) and its context length, and the decodes kept (indices into
+        `decodes`). None when that is every row of the step (a pure decode step, or one of
+        drafted chunks only)."""
         rows: list[int] = []
-        chunks = []
+        chunks: list[tuple[int, int]] = []
         offset = 0
+        ctx_lens = _context_lens(prefills)
         for i, s in enumerate(prefills):
             offset += s.num_new_tokens
             if s.samples:
-                rows.append(offset - 1)
-                chunks.append(i)
+                # a drafted chunk: each of its tokens a one-token chunk at its position
+                for back in range(s.num_drafts, -1, -1):
+                    rows.append(offset - 1 - back)
+                    chunks.append((i, ctx_lens[i] - back))
         keep = [j for j, s in enumerate(decodes) if s.samples]
         rows += [offset + j for j in keep]
         if len(rows) == offset + len(decodes):
@@ -177,7 +201,12 @@ class ModelRunner:
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
-            ids.extend(seq.token_ids[start:end])
+            if s.num_drafts:  # the last token, then its drafts (never in token_ids)
+                assert len(seq.draft_tokens) == s.num_drafts == end - seq.num_tokens
+                ids.extend(seq.token_ids[start:])
+                ids.extend(seq.draft_tokens)
+            else:
+                ids.extend(seq.token_ids[start:end])
             table = seq.block_table
             for p in range(start, end):
                 pos.append(p)

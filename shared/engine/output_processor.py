@@ -2,12 +2,24 @@
 
 After the model call: beam requests stash their rows and advance when every live beam has one;
 every other sampling sequence draws one token (a sequence with pending n > 1 siblings draws
-once per sibling from the same row and forks them, sharing its blocks); tokens are appended,
-stops detected (stop tokens, EOS, stop strings, max_tokens, the context window), and each
-touched request yields its deltas. A finished request leaves the table here.
+once per sibling from the same row and forks them, sharing its blocks); a sequence with draft
+tokens verifies them (`_verify`); tokens are appended, stops detected (stop tokens, EOS, stop
+strings, max_tokens, the context window), and each touched request yields its deltas. A
+finished request leaves the table here.
 
-Mutates: the request table (shared with the Engine), sequences' tokens and logprobs; finishes
-sequences and adds forks through the Scheduler; forks share blocks through the KV manager.
+Verification (speculative decoding): row j of a drafted sequence is drawn as a decode at that
+position would draw it (its seed, its min_tokens suppression), once rows 0..j-1 were appended;
+the row's token is appended, and the next row counts only while each token is the draft it
+verifies (greedy: the argmax; sampled: `sampler.verify_draft`). So the first mismatch, or the
+bonus row after every draft was accepted, ends the run, and so does the first token that
+finishes the sequence (the rest is discarded). Each accepted draft's K/V, written by this step,
+then counts as computed and its newly full blocks are published; a rejected draft's slots
+are left to be overwritten, beyond `num_computed_tokens`, in no published block.
+
+Mutates: the request table (shared with the Engine), sequences' tokens, logprobs, drafts and
+(for accepted drafts) computed tokens; finishes sequences and adds forks through the
+Scheduler; forks share blocks and accepted drafts' blocks are published through the KV
+manager.
 """
 
 from __future__ import annotations
@@ -28,6 +40,23 @@ from kvserve.shared.engine.scheduler import Scheduler
 from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
 from kvserve.shared.sampling_params import SamplingParams
 
+Draw = tuple[int, float, dict[int, float] | None]  # a row's token, its logprob, top logprobs
+
+
+@dataclasses.dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters (vLLM's spec_decode names): verification steps of a
+    sequence with drafts, draft tokens verified, and those accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, drafts: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafts
+        self.num_accepted_tokens += accepted
+
 
 class OutputProcessor:
     def __init__(
@@ -46,6 +75,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sampler = Sampler()
+        self.spec_decode = SpecDecodeStats()
         # n > 1 siblings created while their parent's row is sampled, forked right after.
         self._pending_children: dict[tuple[SeqId, int], Sequence] = {}
         # Requests whose own processing raised in this step (take_failed), with the exception.
@@ -57,10 +87,20 @@ class OutputProcessor:
         since, for the engine to abort); the others go on."""
         seqs = out.sampling_seqs
         beam = [i for i, q in enumerate(seqs) if self.requests[q.request_id].beam]
-        if beam:
-            touched = self._beam_step(seqs, out.by_token_id(), beam)
-            keep = [i for i in range(len(seqs)) if i not in set(beam)]
-            touched += self._sample([seqs[i] for i in keep], out.logits[keep], out)
+        spans = out.row_spans()
+        drafted = [i for i, (a, b) in enumerate(spans) if b - a > 1]
+        if beam or drafted:
+            touched = []
+            if beam:
+                rows = [spans[i][0] for i in beam]
+                touched += self._beam_step([seqs[i] for i in beam], out.by_token_id()[rows])
+            aside = set(beam) | set(drafted)
+            keep = [i for i in range(len(seqs)) if i not in aside]
+            rows = [spans[i][0] for i in keep]
+            touched += self._sample([seqs[i] for i in keep], out.logits[rows], out)
+            if drafted:
+                logits = [out.logits[spans[i][0] : spans[i][1]] for i in drafted]
+                touched += self._verify([seqs[i] for i in drafted], logits, out)
         else:
             touched = self._sample(seqs, out.logits, out)
         outputs = []
@@ -181,11 +221,11 @@ class OutputProcessor:
             gen.manual_seed(position_seed(seed, seq.index, seq.num_output_tokens))
         return SampleRow(seq.params, gen, self._suppressed(seq))
 
-    def _suppressed(self, seq: Sequence) -> tuple[int, ...]:
-        """The token ids a sequence may not draw next: its stop tokens (and EOS, unless it
-        ignores EOS) while it has fewer than `min_tokens` outputs."""
+    def _suppressed(self, seq: Sequence, ahead: int = 0) -> tuple[int, ...]:
+        """The token ids a sequence may not draw next (`ahead` tokens later): its stop tokens
+        (and EOS, unless it ignores EOS) while it has fewer than `min_tokens` outputs."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        if seq.num_output_tokens + ahead >= p.min_tokens:
             return ()
         eos = () if p.ignore_eos else tuple(self.eos_token_ids)
         return tuple(dict.fromkeys((*p.stop_token_ids, *eos)))
@@ -196,18 +236,101 @@ class OutputProcessor:
         self.scheduler.add_running(child)
         return child
 
+    # ---- speculative decoding ---------------------------------------------------------------
+
+    def _verify(
+        self, seqs: list[Sequence], logits: list[torch.Tensor], out: StepOutput
+    ) -> list[str]:
+        """Each drafted sequence's rows [1 + drafts, V] against its drafts (module docstring);
+        its drafts are gone afterwards, whatever happened. The greedy sequences' rows are
+        drawn together first (they need no generator: one sampler pass, one copy from a
+        device); a sampled row only once the walk reaches it (seeded for its position as a
+        decode there would be), so rows after a rejection are never drawn."""
+        assert out.columns is None  # drafts are token ids: the real model's logits only
+        drafts = [seq.draft_tokens for seq in seqs]
+        for seq in seqs:
+            seq.draft_tokens = []
+        greedy = self._greedy_draws(seqs, drafts, logits, out)
+        touched: list[str] = []
+        for i, (seq, rows) in enumerate(zip(seqs, logits, strict=True)):
+            if seq.request_id in self.failed or seq.is_finished:
+                continue
+            touched.append(seq.request_id)
+            with self._blame(seq.request_id):
+                draws = greedy[i] if i in greedy else self._sampled_draws(seq, drafts[i], rows, out)
+                self.spec_decode.record(len(drafts[i]), self._accept(seq, drafts[i], draws))
+        return touched
+
+    def _greedy_draws(
+        self,
+        seqs: list[Sequence],
+        drafts: list[list[int]],
+        logits: list[torch.Tensor],
+        out: StepOutput,
+    ) -> dict[int, Iterator[Draw]]:
+        """Every row of each greedy sequence (by its index in `seqs`), drawn in one pass;
+        a sequence whose request failed in it is left out."""
+        picked = [
+            i for i, q in enumerate(seqs) if q.params.greedy and q.request_id not in self.failed
+        ]
+        if not picked:
+            return {}
+        rows: list[SampleRow] = []
+        owners: list[str] = []
+        for i in picked:
+            seq = seqs[i]
+            for j, draft in enumerate([*drafts[i], None]):  # the last row: the bonus token's
+                rows.append(SampleRow(seq.params, None, self._suppressed(seq, j), draft))
+                owners.append(seq.request_id)
+        drawn = self._draw(torch.cat([logits[i] for i in picked]), rows, owners, out)
+        draws: dict[int, Iterator[Draw]] = {}
+        at = 0
+        for i in picked:
+            mine = drawn[at : at + len(drafts[i]) + 1]
+            at += len(mine)
+            if all(d is not None for d in mine):
+                draws[i] = iter([d for d in mine if d is not None])
+        return draws
+
+    def _sampled_draws(
+        self, seq: Sequence, drafts: list[int], rows: torch.Tensor, out: StepOutput
+    ) -> Iterator[Draw]:
+        """Row j's draw, taken once rows 0..j-1 are appended (so that its seed and its
+        min_tokens suppression are those of its position)."""
+        for j, draft in enumerate([*drafts, None]):
+            row = dataclasses.replace(self._sample_row(seq, -1), draft=draft)
+            (drawn,) = self._draw_rows(rows[j : j + 1], [row], out)
+            assert drawn is not None
+            yield drawn
+
+    def _accept(self, seq: Sequence, drafts: list[int], draws: Iterator[Draw]) -> int:
+        """Append row after row's token while each is the draft it verifies; how many drafts
+        were accepted."""
+        accepted = 0
+        for j, (token, logprob, top) in enumerate(draws):
+            self._append(seq, token, logprob, top)
+            if j == len(drafts) or token != drafts[j]:
+                break
+            accepted += 1
+            if seq.is_finished:
+                break
+            seq.num_computed_tokens += 1  # the draft's K/V (this step's) is the token's
+            self.kv.publish(seq)
+        return accepted
+
     # ---- beam search ------------------------------------------------------------------------
 
-    def _beam_step(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> list[str]:
-        """Stash each beam's log-softmax row; advance every beam request whose live beams all
-        have theirs. Returns the requests whose search finished."""
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
+    def _beam_step(self, seqs: list[Sequence], logits: torch.Tensor) -> list[str]:
+        """Stash each beam's log-softmax row (logits [len(seqs), V]); advance every beam
+        request whose live beams all have theirs. Returns the requests whose search
+        finished."""
+        logprobs = torch.log_softmax(logits, dim=-1)
         ready: dict[str, Request] = {}
-        for i, row in zip(rows, logprobs, strict=True):
-            req = self.requests[seqs[i].request_id]
+        for seq, row in zip(seqs, logprobs, strict=True):
+            req = self.requests[seq.request_id]
             assert req.beam is not None
             with self._blame(req.request_id):
-                if req.beam.stash(seqs[i], row):
+                if req.beam.stash(seq, row):
                     ready[req.request_id] = req
         done = []
         for rid, req in ready.items():

@@ -3,10 +3,11 @@ params ask for `top_logprobs`, the k most likely tokens' logprobs).
 
 Greedy rows take the argmax. Sampled rows apply temperature, then top-k, then top-p, and draw
 with the row's own `torch.Generator` when it has one (a seeded request gives the same output
-whatever it is batched with). The engine seeds that generator afresh for every token
-(`position_seed`: the request's seed, the completion's index, the token's position), so a
-request taken up again at any position draws what it would have drawn. Logprobs are of the
-model's distribution (log-softmax of the raw logits), as OpenAI reports them.
+whatever it is batched with); a row that verifies a speculative draft draws by `verify_draft`.
+The engine seeds that generator afresh for every token (`position_seed`: the request's seed,
+the completion's index, the token's position), so a request taken up again at any position
+draws what it would have drawn. Logprobs are of the model's distribution (log-softmax of the
+raw logits), as OpenAI reports them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class SampleRow:
     generator: torch.Generator | None
     # Columns this row may not draw now: its stop tokens before `min_tokens` outputs.
     suppressed: tuple[int, ...] = ()
+    # Speculative decoding: the draft token (column) this row verifies; the row's token is
+    # then the draft when it is accepted, else the replacement drawn (`verify_draft`).
+    draft: int | None = None
 
 
 def position_seed(seed: int, index: int, position: int) -> int:
@@ -63,6 +67,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int((probs / -torch.log(u)).argmax())
 
 
+def verify_draft(probs: torch.Tensor, draft: int, generator: torch.Generator | None) -> int:
+    """Rejection sampling of a draft proposed with certainty (a one-hot proposal, as n-gram
+    lookup makes): accept `draft` with probability p(draft), and on rejection draw from p with
+    the draft's mass removed, renormalised; the token returned is then distributed exactly as
+    p [V] (not necessarily normalised), whatever the draft. Accepted: the draft is returned.
+
+    One draw x ~ p decides both (the coupled form of the rule): x == draft has probability
+    p(draft), and given x != draft, x is distributed as p / (1 - p(draft)) over the other
+    tokens, which is the renormalised remainder. It takes no more random numbers than a
+    decode without a draft and returns the very token such a decode draws with the same
+    generator state, so a seeded request gives the same tokens with or without speculation."""
+    return draw(probs, generator)
+
+
 TopLogprobs = dict[int, float]  # token id -> logprob, most likely first
 
 
@@ -96,7 +114,11 @@ class Sampler:
             if p.greedy:
                 continue
             scaled = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-            tokens[i] = draw(torch.softmax(scaled, dim=-1), row.generator)
+            probs = torch.softmax(scaled, dim=-1)
+            if row.draft is None:
+                tokens[i] = draw(probs, row.generator)
+            else:
+                tokens[i] = verify_draft(probs, row.draft, row.generator)
         chosen = logits.gather(1, tokens[:, None])[:, 0] - lse
         asked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (row, values, ids)
         for i, row in enumerate(rows):

@@ -10,6 +10,12 @@ No waiting sequence is admitted in a step that preempted.
 A sequence whose prefix blocks are being fetched from the store waits in the same queue, in
 status FETCHING: it keeps its place and is passed over until its blocks have landed.
 
+Speculative decoding (with a Drafter): once every running sequence has its tokens, each one in
+the decode state gets draft tokens (`Sequence.draft_tokens`) while the budget and free blocks
+allow, and its chunk grows by them; a draft never costs anyone a block (a step that preempted
+drafts nothing), and a preempted sequence loses its drafts. `advance` counts only the real
+tokens as computed: the verification (OutputProcessor) adds the drafts it accepts.
+
 Owns: the waiting queue and the running list. Mutates: sequences' `num_computed_tokens` and
 status. Sees the KV cache only through `KVSlots` (what it may ask of the KV-cache manager):
 blocks come from it and go back to it: `start_fetch` when a sequence arrives, `match_prefix`
@@ -67,15 +73,28 @@ class KVSlots(Protocol):
     def observe_prefill(self, prompt_tokens: int, step_tokens: int, seconds: float) -> None: ...
 
 
+class Drafter(Protocol):
+    """Where draft tokens come from (NgramProposer)."""
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """At most `limit` tokens that may follow `seq`'s (none: a plain decode)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
+    """`num_new_tokens` of `seq` in this step, the last `num_drafts` of them its draft tokens
+    (then every one of the chunk's rows is sampled, to verify them)."""
+
     seq: Sequence
     num_new_tokens: int
+    num_drafts: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this step brings the sequence up to date, so its last logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens + self.num_drafts
 
 
 @dataclass
@@ -95,9 +114,12 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVSlots) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVSlots, drafter: Drafter | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -156,8 +178,30 @@ class Scheduler:
                 continue
             break
         if not batch.preempted:
+            if self.drafter is not None:
+                budget -= self._add_drafts(batch, budget)
             self._admit(batch, budget)
         return batch
+
+    def _add_drafts(self, batch: Batch, budget: int) -> int:
+        """Drafts for the batch's decoding sequences, oldest first, while `budget` lasts and
+        their blocks are free; the tokens they add."""
+        assert self.drafter is not None
+        added = 0
+        for i, s in enumerate(batch.scheduled):
+            seq = s.seq
+            room = budget - added
+            if room <= 0:
+                break
+            if s.num_new_tokens != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+                continue
+            drafts = self.drafter.propose(seq, room)
+            if not drafts or not self._reserve(seq, 1 + len(drafts), batch):
+                continue
+            seq.draft_tokens = drafts
+            batch.scheduled[i] = ScheduledSeq(seq, 1 + len(drafts), len(drafts))
+            added += len(drafts)
+        return added
 
     def _schedule_suspect(self) -> Batch:
         """A batch of the first waiting suspect alone (empty when none can run now)."""
@@ -248,17 +292,21 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_tokens = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     def advance(self, batch: Batch, seconds: float) -> None:
         """The step ran: each scheduled sequence's computed tokens catch up, its newly full
-        blocks are published, and the prefill-speed estimate learns the step's time."""
-        prompt = sum(s.num_new_tokens for s in batch.scheduled if s.num_new_tokens > 1)
+        blocks are published, and the prefill-speed estimate learns the step's time. Draft
+        tokens are not counted: which of them hold good K/V only their verification knows."""
+        prompt = sum(
+            s.num_new_tokens for s in batch.scheduled if s.num_new_tokens > 1 and not s.num_drafts
+        )
         self.kv.observe_prefill(prompt, batch.num_tokens, seconds)
         for s in batch.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens - s.num_drafts
             self.kv.publish(s.seq)
             if self.suspects:
                 self.forget(s.seq.request_id)

@@ -74,6 +74,11 @@ class Sequence:
     # Disaggregated decode: the prompt's partial last block as the prefill worker computed it,
     # attached at first admission when every full block before it is cached (then dropped).
     kv_tail: KVTail | None = None
+    # Speculative decoding: tokens proposed to follow token_ids, set by the scheduler for the
+    # step it schedules them in and cleared once that step's logits have verified them. Never
+    # part of token_ids, so no hash, stop check or output sees them; their KV slots count as
+    # computed only for those verification accepts (Scheduler.advance, OutputProcessor).
+    draft_tokens: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

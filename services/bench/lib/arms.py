@@ -1,17 +1,20 @@
 """The servers `kvserve bench compare` and `scale` put side by side, each an `ArmServer`: a
 `ServerProcess` and, for a stack without a given Redis, the redis-server it brings.
 
-- kvserve itself (`kvserve serve`, ready at its `ready` log event) and `kvserve stack`
+- kvserve itself (`kvserve serve`, ready at its `ready` log event; `kvserve-spec` with n-gram
+  speculative decoding, `--speculative ngram --num-speculative-tokens K`) and `kvserve stack`
   (`stack_server`: the topology its flags describe, e.g. the disaggregated arm's 2 prefill + 1
   decode workers), the stack on a redis-server started like compose.yaml's (maxmemory,
   allkeys-lru, no persistence) unless a Redis URL is given; ready once its gateway lists its
   workers.
-- llama.cpp's `llama-server` (lib/llama_cpp.py), built on demand.
+- llama.cpp's `llama-server` (lib/llama_cpp.py), built on demand. The pinned version speculates
+  only with a draft model (`-md`), so there is no n-gram arm of it.
 - Hugging Face transformers behind the minimal OpenAI-compatible shim in lib/hf_shim.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +28,10 @@ from kvserve.services.bench.lib.llama_cpp import (
 from kvserve.services.bench.lib.process import HttpReady, ServerProcess, kvserve_process
 from kvserve.services.bench.lib.redis_server import RedisServer
 
-ARMS = ("kvserve", "kvserve-fp32", "kvserve-bf16", "kvserve-disagg", "llama-server", "hf")
+ARMS = ("kvserve", "kvserve-fp32", "kvserve-bf16", "kvserve-disagg", "llama-server", "hf",
+        "kvserve-spec")  # fmt: skip
+DEFAULT_ARMS = ARMS[:-1]  # `bench compare`'s default: kvserve-spec when asked for
+SPECULATIVE_TOKENS = 4  # kvserve-spec's K by default
 DISAGG_REDIS_MAXMEMORY = "2gb"  # compose.yaml's default
 SERVE_WEIGHTS = {"kvserve": [], "kvserve-fp32": ["--weights", "fp32"],
                  "kvserve-bf16": ["--weights", "bf16"]}  # fmt: skip
@@ -44,6 +50,7 @@ class ArmSettings:
     redis_url: str | None = None
     redis_maxmemory: str = DISAGG_REDIS_MAXMEMORY
     request_timeout: float = 3600.0
+    speculative_tokens: int = SPECULATIVE_TOKENS  # kvserve-spec: tokens proposed per step
 
     @property
     def threads_env(self) -> dict[str, str]:
@@ -145,20 +152,50 @@ def hf_server(port: int, settings: ArmSettings) -> ArmServer:
     return ArmServer(process)
 
 
-def serve_server(arm: str, port: int, settings: ArmSettings) -> ArmServer:
+def serve_server(
+    arm: str, port: int, settings: ArmSettings, flags: list[str] | None = None
+) -> ArmServer:
     """`kvserve serve` on a memory store: the GGUF's own weights (`kvserve`), expanded to fp32
-    (`kvserve-fp32`) or bf16 matmuls with everything else fp32 (`kvserve-bf16`)."""
+    (`kvserve-fp32`) or bf16 matmuls with everything else fp32 (`kvserve-bf16`); `flags` after
+    the arm's own (kvserve-spec: `speculative_flags`)."""
     args = ["--model", str(settings.model), "--port", str(port), "--store", "memory://"]
-    args += ["--request-timeout", str(settings.request_timeout), *SERVE_WEIGHTS[arm]]
+    args += ["--request-timeout", str(settings.request_timeout)]
+    args += [*SERVE_WEIGHTS.get(arm, []), *(flags or [])]
     log = settings.log_dir / f"{arm}.log"
     return ArmServer(kvserve_process(["serve"], args, name=arm, log=log, env=settings.threads_env))
 
 
+def speculative_flags(k: int) -> list[str]:
+    """kvserve-spec's flags: n-gram speculative decoding (vLLM's prompt lookup), `k` tokens
+    proposed per step; ArmSetupError when this kvserve's `serve` does not take them."""
+    if k < 1:
+        raise ArmSetupError(f"kvserve-spec: the speculative tokens must be >= 1, got {k}")
+    missing = [f for f in ("--speculative", "--num-speculative-tokens") if f not in serve_flags()]
+    if missing:
+        raise ArmSetupError(
+            f"kvserve-spec: `kvserve serve` has no {' or '.join(missing)} option (n-gram "
+            "speculative decoding is not in this version)"
+        )
+    return ["--speculative", "ngram", "--num-speculative-tokens", str(k)]
+
+
+def serve_flags() -> set[str]:
+    """Every option string `kvserve serve` takes (its parser built here; no engine loaded)."""
+    from kvserve.services import serve
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    serve.register(sub)
+    return set(sub.choices["serve"]._option_string_actions)
+
+
 def make_server(arm: str, port: int, settings: ArmSettings) -> ArmServer:
     """The arm's server, not started yet. Raises ArmSetupError when it cannot be set up (for
-    llama-server: when the build fails)."""
+    llama-server: when the build fails; for kvserve-spec: when `kvserve serve` has no n-gram
+    speculative decoding)."""
     if arm in SERVE_WEIGHTS:
         return serve_server(arm, port, settings)
+    if arm == "kvserve-spec":
+        return serve_server(arm, port, settings, speculative_flags(settings.speculative_tokens))
     if arm == "kvserve-disagg":
         return stack_server(arm, _disagg_flags(settings.threads), port, settings)
     if arm == "llama-server":

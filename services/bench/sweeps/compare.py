@@ -8,11 +8,16 @@ expanded to fp32), `kvserve-bf16` (`--weights bf16`: bf16 matmuls), `kvserve-dis
 (`kvserve stack` on a local redis-server the harness starts as compose.yaml does, or on
 `--redis URL`),
 `llama-server` (llama.cpp, built on demand into the cache dir; 8 slots x 2,048 tokens, continuous
-batching, prompt cache on) and `hf` (transformers behind a minimal OpenAI shim). Every repeat
+batching, prompt cache on) and `hf` (transformers behind a minimal OpenAI shim); and, only when
+named in --arms, `kvserve-spec` (`kvserve serve --speculative ngram --num-speculative-tokens K`,
+K from --num-speculative-tokens; not run, with the reason, where `kvserve serve` has no such
+option). The pinned llama-server has no n-gram speculative decoding (only a draft model's), so
+no arm of it. Every repeat
 starts the arm's server fresh (so no repeat finds the previous one's prompts cached), sends
 `--warmup-requests` short requests that are not measured, runs `kvserve bench serve` as a
 subprocess and stops the server. Same tokens (the vocabulary comes from the GGUF, not
-from each server), greedy, EOS ignored, same thread count.
+from each server; the chat workloads' prompts are rendered with the GGUF's own tokenizer and chat
+template), greedy, EOS ignored, same thread count.
 
 Reports per arm the median over repeats of output tok/s, mean, median and p99 TTFT, mean TPOT,
 with their range; an arm that cannot be set up is reported with the reason and the others run.
@@ -39,7 +44,8 @@ from kvserve.services.bench.lib.process import StartError, free_port, kvserve_co
 
 KEYS = ("output_tok_s", "ttft_mean_s", "ttft_median_s", "ttft_p99_s", "tpot_mean_s")
 # `kvserve bench serve` options the harness sets itself rather than passing through.
-OWN_OPTIONS = {"help", "base_url", "out", "model", "api_key", "vocab_size", "warmup_requests"}
+OWN_OPTIONS = {"help", "base_url", "out", "model", "api_key", "vocab_size", "warmup_requests",
+               "tokenizer"}  # fmt: skip
 
 
 def _serve_actions() -> list[argparse.Action]:
@@ -52,7 +58,9 @@ def _serve_actions() -> list[argparse.Action]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--arms", default=",".join(arms.ARMS), help="comma-separated: " + ", ".join(arms.ARMS)
+        "--arms",
+        default=",".join(arms.DEFAULT_ARMS),
+        help="comma-separated, of: " + ", ".join(arms.ARMS) + " (default: all but kvserve-spec)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench-compare", help="output directory")
@@ -63,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ready-timeout", type=float, default=600.0, help="seconds for a server to start"
     )
     p.add_argument("--run-timeout", type=float, default=7200.0, help="seconds for one bench run")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=arms.SPECULATIVE_TOKENS,
+        help="kvserve-spec: tokens the n-gram lookup proposes per step",
+    )
     p.add_argument(
         "--redis",
         default=None,
@@ -106,7 +120,7 @@ def run_arm(
         except StartError as e:
             return {"error": str(e), "runs": runs}
         try:
-            summary = bench_serve(args, server.url, vocab, out / arm / f"repeat-{r}")
+            summary = bench_serve(args, server.url, vocab, out / arm / f"repeat-{r}", model)
         except RunFailed as e:
             return {"error": str(e), "runs": runs}
         finally:
@@ -130,6 +144,7 @@ def _start_server(
     settings = arms.ArmSettings(
         model, out / arm, args.threads, args.redis, args.redis_maxmemory,
         args.timeout + 60,  # the client's limit is the one that applies
+        args.num_speculative_tokens,
     )  # fmt: skip
     server = arms.make_server(arm, free_port(), settings)
     t0 = time.monotonic()
@@ -142,12 +157,15 @@ def _start_server(
 
 
 def bench_serve(
-    args: argparse.Namespace, base_url: str, vocab: int, run_dir: Path
+    args: argparse.Namespace, base_url: str, vocab: int, run_dir: Path, model: Path | None = None
 ) -> dict[str, Any]:
-    """`kvserve bench serve` against the server: its summary (its output in
-    run_dir/stdout.txt); RunFailed when it fails, times out, or a request failed."""
+    """`kvserve bench serve` against the server, the chat workloads' prompts made with `model`'s
+    tokenizer: its summary (its output in run_dir/stdout.txt); RunFailed when it fails, times
+    out, or a request failed."""
     cmd = [*kvserve_command(), "bench", "serve", "--base-url", base_url, *serve_argv(args)]
     cmd += ["--vocab-size", str(vocab), "--out", str(run_dir)]
+    if model is not None:
+        cmd += ["--tokenizer", str(model)]
     cmd += ["--warmup-requests", str(args.warmup_requests)]
     try:
         proc = subprocess.run(

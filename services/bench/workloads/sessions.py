@@ -19,6 +19,8 @@ turn. Each workload is a frozen spec whose `sessions(vocab_size, seed)` draws th
 - `agentic` (`Agentic`): A agents x R turns carrying their history: a shared system prompt and
   the agent's task, then a tool result appended every turn.
 - `mooncake`: the Mooncake FAST'25 trace replayed (workloads/mooncake.py).
+- `copy-edit` and `open-ended`: chat requests of real text, one whose answers copy the prompt
+  and one whose answers do not (workloads/chat.py).
 
 Every session names its user (`Session.user`), the key a session-affinity router would route it
 by: the request's OpenAI `user` under `bench serve --send-user`.
@@ -33,7 +35,8 @@ from typing import ClassVar, Protocol
 
 from kvserve.services.bench.workloads.tokens import check_vocab, random_tokens
 
-WORKLOADS = ("random", "shared-prefix", "multi-round", "multi-tenant", "agentic", "mooncake")
+WORKLOADS = ("random", "shared-prefix", "multi-round", "multi-tenant", "agentic", "mooncake",
+             "copy-edit", "open-ended")  # fmt: skip
 
 
 @dataclass

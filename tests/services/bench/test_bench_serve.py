@@ -25,7 +25,7 @@ from aiohttp import web
 from kvserve.services import cli
 from kvserve.services.bench.lib.completions import Client, RequestResult
 from kvserve.services.bench.lib.process import kvserve_process
-from kvserve.services.bench.serve_report import summarize
+from kvserve.services.bench.serve_report import spec_counters, spec_decode, summarize, table
 from kvserve.services.bench.serve_sessions import arrival_times, run_once
 from kvserve.services.bench.workloads.sessions import Agentic, MultiRound, Session
 
@@ -70,6 +70,48 @@ def test_the_session_runner_feeds_reuse_in_send_order() -> None:
     summary = summarize(results, duration, {}, math.inf)
     assert summary["reusable_tokens_total"] == 128 and summary["reused_fraction"] == 0.0
     assert summarize([], 1.0, {}, None)["reused_fraction"] is None
+
+
+def engine_metrics(snapshot: dict[str, dict[str, Any]]) -> str:
+    """The Prometheus text a gateway serves for these workers' stats."""
+    from kvserve.shared.telemetry import EngineStatsCollector
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    collector = EngineStatsCollector("m")
+    collector.snapshot = snapshot
+    registry.register(collector)
+    return generate_latest(registry).decode()
+
+
+def test_spec_decode_figures_are_the_counters_growth_over_the_run() -> None:
+    after = spec_counters(
+        engine_metrics({
+            "a": {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 40,
+                  "spec_decode_num_accepted_tokens": 30, "num_preemptions": 3},
+            "b": {"spec_decode_num_drafts": 6, "spec_decode_num_draft_tokens": 24,
+                  "spec_decode_num_accepted_tokens": 2},
+        })
+    )  # fmt: skip
+    assert after == {"num_drafts": 16.0, "num_draft_tokens": 64.0, "num_accepted_tokens": 32.0}
+    before = {"num_drafts": 8.0, "num_draft_tokens": 32.0, "num_accepted_tokens": 8.0}
+    figures = spec_decode(before, after)
+    assert figures == {
+        "spec_decode_draft_tokens": 32,
+        "spec_decode_accepted_tokens": 24,
+        "spec_decode_acceptance_rate": 0.75,
+        "spec_decode_mean_accepted_tokens": 3.0,
+    }
+    summary = summarize([], 1.0, {}, math.inf) | figures
+    assert "spec decode: drafts accepted / rate / per step  24 of 32 / 0.750 / 3.000" in table(
+        summary
+    )
+    # a server without the counters, or one that drafted nothing: no figures, no table row
+    assert spec_counters("# TYPE other_total counter\nother_total 1.0\n") is None
+    assert spec_counters(engine_metrics({})) is None  # no worker reports yet
+    for none in (spec_decode(None, None), spec_decode(after, after)):
+        assert none["spec_decode_acceptance_rate"] is None
+        assert "spec decode" not in table(summarize([], 1.0, {}, math.inf) | none)
 
 
 def test_agent_prompts_extend_each_other() -> None:

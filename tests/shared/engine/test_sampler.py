@@ -1,11 +1,21 @@
-"""The Sampler's tokens and logprobs against torch's log-softmax of the same logits."""
+"""The Sampler's tokens and logprobs against torch's log-softmax of the same logits, and the
+rejection rule that verifies a speculative draft against the distribution it must keep."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 from kvserve.kernels import cpu_ops
-from kvserve.shared.engine.sampler import Sampler, SampleRow, draw, to_host
+from kvserve.shared.engine.sampler import (
+    Sampler,
+    SampleRow,
+    apply_top_k_top_p,
+    draw,
+    to_host,
+    verify_draft,
+)
 from kvserve.shared.sampling_params import SamplingParams
 
 
@@ -100,6 +110,81 @@ def test_draws_follow_the_distribution_and_skip_zero_probabilities() -> None:
     expected = probs / probs.sum() * draws
     assert ((counts - expected).abs() <= 4 * (expected * (1 - expected / draws)).sqrt() + 1).all()
     assert draw(probs, gen.manual_seed(7)) == draw(probs, gen.manual_seed(7))
+
+
+# ---- speculative decoding: the draft's rejection sampling ------------------------------------
+
+DraftRule = Callable[[torch.Tensor, int, torch.Generator], int]
+
+
+def _always_accept(probs: torch.Tensor, d: int, gen: torch.Generator) -> int:
+    return d
+
+
+def _redraw_with_the_draft(probs: torch.Tensor, d: int, gen: torch.Generator) -> int:
+    """Accept with probability p(d), on rejection draw from p itself (d's mass not removed)."""
+    if float(torch.rand((), generator=gen)) < float(probs[d] / probs.sum()):
+        return d
+    return draw(probs, gen)
+
+
+def _verification_stats(
+    rule: DraftRule, probs: torch.Tensor, d: int, trials: int = 20_000
+) -> tuple[float, float, float]:
+    """(|acceptance rate - p(d)|, total variation of the tokens from p, total variation of the
+    rejections' tokens from p with d's mass removed), over `trials` seeded draws."""
+    p = probs / probs.sum()
+    gen = torch.Generator()
+    tokens = torch.tensor([rule(probs, d, gen.manual_seed(seed)) for seed in range(trials)])
+    counts = torch.bincount(tokens, minlength=len(p)).double()
+    rejected = torch.bincount(tokens[tokens != d], minlength=len(p)).double()
+    rest = p.double().clone()
+    rest[d] = 0
+    tv = 0.5 * float((counts / trials - p).abs().sum())
+    tv_rejected = 0.5 * float(
+        (rejected / max(1.0, float(rejected.sum())) - rest / rest.sum()).abs().sum()
+    )
+    return abs(float(counts[d]) / trials - float(p[d])), tv, tv_rejected
+
+
+SPEC_PARAMS = SamplingParams(max_tokens=1, temperature=0.8, top_k=5)
+SPEC_LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.2, -1.0])
+
+
+def _processed() -> torch.Tensor:
+    """SPEC_LOGITS as SPEC_PARAMS' rows draw from them: top 5 of temperature 0.8."""
+    p = SPEC_PARAMS
+    return torch.softmax(apply_top_k_top_p(SPEC_LOGITS / p.temperature, p.top_k, p.top_p), -1)
+
+
+@pytest.mark.parametrize("draft", [1, 0, 5])
+def test_verifying_a_draft_keeps_the_target_distribution(draft: int) -> None:
+    """Accepted with probability p(d), a rejection's token from p without d, renormalised,
+    so every token is drawn from p (the draft 5 is outside top-k: never accepted)."""
+    probs = _processed()
+    accept_err, tv, tv_rejected = _verification_stats(verify_draft, probs, draft)
+    # binomial standard deviations are <= 0.0036 (acceptance), TV about 0.005 by chance
+    assert accept_err < 0.015 and tv < 0.02 and tv_rejected < 0.025
+
+
+@pytest.mark.parametrize("rule", [_always_accept, _redraw_with_the_draft])
+def test_a_wrong_verification_rule_fails_the_same_bounds(rule: DraftRule) -> None:
+    accept_err, tv, tv_rejected = _verification_stats(rule, _processed(), 1)
+    assert not (accept_err < 0.015 and tv < 0.02 and tv_rejected < 0.025)
+
+
+def test_a_drafted_sampled_row_draws_by_the_verification_rule() -> None:
+    """Sampler rows that carry a draft give verify_draft's token for the same generator
+    state, which is also what the row draws without a draft (seeded runs stay the same)."""
+    probs = _processed()
+    gen = torch.Generator()
+    for seed in range(200):
+        row = SampleRow(SPEC_PARAMS, gen.manual_seed(seed), draft=1)
+        (token,), _, _ = Sampler().sample(SPEC_LOGITS[None].clone(), [row])
+        (plain,), _, _ = Sampler().sample(
+            SPEC_LOGITS[None].clone(), [SampleRow(SPEC_PARAMS, gen.manual_seed(seed))]
+        )
+        assert token == verify_draft(probs, 1, gen.manual_seed(seed)) == plain
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -448,3 +448,65 @@ def test_random_workload_runs_to_completion_without_leaks(
     assert all(s.num_output_tokens == s.params.max_tokens for s in done)
     assert sched.kv.pool.num_free == num_blocks
     sched.kv.pool.check()
+
+
+# ---- speculative decoding: drafts ------------------------------------------------------------
+
+
+class FixedDrafter:
+    """Proposes the same drafts to every sequence, as many as the scheduler's limit allows."""
+
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts = drafts
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        return self.drafts[:limit]
+
+
+def drafted(batch: Batch) -> list[tuple[int, int, int]]:
+    """(seq_id, num_new_tokens, num_drafts) in scheduled order."""
+    return [(s.seq.seq_id, s.num_new_tokens, s.num_drafts) for s in batch.scheduled]
+
+
+def test_drafts_extend_decodes_oldest_first_within_the_budget() -> None:
+    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=8)
+    sched.drafter = FixedDrafter([1, 2, 3, 4])
+    a, b = make_seq(0, 3), make_seq(1, 3)
+    sched.add(a)
+    sched.add(b)
+    assert drafted(step(sched)) == [(0, 3, 0), (1, 3, 0)]  # prompts draft nothing
+    batch = sched.schedule()
+    # a plain token each first (6 left), then a's 4 drafts, then b's 2 (the budget's end)
+    assert drafted(batch) == [(0, 5, 4), (1, 3, 2)]
+    assert a.draft_tokens == [1, 2, 3, 4] and b.draft_tokens == [1, 2]
+    assert all(s.samples for s in batch.scheduled) and batch.num_tokens == 8
+    assert [len(a.block_table), len(b.block_table)] == [2, 2]  # slots up to position 7 / 5
+    sched.advance(batch, 0.0)
+    # the drafts' K/V counts only once their verification accepts them
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (4, 4)
+
+
+def test_a_draft_never_takes_a_block_another_needs() -> None:
+    sched = make_scheduler(num_blocks=2)
+    sched.drafter = FixedDrafter([1, 2, 3])
+    a, b = make_seq(0, 3), make_seq(1, 3)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    batch = sched.schedule()  # each writes position 3 in its own block; drafts need a new one
+    assert drafted(batch) == [(0, 1, 0), (1, 1, 0)] and not batch.preempted
+    assert a.draft_tokens == [] and b.draft_tokens == []
+
+
+def test_a_step_that_preempts_drafts_nothing_and_preemption_drops_drafts() -> None:
+    sched = make_scheduler(num_blocks=3)
+    sched.drafter = FixedDrafter([1, 2])
+    a, b = make_seq(0, 4), make_seq(1, 4)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    batch = sched.schedule()  # position 4 needs a second block each: one is free
+    assert drafted(batch) == [(0, 1, 0)] and batch.preempted == [b]
+    a.draft_tokens = [6]
+    sched.requeue(a)
+    assert a.draft_tokens == [] and a.status is SequenceStatus.WAITING

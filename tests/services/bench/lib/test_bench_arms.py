@@ -1,6 +1,7 @@
 """The comparison arms beside kvserve, over real HTTP with the real model: the Hugging Face shim's
 greedy stream equals the engine's tokens; llama-server (when already built into the cache dir)
-streams a token-id completion of exactly max_tokens tokens with usage."""
+streams a token-id completion of exactly max_tokens tokens with usage; the kvserve-spec arm's
+command line, and its setup error where `kvserve serve` has no n-gram speculative decoding."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from kvserve.kernels import cpp_build
-from kvserve.services.bench.lib import llama_cpp
+from kvserve.services.bench.lib import arms, llama_cpp
 from kvserve.services.bench.lib.arms import ArmSettings, make_server
 from kvserve.services.bench.lib.llama_cpp import (
     ArmSetupError,
@@ -178,3 +179,39 @@ def test_llama_server_is_built_for_the_kernels_march(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(cpp_build.ARCH_ENV, "armv9-a")
     with pytest.raises(ArmSetupError, match="armv9-a"):
         ensure_llama_server()
+
+
+SPEC_FLAGS = {"--speculative", "--num-speculative-tokens"}
+
+
+def test_spec_arm_runs_kvserve_serve_with_ngram_speculation(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(arms, "serve_flags", lambda: {"--model", *SPEC_FLAGS})
+    settings = ArmSettings(tmp_path / "m.gguf", tmp_path, speculative_tokens=6)
+    cmd = make_server("kvserve-spec", 8123, settings).process.cmd
+    assert cmd[cmd.index("serve") + 1 :][:2] == ["--model", str(tmp_path / "m.gguf")]
+    assert cmd[cmd.index("--store") + 1] == "memory://"
+    assert cmd[cmd.index("--speculative") :] == [
+        "--speculative", "ngram", "--num-speculative-tokens", "6",
+    ]  # fmt: skip
+    assert "--weights" not in cmd  # the file's own blocks, as the kvserve arm
+    plain = make_server("kvserve", 8123, settings).process.cmd
+    assert plain == cmd[: cmd.index("--speculative")]
+
+
+def test_spec_arm_without_the_engines_flags_is_an_arm_setup_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(arms, "serve_flags", lambda: {"--model", "--store"})
+    with pytest.raises(ArmSetupError, match="kvserve-spec: `kvserve serve` has no --speculative"):
+        make_server("kvserve-spec", 8123, ArmSettings(tmp_path / "m.gguf", tmp_path))
+    monkeypatch.setattr(arms, "serve_flags", lambda: SPEC_FLAGS)
+    with pytest.raises(ArmSetupError, match=">= 1"):
+        make_server("kvserve-spec", 8123, ArmSettings(tmp_path, tmp_path, speculative_tokens=0))
+
+
+def test_serve_flags_are_read_from_kvserve_serves_parser() -> None:
+    flags = arms.serve_flags()
+    assert {"--model", "--store", "--port", "--weights"} <= flags
+    assert "kvserve-spec" in arms.ARMS and "kvserve-spec" not in arms.DEFAULT_ARMS

@@ -98,3 +98,59 @@ def test_each_arm_is_saved_as_it_ends(
     assert list(saved["arms"]) == ["kvserve-disagg"]
     assert "redis-server exited" in saved["arms"]["kvserve-disagg"]["error"]
     assert "could not run" in capsys.readouterr().out
+
+
+def test_spec_arm_that_cannot_start_is_reported_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where `kvserve serve` has no n-gram speculative decoding, the arm is not run and says
+    why; no server is started."""
+    from kvserve.services.bench.lib import arms
+
+    monkeypatch.setattr(arms, "serve_flags", lambda: {"--model"})
+    argv = ["bench", "compare", "--workload", "copy-edit", "--arms", "kvserve-spec"]
+    assert main([*argv, "--repeats", "1", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "kvserve-spec" in out and "not run: kvserve-spec: `kvserve serve` has no" in out
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved["arms"]["kvserve-spec"]["repeats_done"] == 0
+
+
+def test_bench_serve_gets_the_ggufs_tokenizer_and_k_reaches_the_arm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+    import subprocess
+
+    from kvserve.services.bench.lib import arms
+    from kvserve.services.bench.sweeps import compare
+
+    p = argparse.ArgumentParser()
+    compare.add_arguments(p)
+    args = p.parse_args(["--workload", "copy-edit", "--num-speculative-tokens", "7"])
+    assert "--tokenizer" not in p.format_help()  # the harness passes the GGUF itself
+    assert args.arms.split(",") == list(arms.DEFAULT_ARMS)
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"failed": 0}) + "\n", "")
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    compare.bench_serve(args, "http://127.0.0.1:1", 49152, tmp_path, tmp_path / "m.gguf")
+    cmd = seen[0]
+    assert cmd[cmd.index("--workload") + 1] == "copy-edit"
+    assert cmd[cmd.index("--tokenizer") + 1] == str(tmp_path / "m.gguf")
+    made: list[arms.ArmSettings] = []
+
+    class Made(Exception):
+        pass
+
+    def make_server(arm: str, port: int, settings: arms.ArmSettings) -> arms.ArmServer:
+        made.append(settings)
+        raise Made
+
+    monkeypatch.setattr(arms, "make_server", make_server)
+    with pytest.raises(Made):
+        compare._start_server("kvserve-spec", args, tmp_path / "m.gguf", tmp_path, 0)
+    assert made[0].speculative_tokens == 7
