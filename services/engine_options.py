@@ -128,7 +128,8 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help=f"the shortest n-gram looked up (default {d.prompt_lookup_min})",
+        help=f"the shortest n-gram looked up (default {d.prompt_lookup_min}, or the longest's "
+        "length when that is shorter)",
     )
 
 
@@ -147,13 +148,14 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise CliError(f"--num-speculative-tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
     check_at_least_one(args, ("prompt_lookup_max", "prompt_lookup_min"))
-    lo, hi = (
-        getattr(args, dest) if getattr(args, dest) is not None else getattr(SpeculativeConfig, dest)
-        for dest in ("prompt_lookup_min", "prompt_lookup_max")
-    )
+    options = {dest: getattr(args, dest) for dest, _ in given}
+    hi = options.get("prompt_lookup_max", SpeculativeConfig.prompt_lookup_max)
+    if "prompt_lookup_min" not in options:  # the default, down to a shorter longest n-gram
+        options["prompt_lookup_min"] = min(SpeculativeConfig.prompt_lookup_min, hi)
+    lo = options["prompt_lookup_min"]
     if lo > hi:
         raise CliError(f"--prompt-lookup-min ({lo}) must be <= --prompt-lookup-max ({hi})")
-    return SpeculativeConfig(method, **{dest: getattr(args, dest) for dest, _ in given})
+    return SpeculativeConfig(method, **options)
 
 
 def speculative_flags(args: argparse.Namespace) -> list[str]:

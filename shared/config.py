@@ -227,12 +227,14 @@ class SpeculativeConfig:
     `ngram` method). Each step a decoding sequence's last n tokens (n from `prompt_lookup_max`
     down to `prompt_lookup_min`) are looked up in its own earlier tokens, and up to
     `num_speculative_tokens` tokens that followed the latest match are verified by one forward
-    pass over them all (shared/engine/ngram_proposer.py)."""
+    pass over them all (shared/engine/ngram_proposer.py). The defaults are the fastest
+    measured on the single-user chat workloads (docs/benchmarks.md): one- and two-token matches
+    proposed drafts that were mostly rejected, each costing a verification row."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 3
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

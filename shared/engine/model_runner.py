@@ -71,8 +71,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
         """Logits of the sequences that sample: the model computes its last layer only for
-        their rows (the last token of each sampling chunk, every row of a chunk that carries
-        drafts, every decode)."""
+        their rows (the last token of each sampling chunk, every decode row)."""
         prefills, decodes = self._split(batch)
         ordered = prefills + decodes
         sampling = [s for s in ordered if s.samples]
@@ -95,9 +94,12 @@ class ModelRunner:
 
     @staticmethod
     def _split(batch: Batch) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
-        """Prefill chunks (more than one new token) first, then single-token decodes."""
-        prefills = [s for s in batch.scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in batch.scheduled if s.num_new_tokens == 1]
+        """Prefill chunks (more than one new token) first, then decodes: single tokens, and
+        drafted decodes, whose last token and drafts are each a decode row at its own position
+        (every row's K/V is written before any row attends, so row j sees rows 0..j: causal
+        attention over the paged cache, as in a chunk, on the decode kernels)."""
+        prefills = [s for s in batch.scheduled if s.num_new_tokens > 1 and not s.num_drafts]
+        decodes = [s for s in batch.scheduled if s.num_new_tokens == 1 or s.num_drafts]
         return prefills, decodes
 
     def _run_model(
@@ -113,8 +115,8 @@ class ModelRunner:
         cu = [0]
         for s in prefills:
             cu.append(cu[-1] + s.num_new_tokens)
-        p_ctx, d_ctx = _context_lens(prefills), _context_lens(decodes)
-        p_tables, d_tables = _tables(prefills), _tables(decodes)
+        p_ctx, d_ctx = _context_lens(prefills), _decode_context_lens(decodes)
+        p_tables, d_tables = _tables(prefills), _decode_tables(decodes)
         picked = self._output_rows(prefills, decodes) if only_sampling else None
         # Every integer the step needs, moved to the device together (one copy on a GPU).
         parts: dict[str, tuple[list[int], torch.dtype]] = {
@@ -130,8 +132,8 @@ class ModelRunner:
         if picked is not None:  # the sampling rows' own metadata: their chunks, their decodes
             rows, chunks, keep = picked
             parts["rows"] = (rows, torch.long)
-            parts["sub_p_ctx"] = ([ctx for _, ctx in chunks], torch.int32)
-            parts["sub_p_tables"] = (_flat([p_tables[i] for i, _ in chunks]), torch.int32)
+            parts["sub_p_ctx"] = ([p_ctx[i] for i in chunks], torch.int32)
+            parts["sub_p_tables"] = (_flat([p_tables[i] for i in chunks]), torch.int32)
             parts["sub_d_ctx"] = ([d_ctx[j] for j in keep], torch.int32)
             parts["sub_d_tables"] = (_flat([d_tables[j] for j in keep]), torch.int32)
         t = dict(zip(parts, upload(list(parts.values()), self.device), strict=True))
@@ -169,26 +171,23 @@ class ModelRunner:
 
     def _output_rows(
         self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]
-    ) -> tuple[list[int], list[tuple[int, int]], list[int]] | None:
-        """The sampling rows (each sampling chunk's last token, or every token of a chunk with
-        drafts; then the decodes that sample), per prefill row the chunk it comes from (an
-        index into `prefills`) and its context length, and the decodes kept (indices into
-        `decodes`). None when that is every row of the step (a pure decode step, or one of
-        drafted chunks only)."""
+    ) -> tuple[list[int], list[int], list[int]] | None:
+        """The sampling rows (each sampling chunk's last token, then the decode rows that
+        sample), the prefill chunks they come from (indices into `prefills`) and the decode
+        rows kept (indices into the step's decode rows). None when that is every row of the
+        step (a step of decodes only, drafted or not)."""
         rows: list[int] = []
-        chunks: list[tuple[int, int]] = []
+        chunks = []
         offset = 0
-        ctx_lens = _context_lens(prefills)
         for i, s in enumerate(prefills):
             offset += s.num_new_tokens
             if s.samples:
-                # a drafted chunk: each of its tokens a one-token chunk at its position
-                for back in range(s.num_drafts, -1, -1):
-                    rows.append(offset - 1 - back)
-                    chunks.append((i, ctx_lens[i] - back))
-        keep = [j for j, s in enumerate(decodes) if s.samples]
+                rows.append(offset - 1)
+                chunks.append(i)
+        samples = [s.samples for s in decodes for _ in range(s.num_new_tokens)]
+        keep = [j for j, sampled in enumerate(samples) if sampled]
         rows += [offset + j for j in keep]
-        if len(rows) == offset + len(decodes):
+        if len(rows) == offset + len(samples):
             return None
         return rows, chunks, keep
 
@@ -217,6 +216,18 @@ class ModelRunner:
 def _context_lens(seqs: list[ScheduledSeq]) -> list[int]:
     """Tokens in the cache after this step, per sequence."""
     return [s.seq.num_computed_tokens + s.num_new_tokens for s in seqs]
+
+
+def _decode_context_lens(decodes: list[ScheduledSeq]) -> list[int]:
+    """Tokens in the cache up to each decode row: a drafted decode's rows see one more each."""
+    return [s.seq.num_computed_tokens + r + 1 for s in decodes for r in range(s.num_new_tokens)]
+
+
+def _decode_tables(decodes: list[ScheduledSeq]) -> list[list[int]]:
+    """Each decode row's block table (a drafted decode's rows share their sequence's)."""
+    return [
+        t for s, t in zip(decodes, _tables(decodes), strict=True) for _ in range(s.num_new_tokens)
+    ]
 
 
 def _tables(seqs: list[ScheduledSeq]) -> list[list[int]]:

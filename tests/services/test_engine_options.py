@@ -24,7 +24,11 @@ def _config(argv: list[str]) -> SpeculativeConfig | None:
 def test_off_by_default_and_defaults_when_on() -> None:
     assert _config(["serve"]) is None
     assert _config(["serve", "--speculative", "ngram"]) == SpeculativeConfig(
-        "ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1
+        "ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=3
+    )
+    # the default shortest n-gram comes down to a shorter longest one
+    assert _config(["serve", "--speculative", "ngram", "--prompt-lookup-max", "2"]) == (
+        SpeculativeConfig(prompt_lookup_max=2, prompt_lookup_min=2)
     )
 
 

@@ -62,7 +62,7 @@ def _seq(tokens: list[int], **params: object):  # type: ignore[no-untyped-def]
 
 
 def test_the_proposer_keeps_to_k_the_limit_and_max_tokens() -> None:
-    prop = NgramProposer(SpeculativeConfig(num_speculative_tokens=3))
+    prop = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2))
     tokens = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     seq = _seq(tokens, max_tokens=100)
     assert prop.propose(seq, 16) == [3, 4, 5]
@@ -74,12 +74,15 @@ def test_the_proposer_keeps_to_k_the_limit_and_max_tokens() -> None:
 
 @pytest.mark.parametrize("params", [{"n": 2}, {"beam_width": 2}])
 def test_n_and_beam_search_get_no_drafts(params: dict[str, int]) -> None:
-    prop = NgramProposer(SpeculativeConfig())
+    prop = NgramProposer(SpeculativeConfig(prompt_lookup_min=1))
+    assert prop.propose(_seq([1, 2, 3, 1, 2], max_tokens=50), 16) == [3, 1, 2, 3]
     assert prop.propose(_seq([1, 2, 3, 1, 2], max_tokens=50, **params), 16) == []
 
 
 def test_the_mirror_follows_appended_tokens() -> None:
-    prop = NgramProposer(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2))
+    prop = NgramProposer(
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1)
+    )
     seq = _seq([1, 2, 3, 4], max_tokens=100)
     assert prop.propose(seq, 16) == []
     seq.token_ids += [9, 1, 2]  # appended since: the mirror takes them in

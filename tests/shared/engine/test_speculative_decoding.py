@@ -3,8 +3,8 @@ without drafts gives (greedy token for token, a seeded sampled request too), on 
 prompts, with prefix caching, under preemption, with max_tokens and stop strings inside an
 accepted run, rejections, logprobs, min_tokens, a resumption and a disaggregated hand-off; the
 blocks it publishes are the plain run's (no rejected draft in one); n > 1 and beam search never
-draft; a step without drafts still takes the C++ decode path; the counters reach the engine's
-stats and Prometheus."""
+draft; drafted decodes run on the C++ decode step as a chunk would compute them; the counters
+reach the engine's stats and Prometheus."""
 
 from __future__ import annotations
 
@@ -298,9 +298,12 @@ def test_a_disaggregated_hand_off_with_drafts_on_both_sides(
         dec.close()
 
 
-def test_a_step_without_drafts_takes_the_cpp_decode_path(
+def test_drafted_decodes_take_the_cpp_decode_path_and_match_a_chunk(
     make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A decode with drafts runs as decode rows (one a position, each attending up to its own
+    token) on the C++ decode step, and its rows' logits are those a prompt chunk over the same
+    tokens computes (`Engine.score`)."""
     engine = speculative(make_engine, enable_prefix_caching=False)
     runner = engine.model_runner
     if not runner.model.decode_in_cpp:
@@ -308,7 +311,7 @@ def test_a_step_without_drafts_takes_the_cpp_decode_path(
     calls: list[int] = []
     real = runner.model._decode_in_cpp
     monkeypatch.setattr(runner.model, "_decode_in_cpp", lambda *a: calls.append(1) or real(*a))
-    ids = list(range(1000, 1040))
+    ids, drafts = list(range(1000, 1040)), [7, 8, 9]
     seq = Sequence(SeqId(0), "r", 0, ids, len(ids), SamplingParams(), 0)
     blocks = engine.kv.allocate_blocks(seq.blocks_needed(len(ids) + 8, engine.block_size))
     assert blocks is not None
@@ -319,9 +322,10 @@ def test_a_step_without_drafts_takes_the_cpp_decode_path(
     if not calls:
         pytest.skip("the C++ decode step does not apply on this machine")
     assert calls == [1] and plain_out.num_drafts is None
-    seq.draft_tokens = [7, 8, 9]
+    seq.draft_tokens = drafts
     out = runner.run(Batch([ScheduledSeq(seq, 4, 3)]))
-    assert calls == [1] and out.num_drafts == (3,) and out.logits.shape[0] == 4
-    # the first row is the plain decode's logits, computed on the other path
-    torch.testing.assert_close(out.logits[0], plain_out.logits[0], atol=1e-3, rtol=1e-3)
+    assert calls == [1, 1] and out.num_drafts == (3,) and out.logits.shape[0] == 4
     engine.kv.free_blocks(blocks)
+    want = engine.score(ids + drafts)[len(ids) - 1 :]
+    torch.testing.assert_close(out.logits, want, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(out.logits[0], plain_out.logits[0], atol=1e-3, rtol=1e-3)
