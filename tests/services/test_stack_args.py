@@ -8,9 +8,11 @@ import os
 import sys
 
 import pytest
-from kvserve.services import cli, stack
+from kvserve.services import stack
 from kvserve.services.cli import build_parser
 from kvserve.services.gateway.router import POLICIES
+
+from tests.services.bench.cli_output import one_line_error
 
 REDIS = "redis://127.0.0.1:6379/3"
 
@@ -74,9 +76,7 @@ def test_workers_share_the_cores() -> None:
 def test_bad_values_one_line_error(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    assert message in one_line_error(argv, capsys)
 
 
 def test_aggregated_workers_on_the_shared_store(monkeypatch: pytest.MonkeyPatch) -> None:

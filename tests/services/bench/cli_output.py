@@ -1,5 +1,5 @@
-"""What a `kvserve bench` command line printed, for the benchmark tests: its last stdout line
-as JSON, and a bad option's error (exit status 2, one line on stderr)."""
+"""What a `kvserve` command line printed: a benchmark's last stdout line as JSON, and a bad
+option's error (exit status 2, one line on stderr), for the CLI tests too."""
 
 from __future__ import annotations
 
