@@ -1,4 +1,5 @@
-"""The engine on an accelerator gives the CPU engine's and Hugging Face's answers.
+"""The engine on an accelerator gives the CPU engine's and Hugging Face's answers, and its own
+answers again with speculative drafts.
 
 Marked `gpu` (deselected by default): ops/gpu_check.sh runs these on a CUDA device, and with
 `--smoke` on the CPU, where KVSERVE_TEST_DEVICE=cpu runs the engine under test with the Triton
@@ -17,8 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from kvserve.shared.config import CacheConfig, EngineConfig
+from kvserve.shared.config import CacheConfig, EngineConfig, SpeculativeConfig
 from kvserve.shared.engine.engine import Engine
+from kvserve.shared.engine.sequence import Sequence
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -49,13 +51,14 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer: KVTokenizer) 
     return dirs
 
 
-def engine(path: Path, **cache: Any) -> Engine:
+def engine(path: Path, speculative: SpeculativeConfig | None = None, **cache: Any) -> Engine:
     """The engine under test: on DEVICE, with BACKEND."""
     cfg = EngineConfig(
         model_path=str(path),
         device=DEVICE,
         attention_backend=BACKEND,
         cache=CacheConfig(num_blocks=256, **cache),
+        speculative=speculative,
     )
     return Engine(cfg)
 
@@ -153,3 +156,30 @@ def test_prefix_cache_hit_gives_the_cold_answer(
     assert warm.prefix_cache_stats["hits_tokens"] >= 5 * 16 * len(second)
     cold = engine(tiny_dirs[2], enable_prefix_caching=False)
     assert first + second == greedy(cold, prompts)
+
+
+def test_speculative_decoding_gives_the_same_greedy_tokens(
+    tiny_dirs: dict[int, Path], tokenizer: KVTokenizer
+) -> None:
+    """Drafts verified on the device (drafted decodes as decode rows of the paged decode
+    kernel, batched with plain decodes): the tokens of the same engine without drafts. A
+    random model's answers repeat nothing for n-gram lookup to find, so the drafts here are
+    the plain run's continuation, every third one wrong (accepted and rejected rows both)."""
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    plain = greedy(engine(tiny_dirs[2]), prompts)
+    answers = {tuple(p): a for p, a in zip(prompts, plain, strict=True)}
+
+    class Continuation:
+        def propose(self, seq: Sequence, limit: int) -> list[int]:
+            answer, at = (
+                answers[tuple(seq.token_ids[: seq.num_prompt_tokens])],
+                seq.num_output_tokens,
+            )
+            drafts = answer[at : at + min(3, limit, len(answer) - at - 1)]
+            return [t + 1 if (at + i) % 3 == 2 else t for i, t in enumerate(drafts)]
+
+    drafting = engine(tiny_dirs[2], SpeculativeConfig(num_speculative_tokens=3))
+    drafting.scheduler.drafter = Continuation()
+    assert greedy(drafting, prompts) == plain
+    stats = drafting.spec_decode_stats
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
