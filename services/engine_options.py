@@ -292,8 +292,9 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def load_engine(config: Any, tokenizer: Any = None) -> Any:
-    """An AsyncEngine over a new Engine (blocking: loads the model; run it in a thread)."""
+    """An AsyncEngine over a new Engine, loaded on the engine's own thread (blocking: loads the
+    model; run it in a thread)."""
     from kvserve.shared.engine.async_engine import AsyncEngine
     from kvserve.shared.engine.engine import Engine
 
-    return AsyncEngine(Engine(config, tokenizer=tokenizer))
+    return AsyncEngine.build(lambda: Engine(config, tokenizer=tokenizer))

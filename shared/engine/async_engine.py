@@ -66,6 +66,34 @@ class AsyncEngine:
         self._error: BaseException | None = None
         engine.on_outputs = self._deliver_all
 
+    @classmethod
+    def build(cls, make: Callable[[], Engine]) -> AsyncEngine:
+        """An AsyncEngine over the Engine `make()` returns, made on the thread that then steps
+        it (blocks until it is made; raises what `make` raised). torch's OpenMP keeps a pool of
+        worker threads for each thread that computes in parallel: an engine loaded on one
+        thread and stepped on another left two pools on the cores, more threads than cores, so
+        that their workers slept between parallel regions instead of spinning and a two-thread
+        step took as long as a one-thread step (8.6 against 4.7 ms at batch 1 on an AMX
+        Xeon)."""
+        made: queue.SimpleQueue[AsyncEngine | BaseException] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                engine = make()
+            except BaseException as e:  # handed to the caller
+                made.put(e)
+                return
+            built = cls(engine)
+            built._thread = threading.current_thread()
+            made.put(built)
+            built._run()
+
+        threading.Thread(target=run, name="kvserve-engine", daemon=True).start()
+        got = made.get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)

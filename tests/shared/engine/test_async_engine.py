@@ -1,11 +1,14 @@
-"""AsyncEngine: concurrent requests stream their tokens; a consumer that stops aborts."""
+"""AsyncEngine: concurrent requests stream their tokens; a consumer that stops aborts; a built
+engine is made on the thread that steps it."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from kvserve.shared.engine.async_engine import AsyncEngine
+from kvserve.shared.engine.engine import Engine
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -55,3 +58,33 @@ async def test_invalid_request_raises_before_streaming(make_engine) -> None:  # 
         assert e.value.param == "prompt"
     finally:
         engine.stop()
+
+
+async def test_a_built_engine_is_made_and_stepped_on_one_thread(
+    make_engine, chat_prompt_ids
+) -> None:  # type: ignore[no-untyped-def]
+    """`AsyncEngine.build`: the engine is made on the thread that steps it (one pool of torch
+    compute threads, not one for the loading thread and one for the stepping thread)."""
+    made_on: list[threading.Thread] = []
+
+    def make() -> Engine:
+        made_on.append(threading.current_thread())
+        return make_engine()
+
+    engine = AsyncEngine.build(make)
+    try:
+        assert made_on[0] is not threading.current_thread()
+        stepped_on = await engine.call(threading.current_thread)
+        assert made_on == [stepped_on] and stepped_on.name == "kvserve-engine"
+        assert len(await collect(engine, "r", chat_prompt_ids[0])) == PARAMS.max_tokens
+    finally:
+        engine.stop()
+    assert not made_on[0].is_alive()
+
+
+def test_building_raises_what_making_the_engine_raised() -> None:
+    def make() -> Engine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build(make)
