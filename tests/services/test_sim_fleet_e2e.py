@@ -98,10 +98,17 @@ def test_the_openai_client_gets_words_streamed_or_not(client: openai.OpenAI) -> 
 def test_a_conversation_follows_its_cache(client: openai.OpenAI, fleet: SimFleet) -> None:
     """Each round after the first goes where the conversation's blocks are, once the router
     has them: a round waits for the last one's KV events (a round's prompt and answer fill at
-    least one new block), since a round routed before they arrive has no overlap to follow."""
+    least one new block), since a round routed before they arrive has no overlap to follow,
+    and for the router to count the last round finished (while its load still counts, a less
+    loaded worker can win the round: a 'balance')."""
 
     def indexed() -> int:
         return sum(w["indexed_blocks"] for w in fleet.router()["workers"].values())
+
+    def settled(seen: int) -> bool:
+        workers = fleet.router()["workers"].values()
+        indexed = sum(w["indexed_blocks"] for w in workers)
+        return indexed > seen and all(w["in_flight"] == 0 for w in workers)
 
     before = fleet.router()["decisions"].get("cache", 0)
     messages = [{"role": "system", "content": "You answer questions about trains. " * 8}]
@@ -110,7 +117,7 @@ def test_a_conversation_follows_its_cache(client: openai.OpenAI, fleet: SimFleet
         messages.append({"role": "user", "content": f"Round {r}: which line goes north?"})
         seen = indexed()
         reply = ask(client, messages)
-        poll_until(lambda seen=seen: indexed() > seen, timeout=30)
+        poll_until(lambda seen=seen: settled(seen), timeout=30)
         cached.append(reply.usage.prompt_tokens_details.cached_tokens or 0)
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     assert all(c > 0 for c in cached[1:]) and cached[1:] == sorted(cached[1:])
