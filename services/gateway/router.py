@@ -222,6 +222,7 @@ class Router:
         worker = self._workers.get(decision.worker)
         if worker is not None and worker.index.info.incarnation == decision.incarnation:
             worker.finished_at = time.time()
+            worker.used_blocks = 0  # the report in use predates this finish (see set_workers)
             if computed:
                 worker.index.remember(decision.hashes)
         self._release(decision)

@@ -139,6 +139,20 @@ def test_a_load_report_older_than_the_last_finish_there_is_ignored() -> None:
     assert route(router, PROMPT).reason == "balance"
 
 
+def test_a_load_report_taken_in_while_a_request_ran_ends_with_it() -> None:
+    """A report published and taken in while the request ran counts it; once the request
+    finishes, that report is older than the finish and the next round goes back to the cache
+    without waiting for the next refresh."""
+    router = make_router(info("A"), info("B"))
+    router.apply([stored("A", 0, hashes(PROMPT[:12]))])
+    first = route(router, PROMPT)
+    busy = {"A": {"num_used_blocks": 1000, "published_at": time.time() + 1.0}, "B": {}}
+    router.set_workers({"A": info("A"), "B": info("B")}, busy)
+    assert route(router, [7, 7, 7]).worker == "B"  # A counts as busy while the request runs
+    router.finished(first)
+    assert summary(route(router, PROMPT)) == ("A", "cache", 12)
+
+
 def test_equal_workers_alternate_without_overlap() -> None:
     router = make_router(info("A"), info("B"))
     chosen = []
