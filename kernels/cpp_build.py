@@ -129,9 +129,10 @@ def _cpu_flags() -> str:
 
 
 def kernels_recipe() -> Recipe:
-    """The kvserve CPU kernels: csrc/module.cpp and the headers it includes."""
+    """The kvserve CPU kernels: csrc/module.cpp and the headers it includes (csrc/third_party:
+    xxHash's, for the store frames' checksum)."""
     flags = (f"-march={cpu_arch()}", *CFLAGS)
-    return Recipe("kvserve_kernels", CSRC / "module.cpp", tuple(sorted(CSRC.glob("*.h"))), flags)
+    return Recipe("kvserve_kernels", CSRC / "module.cpp", tuple(sorted(CSRC.rglob("*.h"))), flags)
 
 
 def cpu_arch() -> str:

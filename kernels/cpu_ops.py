@@ -136,25 +136,32 @@ def write_frames(
     k_scale: list[torch.Tensor | None],  # per layer [num_blocks, block_size, kvh], or Nones
     v_scale: list[torch.Tensor | None],
     blocks: list[int],  # block j's cache block
-) -> bool:
+    checksums: tuple[list[bytes], list[bytes]] | None = None,  # (heads, digests) per block
+) -> int | None:
     """A store load's blocks into their cache blocks in one call without the GIL: a copy of
     their bytes (and scales) where they are stored in the cache's own format, dequantized into
     an fp32 cache where they are int8 / fp8 (as `reference.dequantize_kv`, bit for bit).
-    False (nothing written) where the kernel does not apply: another device or pairing."""
+    `checksums`: block j's frame checksum (codec.Checksum's head and digest; an empty digest:
+    verified already), checked just before block j is written. How many leading blocks were
+    written (up to the first whose checksum fails); None (nothing written) where the kernel
+    does not apply: another device or pairing."""
     ext = _extension()
     if ext is None or not k or not (k_cache[0].is_cpu and k[0].is_cpu):
-        return False
+        return None
     stored, cache = k[0].dtype, k_cache[0].dtype
     quantized = reference.is_quantized(stored)
     if any(t.dtype != stored for t in (*k, *v)):  # frames of several formats
-        return False
+        return None
     if (stored != cache and not (quantized and cache == torch.float32)) or (
         quantized and scales is None
     ):
-        return False
+        return None
     cache_scales = ([s for s in k_scale if s is not None], [s for s in v_scale if s is not None])
-    ext.write_frames(k, v, scales or [], k_cache, v_cache, *cache_scales, blocks)
-    return True
+    heads, digests = checksums or ([], [])
+    written: int = ext.write_frames(
+        k, v, scales or [], k_cache, v_cache, *cache_scales, blocks, heads, digests
+    )
+    return written
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

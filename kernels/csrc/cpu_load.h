@@ -2,14 +2,23 @@
 // write_frames): the frames' K and V, as stored, go into every layer's cache block, either as
 // a copy of their bytes (a frame in the cache's own format, int8 / fp8 with its scales) or
 // dequantized into an fp32 cache (code * scale, as reference.dequantize_kv). Without the GIL:
-// the loader thread's copies run while the event loop receives the next batch.
+// the loader thread's copies run while the event loop receives the next batch. A frame whose
+// checksum the reader left to the copy (codec.decode_unchecked) is hashed just before its
+// block is written, while its bytes are in the core's cache for the copy that follows: the
+// first one that does not verify ends the write.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <immintrin.h>
+
 #include <array>
 #include <cstring>
+#include <string>
 #include <vector>
+
+#define XXH_INLINE_ALL
+#include "third_party/xxhash.h"
 
 namespace cpu_load {
 
@@ -23,6 +32,28 @@ static const std::array<float, 256>& fp8_values() {
     return t;
   }();
   return table;
+}
+
+// int8 codes * their row's scale into fp32 rows of d floats (d a multiple of 8, out 32-byte
+// aligned): streaming stores, which write the cache's lines without first reading them in
+// (a load's fp32 writes are 4x its int8 bytes, more than the caches hold). True where it ran.
+static bool dequantize_int8_streaming(const int8_t* q, const float* scale, float* out,
+                                      int64_t rows, int64_t d) {
+#ifdef __AVX2__
+  if (d % 8 != 0 || reinterpret_cast<uintptr_t>(out) % 32 != 0) return false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 s = _mm256_set1_ps(scale[r]);
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + r * d + i));
+      const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+      _mm256_stream_ps(out + r * d + i, _mm256_mul_ps(x, s));
+    }
+  }
+  return true;
+#else
+  (void)q, (void)scale, (void)out, (void)rows, (void)d;
+  return false;
+#endif
 }
 
 template <typename Code, typename Decode>
@@ -64,14 +95,37 @@ static std::vector<uint8_t*> layers(const std::vector<torch::Tensor>& ts, const 
 // fp32 scales [2, num_layers, block_size, kvh] (K's, V's) when stored int8 / fp8, else none.
 // k_cache / v_cache: each layer's [num_blocks, block_size, kvh, d] (k_scale / v_scale their
 // [num_blocks, block_size, kvh] for an int8 / fp8 cache); dst[j]: block j's cache block.
+// xxh3-128 over `head`, the scales' length (8 bytes, little-endian), the scales, then K's and
+// V's bytes (the frame's payload), in the canonical (big-endian) byte order: codec's checksum.
+static bool checksum_matches(const std::string& head, const uint8_t* scales, int64_t scale_len,
+                             const uint8_t* k, const uint8_t* v, int64_t half,
+                             const std::string& digest) {
+  XXH3_state_t state;
+  XXH3_128bits_reset(&state);
+  XXH3_128bits_update(&state, head.data(), head.size());
+  uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(scale_len) >> (8 * i));
+  XXH3_128bits_update(&state, len, sizeof(len));
+  if (scale_len) XXH3_128bits_update(&state, scales, static_cast<size_t>(scale_len));
+  XXH3_128bits_update(&state, k, static_cast<size_t>(half));
+  XXH3_128bits_update(&state, v, static_cast<size_t>(half));
+  XXH128_canonical_t out;
+  XXH128_canonicalFromHash(&out, XXH3_128bits_digest(&state));
+  return digest.size() == sizeof(out) && std::memcmp(out.digest, digest.data(), sizeof(out)) == 0;
+}
+
 // Either the stored type is the cache's (a copy of the bytes, scales too) or the frames are
-// int8 / fp8 and the cache fp32 (dequantized).
-void write_frames(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
+// int8 / fp8 and the cache fp32 (dequantized). heads[j] / digests[j] (none, or one per block;
+// an empty digest: block j was verified already): block j's checksum, checked before it is
+// written. Returns how many leading blocks were written: all of them, or up to the first whose
+// checksum does not verify.
+int64_t write_frames(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
                   const std::vector<torch::Tensor>& scales,
                   const std::vector<torch::Tensor>& k_cache,
                   const std::vector<torch::Tensor>& v_cache,
                   const std::vector<torch::Tensor>& k_scale,
-                  const std::vector<torch::Tensor>& v_scale, const std::vector<int64_t>& dst) {
+                  const std::vector<torch::Tensor>& v_scale, const std::vector<int64_t>& dst,
+                  const std::vector<std::string>& heads, const std::vector<std::string>& digests) {
   const int64_t n = static_cast<int64_t>(dst.size()), L = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(n > 0 && L > 0 && static_cast<int64_t>(k.size()) == n &&
                   static_cast<int64_t>(v.size()) == n && static_cast<int64_t>(v_cache.size()) == L,
@@ -104,11 +158,22 @@ void write_frames(const std::vector<torch::Tensor>& k, const std::vector<torch::
     TORCH_CHECK(k_scale[0].scalar_type() == torch::kFloat, "write_frames: fp32 scales");
   }
   for (int64_t b : dst) TORCH_CHECK(b >= 0 && b < num_blocks, "write_frames: block ", b);
+  const bool checked = !digests.empty();
+  TORCH_CHECK(!checked || (static_cast<int64_t>(digests.size()) == n &&
+                           static_cast<int64_t>(heads.size()) == n),
+              "write_frames: a head and a digest per block, or none");
   const auto& fp8 = fp8_values();
 
   pybind11::gil_scoped_release no_gil;
   const int64_t scale_bytes = rows * static_cast<int64_t>(sizeof(float));
   for (int64_t j = 0; j < n; ++j) {
+    if (checked && !digests[j].empty() &&
+        !checksum_matches(heads[j], quantized ? sp[j] : nullptr, quantized ? 2 * L * scale_bytes : 0,
+                          kp[j], vp[j], L * block_bytes, digests[j]))
+    {
+      _mm_sfence();
+      return j;
+    }
     const int64_t at = dst[j];
     for (int64_t l = 0; l < L; ++l) {
       const uint8_t* src[2] = {kp[j] + l * block_bytes, vp[j] + l * block_bytes};
@@ -122,9 +187,11 @@ void write_frames(const std::vector<torch::Tensor>& k, const std::vector<torch::
           if (quantized)
             std::memcpy((kv ? vsc : ksc)[l] + at * scale_bytes, s, scale_bytes);
         } else if (stored == torch::kChar) {
-          dequantize_block(reinterpret_cast<const int8_t*>(src[kv]), s,
-                           reinterpret_cast<float*>(out[kv]) + at * block, rows, d,
-                           [](int8_t x) { return static_cast<float>(x); });
+          const auto* codes = reinterpret_cast<const int8_t*>(src[kv]);
+          float* rows_out = reinterpret_cast<float*>(out[kv]) + at * block;
+          if (!dequantize_int8_streaming(codes, s, rows_out, rows, d))
+            dequantize_block(codes, s, rows_out, rows, d,
+                             [](int8_t x) { return static_cast<float>(x); });
         } else {
           dequantize_block(src[kv], s, reinterpret_cast<float*>(out[kv]) + at * block, rows, d,
                            [&fp8](uint8_t x) { return fp8[x]; });
@@ -132,6 +199,8 @@ void write_frames(const std::vector<torch::Tensor>& k, const std::vector<torch::
       }
     }
   }
+  _mm_sfence();  // the streaming stores, ordered before whoever reads the blocks next
+  return n;
 }
 
 }  // namespace cpu_load

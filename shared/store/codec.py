@@ -70,6 +70,7 @@ warnings.filterwarnings(
     "ignore", message="The given NumPy array is not writable", category=UserWarning
 )
 
+Buffer = bytes | bytearray | memoryview
 MAX_FRAME_BYTES: Final = 8 * 1024 * 1024
 MAX_TOKENS: Final = 4096  # upper bound on block_size a frame may carry
 MAX_STR_LEN: Final = 256
@@ -197,17 +198,42 @@ class Miss:
 
 def frame_checksum(fields: dict[str, Any]) -> bytes:
     """xxh3-128 over msgpack of the small fields (those of the frame's version), then the
-    scales and payload bytes in place."""
-    names = _VERSION_FIELDS.get(fields["v"], FRAME_FIELDS)
-    h = xxhash.xxh3_128(msgpack.packb([fields[n] for n in names if n not in _UNHASHED]))
+    scales' length and the scales and payload bytes in place."""
     scales, payload = _raw_bytes(fields["scales"]), _raw_bytes(fields["payload"])
+    return _digest(_checksum_head(fields), scales, payload)
+
+
+def _checksum_head(fields: dict[str, Any]) -> bytes:
+    names = _VERSION_FIELDS.get(fields["v"], FRAME_FIELDS)
+    packed: bytes = msgpack.packb([fields[n] for n in names if n not in _UNHASHED])
+    return packed
+
+
+def _digest(head: bytes, scales: Buffer, payload: Buffer) -> bytes:
+    h = xxhash.xxh3_128(head)
     h.update(len(scales).to_bytes(8, "little"))
     h.update(scales)
     h.update(payload)
     return h.digest()
 
 
-def _raw_bytes(value: Any) -> bytes | bytearray | memoryview:
+@dataclass(frozen=True)
+class Checksum:
+    """A frame's checksum, left by `decode_unchecked` to whoever copies the payload (one pass
+    over its bytes, kernels/cpu_ops.write_frames): xxh3-128 over `head` (msgpack of the small
+    fields), the scales' length (8 bytes, little-endian), the scales, then the payload (K's
+    bytes, then V's), must give `digest`."""
+
+    head: bytes
+    digest: bytes
+    scales: Buffer
+    payload: Buffer
+
+    def verifies(self) -> bool:
+        return hmac.compare_digest(_digest(self.head, self.scales, self.payload), self.digest)
+
+
+def _raw_bytes(value: Any) -> Buffer:
     """A bytes field as it is (a forged frame's field of another type: its msgpack)."""
     return value if isinstance(value, bytes | bytearray | memoryview) else msgpack.packb(value)
 
@@ -437,6 +463,38 @@ def decode_block(
     if chain_hash(BlockHash(f["parent"]), f["token_ids"]) != key_hash:
         return Miss("hash_mismatch")
     return _tensors(f, raw, expected.block_shape, root, dequantize)
+
+
+# Formats whose uncompressed payload a copy takes as stored (the checksum fused into it).
+_COPIED: Final = frozenset({"native", "int8", "fp8"})
+
+
+def decode_unchecked(
+    data: bytes | bytearray | memoryview, expected: BlockMeta, key_hash: BlockHash, root: BlockHash
+) -> tuple[DecodedBlock, Checksum] | None:
+    """`decode_block(dequantize=False)` of an uncompressed native / int8 / fp8 frame laid out as
+    `encode_block` writes it, with every check but the checksum, which it returns for the copy
+    into the cache to verify before it writes the block (reading the payload once rather than
+    twice). None for any other frame or any failed check: `decode_block` then names the miss.
+    Never raises."""
+    try:
+        if not isinstance(data, bytes | bytearray | memoryview) or len(data) > MAX_FRAME_BYTES:
+            return None
+        f = _read_as_written(memoryview(data).cast("B"), expected)
+        if f is None or f["comp"] != "none" or f["fmt"] not in _COPIED:
+            return None
+        shape = expected.block_shape
+        if _identity_miss(f, expected) is not None:
+            return None
+        raw = _decompress(f, shape)
+        if isinstance(raw, Miss) or chain_hash(BlockHash(f["parent"]), f["token_ids"]) != key_hash:
+            return None
+        block = _tensors(f, raw, shape, root, dequantize=False)
+        if isinstance(block, Miss):
+            return None
+        return block, Checksum(_checksum_head(f), f["checksum"], f["scales"], f["payload"])
+    except Exception:
+        return None
 
 
 def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[str, Any] | Miss:

@@ -17,22 +17,37 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from kvserve.kernels.reference import dequantize_kv
 from kvserve.shared.engine.kv.cache import raw_view
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
-from kvserve.shared.store.codec import BlockMeta, DecodedBlock, Miss, decode_block
+from kvserve.shared.store.codec import (
+    BlockMeta,
+    Checksum,
+    DecodedBlock,
+    Miss,
+    decode_block,
+    decode_unchecked,
+)
 from kvserve.shared.store.hashing import BlockHash
 
 # KVCache.write_stacked: (blocks, k, v, k_scale, v_scale), K/V [num_layers, n, ...].
 WriteStacked = Callable[
     [list[int], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None
 ]
-# KVCache.write_frames: (blocks, k, v, scales) as frames hold them; False: not written.
+# KVCache.write_frames: (blocks, k, v, scales, checksums) as frames hold them; the leading
+# blocks written (up to a checksum that fails), None: not written.
 WriteFrames = Callable[
-    [list[int], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None], bool
+    [
+        list[int],
+        list[torch.Tensor],
+        list[torch.Tensor],
+        list[torch.Tensor] | None,
+        tuple[list[bytes], list[bytes]] | None,
+    ],
+    int | None,
 ]
 _staging = threading.local()  # each load thread's reusable staging buffers
 
@@ -153,10 +168,13 @@ class LoadJob:
 
 @dataclass
 class Verified:
-    """A batch's leading verified blocks (views of their frames) and its LoadedBatch so far."""
+    """A batch's leading verified blocks (views of their frames) and its LoadedBatch so far;
+    `checksums[j]`: block j's checksum, left to its write (None: verified already)."""
 
     blocks: list[DecodedBlock]
     got: LoadedBatch
+    hashes: list[BlockHash] = field(default_factory=list)
+    checksums: list[Checksum | None] = field(default_factory=list)
 
 
 @dataclass
@@ -197,34 +215,55 @@ class BatchLoader:
     def verify(
         self, hashes: list[BlockHash], frames: Sequence[bytes | memoryview | None]
     ) -> Verified:
-        """The leading verified frames, up to the first missing or bad one."""
+        """The leading verified frames, up to the first missing or bad one. Where the cache's
+        one-call write takes the frames, their checksums are left to it (codec.decode_unchecked:
+        it hashes each payload just before copying it, one pass over the bytes)."""
         t0 = time.perf_counter()
         got, blocks = LoadedBatch(), []
+        checksums: list[Checksum | None] = []
         for h, frame in zip(hashes, frames, strict=True):
             if frame is None:
                 got.miss = "gone"
                 break
+            unchecked = decode_unchecked(frame, self.meta, h, self.root) if self.fused else None
+            if unchecked is not None:
+                blocks.append(unchecked[0])
+                checksums.append(unchecked[1])
+                continue
             decoded = decode_block(frame, self.meta, h, self.root, dequantize=False)
             if isinstance(decoded, Miss):
                 got.miss, got.bad = decoded.reason, h
                 break
             blocks.append(decoded)
+            checksums.append(None)
         got.written = len(blocks)
         got.verify_s = time.perf_counter() - t0
-        return Verified(blocks, got)
+        return Verified(blocks, got, hashes[: len(blocks)], checksums)
+
+    @property
+    def fused(self) -> bool:
+        """Whether checksums are left to the write: the one-call write is there."""
+        return self.write_frames is not None
 
     def write(self, verified: Verified, dst: list[int]) -> LoadedBatch:
-        """Gather the verified blocks into this thread's staging buffer and write them into
-        their cache blocks `dst`."""
+        """Write the verified blocks into their cache blocks `dst` (in one call, or gathered
+        into this thread's staging buffer first), each checksum left to the write verified
+        before its block counts: the write ends at the first that fails."""
         t0 = time.perf_counter()
         got, n = verified.got, len(verified.blocks)
         if n and self.job.begin():
             try:
-                if not self._write_direct(dst[:n], verified.blocks):
-                    staging = self._staging(n)
-                    for j, block in enumerate(verified.blocks):
-                        staging.put(j, block)
-                    self._write(dst[:n], staging, n)
+                written = self._write_direct(dst[:n], verified)
+                if written is None:
+                    written = self._checked(verified)
+                    if written:
+                        staging = self._staging(written)
+                        for j, block in enumerate(verified.blocks[:written]):
+                            staging.put(j, block)
+                        self._write(dst[:written], staging, written)
+                if written < n:
+                    got.written, got.miss = written, "bad_checksum"
+                    got.bad = verified.hashes[written]
             finally:
                 self.job.end()
         elif n:
@@ -233,14 +272,31 @@ class BatchLoader:
         got.seconds = got.verify_s + got.write_s
         return got
 
-    def _write_direct(self, dst: list[int], blocks: list[DecodedBlock]) -> bool:
-        """The blocks straight from their frames into the cache (write_frames), if it takes them."""
+    @staticmethod
+    def _checked(verified: Verified) -> int:
+        """How many leading blocks verify, their checksums left to the write checked here."""
+        for j, checksum in enumerate(verified.checksums):
+            if checksum is not None and not checksum.verifies():
+                return j
+        return len(verified.blocks)
+
+    def _write_direct(self, dst: list[int], verified: Verified) -> int | None:
+        """The blocks straight from their frames into the cache (write_frames), if it takes
+        them: how many leading blocks it wrote (each checksum left to it verified first)."""
         if self.write_frames is None:
-            return False
+            return None
+        blocks = verified.blocks
         scales = [b.scales for b in blocks if b.scales is not None]
         if scales and len(scales) != len(blocks):  # quantized and float frames mixed
-            return False
-        return self.write_frames(dst, [b.k for b in blocks], [b.v for b in blocks], scales or None)
+            return None
+        sums = verified.checksums
+        checks = (
+            ([c.head if c else b"" for c in sums], [c.digest if c else b"" for c in sums])
+            if any(sums)
+            else None
+        )
+        k, v = [b.k for b in blocks], [b.v for b in blocks]
+        return self.write_frames(dst, k, v, scales or None, checks)
 
     def _staging(self, n: int) -> Staging:
         """Frames of an int8 / fp8 format stay as stored unless the cache is quantized

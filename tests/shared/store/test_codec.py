@@ -24,6 +24,7 @@ from kvserve.shared.store.codec import (
     DecodedBlock,
     Miss,
     decode_block,
+    decode_unchecked,
     encode_block,
     frame_checksum,
 )
@@ -482,6 +483,38 @@ def test_every_bit_flip_of_a_small_frame_misses() -> None:
             out = decode_block(_flip(frame, bit), SMALL, SMALL_KEY, SMALL_ROOT)
             assert isinstance(out, Miss), (fmt, bit)
             assert out.reason in MISS_REASONS and out.reason != "internal_error", (fmt, bit)
+
+
+@pytest.mark.parametrize("fmt", ["native", "int8", "fp8"])
+def test_an_unchecked_decode_leaves_exactly_the_checksum_to_its_caller(fmt: str) -> None:
+    """decode_unchecked (the load's fast path: the checksum left to the copy into the cache)
+    gives the block decode_block(dequantize=False) gives, with a checksum that verifies; for
+    every single-bit flip of the frame it gives nothing or a checksum that fails, so no
+    corruption reaches a cache whose writer checks it."""
+    k, v = _kv(SMALL)
+    frame = encode_block(SMALL, SMALL_TOKENS, k, v, fmt, SMALL_ROOT)
+    got = decode_unchecked(frame, SMALL, SMALL_KEY, SMALL_ROOT)
+    want = decode_block(frame, SMALL, SMALL_KEY, SMALL_ROOT, dequantize=False)
+    assert got is not None and isinstance(want, DecodedBlock) and got[1].verifies()
+    block = got[0]
+    assert block.token_ids == want.token_ids and block.parent == want.parent and block.is_first
+    assert torch.equal(block.k.view(torch.uint8), want.k.view(torch.uint8))
+    assert torch.equal(block.v.view(torch.uint8), want.v.view(torch.uint8))
+    assert (block.scales is None) == (want.scales is None)
+    assert block.scales is None or torch.equal(block.scales, want.scales)
+    for bit in range(len(frame) * 8):
+        flipped = decode_unchecked(_flip(frame, bit), SMALL, SMALL_KEY, SMALL_ROOT)
+        assert flipped is None or not flipped[1].verifies(), (fmt, bit)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "compact"])
+def test_an_unchecked_decode_takes_only_payloads_copied_as_stored(fmt: str) -> None:
+    """Converted or compressed payloads go through decode_block (checksum first)."""
+    assert decode_block(FRAMES[fmt], META, KEY, ROOT) is not None
+    assert decode_unchecked(FRAMES[fmt], META, KEY, ROOT) is None
+    zstd = encode_block(META, TOKENS, K, V, "native", ROOT, compress=True)
+    assert decode_unchecked(zstd, META, KEY, ROOT) is None
+    assert decode_unchecked(FRAMES["native"], META, chain_hash(ROOT, [1] * 16), ROOT) is None
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,6 +9,7 @@ import pytest
 import torch
 from kvserve.shared.engine.kv import cache as kv_cache
 from kvserve.shared.engine.kv.cache import KVCache, zeros
+from kvserve.shared.store.codec import BlockMeta
 
 from tests.shared.model_configs import model_config
 
@@ -148,18 +149,22 @@ PAIRS = [(torch.int8, torch.int8), (torch.float8_e4m3fn, torch.float8_e4m3fn),
 
 @pytest.mark.parametrize(("stored", "cache_dtype"), PAIRS, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("blocks", [[3, 4, 5], [6, 1, 4]], ids=["consecutive", "scattered"])
-def test_write_frames_writes_what_write_stacked_writes(stored, cache_dtype, blocks) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("head_dim", [8, 12], ids=["d8", "d12"])
+def test_write_frames_writes_what_write_stacked_writes(
+    stored, cache_dtype, blocks, head_dim
+) -> None:  # type: ignore[no-untyped-def]
     """The one-call write of a store load's frames (C++) leaves every block bit for bit as the
     staged per-layer copies do: a byte copy in the cache's own format (scales too), int8 / fp8
-    dequantized into an fp32 cache; no other block changes."""
+    dequantized into an fp32 cache (int8 rows of a multiple of 8 with streaming stores, others
+    element by element); no other block changes."""
     from kvserve.kernels import cpu_ops
 
     if not cpu_ops.available():
         pytest.skip("no C++ toolchain")
-    config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim)
     k, v, scales = _frames(len(blocks), 2, config, stored, torch.Generator().manual_seed(1))
     direct, staged = (KVCache(config, 8, 4, cache_dtype, populate="lazy") for _ in range(2))
-    assert direct.write_frames(blocks, k, v, scales)
+    assert direct.write_frames(blocks, k, v, scales) == len(blocks)
     ks = vs = None
     if scales is not None:
         ks, vs = (torch.stack([s[i] for s in scales], 1) for i in (0, 1))
@@ -181,11 +186,11 @@ DECLINED = [(torch.int8, torch.float8_e4m3fn), (torch.float32, torch.int8),
 @pytest.mark.parametrize(("stored", "cache_dtype"), DECLINED, ids=lambda d: str(d)[6:])
 def test_write_frames_declines_other_pairings_and_writes_nothing(stored, cache_dtype) -> None:  # type: ignore[no-untyped-def]
     """Pairings the kernel does not take (another quantized type, a float frame into a
-    quantized or another float cache) are left to write_stacked: False, nothing written."""
+    quantized or another float cache) are left to write_stacked: None, nothing written."""
     config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
     k, v, scales = _frames(2, 2, config, stored, torch.Generator().manual_seed(2))
     cache = KVCache(config, 4, 4, cache_dtype, populate="lazy")
-    assert not cache.write_frames([1, 2], k, v, scales)
+    assert cache.write_frames([1, 2], k, v, scales) is None
     assert all(not kv_cache.raw_view(b.k).any() for b in cache.read_blocks(range(4)))
 
 
@@ -200,3 +205,70 @@ def test_write_frames_refuses_a_block_outside_the_cache_before_writing() -> None
     with pytest.raises(RuntimeError, match="write_frames: block 4"):
         cache.write_frames([1, 4], k, v, scales)
     assert all(not b.k.any() for b in cache.read_blocks(range(4)))
+
+
+def _encoded(n: int, meta: BlockMeta, fmt: str, cache_dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """n chained frames in `fmt` (an int8 cache's own bytes and scales for int8) and their
+    hashes, under a root of their own."""
+    from kvserve.shared.store.block_data import BlockData
+    from kvserve.shared.store.codec import encode_block
+    from kvserve.shared.store.hashing import chain_hash, root_hash
+
+    g = torch.Generator().manual_seed(4)
+    root = root_hash(meta.model_fp, "t", meta.kv_format, meta.block_size)
+    frames, hashes, parent = [], [], root
+    for j in range(n):
+        tokens = [100 * j + t for t in range(meta.block_size)]
+        k, v = (torch.randn(meta.block_shape, generator=g) for _ in range(2))
+        kw = {}
+        if fmt == "int8":
+            q = BlockData.from_float(k, v, torch.int8)
+            k, v, kw["scales"] = q.k, q.v, (q.k_scale, q.v_scale)
+        frames.append(bytearray(encode_block(meta, tokens, k, v, fmt, parent, **kw)))
+        parent = chain_hash(parent, tokens)
+        hashes.append(parent)
+    return root, frames, hashes
+
+
+@pytest.mark.parametrize(
+    ("fmt", "cache_dtype"),
+    [("int8", torch.int8), ("int8", torch.float32), ("native", torch.float32)],
+)
+def test_write_frames_checks_each_checksum_before_writing_its_block(fmt, cache_dtype) -> None:  # type: ignore[no-untyped-def]
+    """Checksums left to the write (codec.decode_unchecked) are checked in C++ just before
+    each block is written: intact frames are all written, exactly as without the check; a
+    flipped payload byte in the second frame stops the write there, the first block written,
+    the second and third not touched."""
+    from kvserve.kernels import cpu_ops
+    from kvserve.shared.store.codec import decode_unchecked
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    kv_format = "float32" if cache_dtype == torch.float32 else "int8"
+    meta = BlockMeta("m", kv_format, 4, 2, config.num_kv_heads, config.head_dim)
+    root, frames, hashes = _encoded(3, meta, fmt, cache_dtype)
+
+    def write(cache: KVCache, frames: list[bytearray], checked: bool) -> int | None:
+        got = [decode_unchecked(f, meta, h, root) for f, h in zip(frames, hashes, strict=True)]
+        assert all(g is not None for g in got)
+        blocks = [g[0] for g in got if g is not None]
+        sums = [g[1] for g in got if g is not None]
+        scales = [b.scales for b in blocks if b.scales is not None] or None
+        checks = ([c.head for c in sums], [c.digest for c in sums]) if checked else None
+        return cache.write_frames([1, 2, 3], [b.k for b in blocks], [b.v for b in blocks],
+                                  scales, checks)  # fmt: skip
+
+    plain, checked = (KVCache(config, 5, 4, cache_dtype, populate="lazy") for _ in range(2))
+    assert write(plain, frames, False) == 3 and write(checked, frames, True) == 3
+    raw = kv_cache.raw_view
+    for a, b in zip(plain.read_blocks(range(5)), checked.read_blocks(range(5)), strict=True):
+        assert torch.equal(raw(a.k), raw(b.k)) and torch.equal(raw(a.v), raw(b.v))
+
+    frames[1][-40] ^= 0x01  # inside the payload (before the checksum field, 27 bytes)
+    corrupt = KVCache(config, 5, 4, cache_dtype, populate="lazy")
+    assert write(corrupt, frames, True) == 1
+    (first,) = corrupt.read_blocks([1])
+    (expected,) = plain.read_blocks([1])
+    assert torch.equal(raw(first.k), raw(expected.k))
+    assert all(not raw(b.k).any() and not raw(b.v).any() for b in corrupt.read_blocks([2, 3]))

@@ -1,0 +1,49 @@
+"""BatchLoader (shared/engine/kv/load.py): a fetched batch's frames verified and written into
+cache blocks; a frame whose checksum fails ends the batch's leading run, however the blocks
+are written (the one-call C++ write, which checks the checksums it was left, or the staged
+copies, before which the loader checks them itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvserve.shared.engine.kv import cache as kv_cache
+from kvserve.shared.engine.kv.cache import KVCache
+from kvserve.shared.engine.kv.load import BatchLoader, LoadJob
+from kvserve.shared.store.codec import BlockMeta
+
+from tests.shared.engine.kv.test_cache import _encoded
+from tests.shared.model_configs import model_config
+
+CONFIG = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def _loader(cache: KVCache, meta: BlockMeta, root: bytes, one_call: bool) -> BatchLoader:
+    # Without the one-call write the loader stages and copies layer by layer, as it does
+    # where that kernel does not apply (another device, another pairing).
+    direct = cache.write_frames if one_call else None
+    return BatchLoader(meta, cache.dtype, root, cache.write_stacked, LoadJob(), "int8", direct)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32])
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "staged"])
+def test_a_bad_checksum_ends_the_leading_run_written(cache_dtype, one_call) -> None:  # type: ignore[no-untyped-def]
+    from kvserve.kernels import cpu_ops
+
+    if one_call and not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    kv_format = "float32" if cache_dtype == torch.float32 else "int8"
+    meta = BlockMeta("m", kv_format, 4, 2, CONFIG.num_kv_heads, CONFIG.head_dim)
+    root, frames, hashes = _encoded(4, meta, "int8", cache_dtype)
+    intact = KVCache(CONFIG, 6, 4, cache_dtype, populate="lazy")
+    got = _loader(intact, meta, root, one_call).load(hashes, frames, [1, 2, 3, 4])
+    assert (got.written, got.miss, got.bad) == (4, None, None)
+
+    frames[2][-40] ^= 0x01  # inside block 2's payload: only its checksum can tell
+    cache = KVCache(CONFIG, 6, 4, cache_dtype, populate="lazy")
+    got = _loader(cache, meta, root, one_call).load(hashes, frames, [1, 2, 3, 4])
+    assert (got.written, got.miss, got.bad) == (2, "bad_checksum", hashes[2])
+    raw = kv_cache.raw_view
+    for a, b in zip(cache.read_blocks([1, 2]), intact.read_blocks([1, 2]), strict=True):
+        assert torch.equal(raw(a.k), raw(b.k)) and torch.equal(raw(a.v), raw(b.v))
+    assert all(not raw(b.k).any() and not raw(b.v).any() for b in cache.read_blocks([3, 4]))
