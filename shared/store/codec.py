@@ -626,7 +626,21 @@ def _read_as_written(view: memoryview, expected: BlockMeta) -> dict[str, Any] | 
         "payload": view[payload_at:payload_end],
         "checksum": view[checksum_at:n],
     }
-    return _check_types(fields)
+    return _written_types(fields)
+
+
+def _written_types(fields: dict[str, Any]) -> dict[str, Any] | None:
+    """`_check_types` for the fields `_read_as_written` found, whose header is the reader's,
+    whose names come from the known ones and whose bins have their lengths by position: only
+    the token ids, read by msgpack, are left to check."""
+    toks = fields["token_ids"]
+    if not isinstance(toks, list) or any(type(t) is not int for t in toks):  # bool: not int
+        return None
+    if toks and (min(toks) < 0 or max(toks) >= 2**32):
+        return None
+    for n in ("parent", "scales", "checksum"):  # small: copied out of the frame
+        fields[n] = bytes(fields[n])
+    return fields
 
 
 def _identity_miss(f: dict[str, Any], expected: BlockMeta) -> Miss | None:
