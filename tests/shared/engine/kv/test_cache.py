@@ -221,8 +221,8 @@ def _encoded(n: int, meta: BlockMeta, fmt: str, cache_dtype: torch.dtype):  # ty
         tokens = [100 * j + t for t in range(meta.block_size)]
         k, v = (torch.randn(meta.block_shape, generator=g) for _ in range(2))
         kw = {}
-        if fmt == "int8":
-            q = BlockData.from_float(k, v, torch.int8)
+        if fmt in ("int8", "fp8"):
+            q = BlockData.from_float(k, v, torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
             k, v, kw["scales"] = q.k, q.v, (q.k_scale, q.v_scale)
         frames.append(bytearray(encode_block(meta, tokens, k, v, fmt, parent, **kw)))
         parent = chain_hash(parent, tokens)
@@ -232,7 +232,13 @@ def _encoded(n: int, meta: BlockMeta, fmt: str, cache_dtype: torch.dtype):  # ty
 
 @pytest.mark.parametrize(
     ("fmt", "cache_dtype"),
-    [("int8", torch.int8), ("int8", torch.float32), ("native", torch.float32)],
+    [
+        ("int8", torch.int8),
+        ("int8", torch.float32),
+        ("fp8", torch.float8_e4m3fn),
+        ("fp8", torch.float32),
+        ("native", torch.float32),
+    ],  # fmt: skip
 )
 def test_write_frames_checks_each_checksum_before_writing_its_block(fmt, cache_dtype) -> None:  # type: ignore[no-untyped-def]
     """Checksums left to the write (codec.decode_unchecked) are checked in C++ just before
@@ -245,7 +251,7 @@ def test_write_frames_checks_each_checksum_before_writing_its_block(fmt, cache_d
     if not cpu_ops.available():
         pytest.skip("no C++ toolchain")
     config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
-    kv_format = "float32" if cache_dtype == torch.float32 else "int8"
+    kv_format = {torch.float32: "float32", torch.int8: "int8"}.get(cache_dtype, "fp8")
     meta = BlockMeta("m", kv_format, 4, 2, config.num_kv_heads, config.head_dim)
     root, frames, hashes = _encoded(3, meta, fmt, cache_dtype)
 
