@@ -238,7 +238,7 @@ def _encoded(n: int, meta: BlockMeta, fmt: str, cache_dtype: torch.dtype):  # ty
         ("fp8", torch.float8_e4m3fn),
         ("fp8", torch.float32),
         ("native", torch.float32),
-    ],  # fmt: skip
+    ],
 )
 def test_write_frames_checks_each_checksum_before_writing_its_block(fmt, cache_dtype) -> None:  # type: ignore[no-untyped-def]
     """Checksums left to the write (codec.decode_unchecked) are checked in C++ just before
