@@ -9,6 +9,11 @@ with its scales: bit-exact with what the engine wrote), int8 / fp8 frames dequan
 fp32 cache. Otherwise its blocks are gathered, as stored, into a staging buffer (each thread
 reuses its own) and written with one copy per layer (KVCache.write_stacked, which dequantizes
 on the way in for a float cache); anything else is converted block by block.
+
+Where the one-call write is there, verification leaves each frame's checksum to it
+(codec.decode_unchecked): it hashes the frame just before copying its block, so the payload is
+read once. A batch's blocks count only up to the first frame whose checksum fails, however
+they were written (the staged path checks the deferred checksums itself, before its copies).
 """
 
 from __future__ import annotations
