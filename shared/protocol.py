@@ -32,7 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
 import msgpack
@@ -358,12 +358,32 @@ def _all_ints(values: list[Any]) -> bool:
 
 
 def encode(msg: Message) -> bytes:
-    body = asdict(msg)
+    body = _fields_of(msg)
     if isinstance(msg, GenerateRequest):
         body["sampling"] = encode_sampling(msg.sampling)
     body["kind"] = msg.KIND
     body["v"] = PROTOCOL_VERSION
-    return bytes(msgpack.packb(body, use_bin_type=True))
+    return bytes(msgpack.packb(body, use_bin_type=True, default=_nested))
+
+
+def _fields_of(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields by name, as they are (dataclasses.asdict, which deep-copies every
+    value, took most of a token event's encoding)."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
+    return {name: getattr(obj, name) for name in names}
+
+
+def _nested(value: Any) -> Any:
+    """msgpack's hook for what it cannot pack itself: a dataclass inside a message (ErrorInfo)
+    as the map asdict makes of it."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return _fields_of(value)
+    raise TypeError(f"cannot encode {type(value).__name__} in a message")
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def decode(data: bytes) -> Message:
