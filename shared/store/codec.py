@@ -38,6 +38,10 @@ Invariants of `decode_block`:
 - `dequantize=False` returns K/V (and scales) as stored, views of the frame's own bytes where
   the payload is not compressed: read-only, no copy (the loader copies them into the cache).
 
+`decode_unchecked`, the store load's fast path for uncompressed native / int8 / fp8 frames laid
+out as written, makes every check above but the checksum and returns that as a `Checksum` for
+the copy into the cache to verify (kernels/cpu_ops.write_frames) before the block counts.
+
 Byte order is the host's (little-endian on every supported platform).
 """
 
