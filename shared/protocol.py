@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
@@ -369,10 +370,13 @@ def encode(msg: Message) -> bytes:
 def _fields_of(obj: Any) -> dict[str, Any]:
     """A dataclass's fields by name, as they are (dataclasses.asdict, which deep-copies every
     value, took most of a token event's encoding)."""
-    names = _FIELD_NAMES.get(type(obj))
-    if names is None:
-        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
-    return {name: getattr(obj, name) for name in names}
+    cls: type = type(obj)
+    return {name: getattr(obj, name) for name in _field_names(cls)}
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
 
 
 def _nested(value: Any) -> Any:
@@ -381,9 +385,6 @@ def _nested(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
         return _fields_of(value)
     raise TypeError(f"cannot encode {type(value).__name__} in a message")
-
-
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def decode(data: bytes) -> Message:

@@ -91,10 +91,6 @@ static std::vector<uint8_t*> layers(const std::vector<torch::Tensor>& ts, const 
   return out;
 }
 
-// k[j], v[j]: block j's K and V [num_layers, block_size, kvh, d] as stored; scales[j] its
-// fp32 scales [2, num_layers, block_size, kvh] (K's, V's) when stored int8 / fp8, else none.
-// k_cache / v_cache: each layer's [num_blocks, block_size, kvh, d] (k_scale / v_scale their
-// [num_blocks, block_size, kvh] for an int8 / fp8 cache); dst[j]: block j's cache block.
 // xxh3-128 over `head`, the scales' length (8 bytes, little-endian), the scales, then K's and
 // V's bytes (the frame's payload), in the canonical (big-endian) byte order: codec's checksum.
 static bool checksum_matches(const std::string& head, const uint8_t* scales, int64_t scale_len,
@@ -104,7 +100,8 @@ static bool checksum_matches(const std::string& head, const uint8_t* scales, int
   XXH3_128bits_reset(&state);
   XXH3_128bits_update(&state, head.data(), head.size());
   uint8_t len[8];
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(scale_len) >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    len[i] = static_cast<uint8_t>(static_cast<uint64_t>(scale_len) >> (8 * i));
   XXH3_128bits_update(&state, len, sizeof(len));
   if (scale_len) XXH3_128bits_update(&state, scales, static_cast<size_t>(scale_len));
   XXH3_128bits_update(&state, k, static_cast<size_t>(half));
@@ -114,18 +111,23 @@ static bool checksum_matches(const std::string& head, const uint8_t* scales, int
   return digest.size() == sizeof(out) && std::memcmp(out.digest, digest.data(), sizeof(out)) == 0;
 }
 
+// k[j], v[j]: block j's K and V [num_layers, block_size, kvh, d] as stored; scales[j] its
+// fp32 scales [2, num_layers, block_size, kvh] (K's, V's) when stored int8 / fp8, else none.
+// k_cache / v_cache: each layer's [num_blocks, block_size, kvh, d] (k_scale / v_scale their
+// [num_blocks, block_size, kvh] for an int8 / fp8 cache); dst[j]: block j's cache block.
 // Either the stored type is the cache's (a copy of the bytes, scales too) or the frames are
 // int8 / fp8 and the cache fp32 (dequantized). heads[j] / digests[j] (none, or one per block;
 // an empty digest: block j was verified already): block j's checksum, checked before it is
 // written. Returns how many leading blocks were written: all of them, or up to the first whose
 // checksum does not verify.
 int64_t write_frames(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
-                  const std::vector<torch::Tensor>& scales,
-                  const std::vector<torch::Tensor>& k_cache,
-                  const std::vector<torch::Tensor>& v_cache,
-                  const std::vector<torch::Tensor>& k_scale,
-                  const std::vector<torch::Tensor>& v_scale, const std::vector<int64_t>& dst,
-                  const std::vector<std::string>& heads, const std::vector<std::string>& digests) {
+                     const std::vector<torch::Tensor>& scales,
+                     const std::vector<torch::Tensor>& k_cache,
+                     const std::vector<torch::Tensor>& v_cache,
+                     const std::vector<torch::Tensor>& k_scale,
+                     const std::vector<torch::Tensor>& v_scale, const std::vector<int64_t>& dst,
+                     const std::vector<std::string>& heads,
+                     const std::vector<std::string>& digests) {
   const int64_t n = static_cast<int64_t>(dst.size()), L = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(n > 0 && L > 0 && static_cast<int64_t>(k.size()) == n &&
                   static_cast<int64_t>(v.size()) == n && static_cast<int64_t>(v_cache.size()) == L,
@@ -167,10 +169,10 @@ int64_t write_frames(const std::vector<torch::Tensor>& k, const std::vector<torc
   pybind11::gil_scoped_release no_gil;
   const int64_t scale_bytes = rows * static_cast<int64_t>(sizeof(float));
   for (int64_t j = 0; j < n; ++j) {
-    if (checked && !digests[j].empty() &&
-        !checksum_matches(heads[j], quantized ? sp[j] : nullptr, quantized ? 2 * L * scale_bytes : 0,
-                          kp[j], vp[j], L * block_bytes, digests[j]))
-    {
+    const bool unchecked = !checked || digests[j].empty();
+    if (!unchecked && !checksum_matches(heads[j], quantized ? sp[j] : nullptr,
+                                        quantized ? 2 * L * scale_bytes : 0, kp[j], vp[j],
+                                        L * block_bytes, digests[j])) {
       _mm_sfence();
       return j;
     }

@@ -469,8 +469,9 @@ def decode_block(
     return _tensors(f, raw, expected.block_shape, root, dequantize)
 
 
-# Formats whose uncompressed payload a copy takes as stored (the checksum fused into it).
-_COPIED: Final = frozenset({"native", "int8", "fp8"})
+# Formats whose uncompressed payload a copy takes as stored (the checksum fused into it):
+# the only ones decode_unchecked takes.
+UNCHECKED_FORMATS: Final = frozenset({"native", "int8", "fp8"})
 
 
 def decode_unchecked(
@@ -485,7 +486,7 @@ def decode_unchecked(
         if not isinstance(data, bytes | bytearray | memoryview) or len(data) > MAX_FRAME_BYTES:
             return None
         f = _read_as_written(memoryview(data).cast("B"), expected)
-        if f is None or f["comp"] != "none" or f["fmt"] not in _COPIED:
+        if f is None or f["comp"] != "none" or f["fmt"] not in UNCHECKED_FORMATS:
             return None
         shape = expected.block_shape
         if _identity_miss(f, expected) is not None:

@@ -29,6 +29,7 @@ from kvserve.kernels.reference import dequantize_kv
 from kvserve.shared.engine.kv.cache import raw_view
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
 from kvserve.shared.store.codec import (
+    UNCHECKED_FORMATS,
     BlockMeta,
     Checksum,
     DecodedBlock,
@@ -247,8 +248,10 @@ class BatchLoader:
 
     @property
     def fused(self) -> bool:
-        """Whether checksums are left to the write: the one-call write is there."""
-        return self.write_frames is not None
+        """Whether checksums are left to the write: the one-call write is there and the
+        store's frames are of a format decode_unchecked takes (else each frame would be read
+        twice)."""
+        return self.write_frames is not None and self.fmt in UNCHECKED_FORMATS
 
     def write(self, verified: Verified, dst: list[int]) -> LoadedBatch:
         """Write the verified blocks into their cache blocks `dst` (in one call, or gathered
