@@ -18,9 +18,11 @@ Shared prefixes are read once (cascade attention, as FlashInfer and vLLM do it o
 sequences whose block tables start with the same physical blocks (prefix-cache hits, n > 1
 samples, beams) form a group of up to 8, and the leading blocks full in every member are streamed
 once for all the group's query rows; each member then walks its own remaining blocks. One work
-item per group, parallel with at::parallel_for; each query row keeps its own block-wise online
-softmax and sees its blocks in table order, so its result is bit-identical to running the
-sequence alone.
+item per group, parallel with at::parallel_for; with fewer groups than threads (one sequence
+at batch 1) a group's heads are split into runs, one item each, so that every thread works
+(a batch-1 decode step 5.5-5.7 -> 5.2 ms on an AMX Xeon, docs/benchmarks.md). Each query row
+keeps its own block-wise online softmax and sees its blocks in table order, so its result is
+bit-identical to running the sequence alone, on any number of threads.
 """
 
 from __future__ import annotations

@@ -17,13 +17,14 @@
 
 namespace cpu_decode_attention {
 
-// Online-softmax state of the query rows of M sequences x H heads (row j * H + h).
+// Online-softmax state of the query rows of M sequences x H heads h0 .. h0 + H - 1 (row
+// j * H + h for head h0 + h).
 struct Rows {
-  int64_t H, G;
+  int64_t H, G, h0;
   std::vector<const float*> q;  // each row's query
   std::vector<float> acc, m, l;
-  Rows(int64_t rows, int64_t h, int64_t g, int64_t d)
-      : H(h), G(g), q(rows), acc(rows * d, 0.f), m(rows, -FLT_MAX), l(rows, 0.f) {}
+  Rows(int64_t rows, int64_t h, int64_t g, int64_t d, int64_t first)
+      : H(h), G(g), h0(first), q(rows), acc(rows * d, 0.f), m(rows, -FLT_MAX), l(rows, 0.f) {}
 };
 
 // Share `it` of `iters` of the next block's `nlines` 64-byte lines of K and V, towards L2.
@@ -93,7 +94,7 @@ static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t
                                                    const T* nv, int64_t nlines) {
   constexpr int NC = D / VW;
   constexpr bool SCALED = !std::is_same_v<T, float>;
-  const int64_t H = st.H, G = st.G;
+  const int64_t H = st.H, G = st.G, h0 = st.h0;
   const int64_t iters = (n + VW - 1) / VW * (j1 - j0) * H;
   int64_t it = 0;
   const vf lane = lanes();
@@ -103,7 +104,7 @@ static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t
     const T* vc = vb + t0 * stride;
     for (int64_t j = j0; j < j1; ++j) {
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t r = j * H + h, off = h / G * D;
+        const int64_t r = j * H + h, kvh = (h0 + h) / G, off = kvh * D;
         if (nk != nullptr) prefetch_share(nk, nv, it++, iters, nlines);
         const float* qr = st.q[r];
         vf a[VW];
@@ -119,8 +120,8 @@ static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t
         if constexpr (SCALED) {
           vf kscale{};
           for (int t = 0; t < nt; ++t) {
-            kscale[t] = ksb[(t0 + t) * KVH + h / G];
-            vscale[t] = vsb[(t0 + t) * KVH + h / G];
+            kscale[t] = ksb[(t0 + t) * KVH + kvh];
+            vscale[t] = vsb[(t0 + t) * KVH + kvh];
           }
           s *= kscale;
         }
@@ -204,15 +205,18 @@ static Groups group_by_prefix(const Paged<T>& pc, int64_t B) {
   return gs;
 }
 
-// Group g's query rows: its shared blocks once for all members, then each member's own blocks
-// in table order, prefetching the next block; then each row's output, normalized.
+// Group g's query rows of heads [h0, h1): its shared blocks once for all members, then each
+// member's own blocks in table order, prefetching the next block; then each row's output,
+// normalized.
 template <int D, class T>
-static void attend_group(const Paged<T>& pc, const Groups& gs, int64_t g) {
-  const int64_t H = pc.H, BS = pc.BS, MAXB = pc.MAXB, stride = pc.blk_stride;
+static void attend_group(const Paged<T>& pc, const Groups& gs, int64_t g, int64_t h0,
+                         int64_t h1) {
+  const int64_t H = h1 - h0, BS = pc.BS, MAXB = pc.MAXB, stride = pc.blk_stride;
   const int64_t first = gs.starts[g], M = gs.starts[g + 1] - first, shared = gs.shared[g];
-  Rows st(M * H, H, pc.G, D);
+  Rows st(M * H, H, pc.G, D, h0);
   for (int64_t j = 0; j < M; ++j)
-    for (int64_t h = 0; h < H; ++h) st.q[j * H + h] = pc.q + (gs.order[first + j] * H + h) * D;
+    for (int64_t h = 0; h < H; ++h)
+      st.q[j * H + h] = pc.q + (gs.order[first + j] * pc.H + h0 + h) * D;
   auto block = [&](int64_t j0, int64_t j1, int64_t id, int64_t n, int64_t nx) {
     attend_block<D, T>(st, j0, j1, pc.kc + id * stride, pc.vc + id * stride,
                        pc.scales(pc.ks, id), pc.scales(pc.vs, id), n, pc.tok_stride, pc.KVH,
@@ -228,7 +232,7 @@ static void attend_group(const Paged<T>& pc, const Groups& gs, int64_t g) {
       block(j, j + 1, table[t0 / BS], std::min(BS, L - t0), t0 + BS < L ? table[t0 / BS + 1] : -1);
     for (int64_t h = 0; h < H; ++h) {
       const int64_t r = j * H + h;
-      float* orow = pc.o + (b * H + h) * D;
+      float* orow = pc.o + (b * pc.H + h0 + h) * D;
       for (int64_t i = 0; i < D; ++i) orow[i] = st.acc[r * D + i] / st.l[r];
     }
   }
@@ -236,7 +240,8 @@ static void attend_group(const Paged<T>& pc, const Groups& gs, int64_t g) {
 
 // query [B, H, D] f32; k/v cache [NB, BS, KVH, D] of T (with scales [NB, BS, KVH] f32 for
 // int8); tables [B, MAXB] i32; lens [B] i32. One work item per group of sequences
-// (group_by_prefix), parallel over the groups.
+// (group_by_prefix), parallel over the groups; with fewer groups than threads (one sequence
+// at batch 1) each group's heads are split into as many runs as keep every thread busy.
 template <int D, class T>
 static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor tables, torch::Tensor lens, double scale,
@@ -251,8 +256,14 @@ static torch::Tensor decode(torch::Tensor query, torch::Tensor k_cache, torch::T
                     out.data_ptr<float>(), H, H / KVH, KVH, BS, tables.size(1), KVH * D,
                     BS * KVH * D, block_bytes / 64, static_cast<float>(scale)};
   const Groups gs = group_by_prefix(pc, B);
-  at::parallel_for(0, gs.size(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) attend_group<D, T>(pc, gs, g);
+  const int64_t groups = gs.size(), threads = at::get_num_threads();
+  const int64_t runs = groups >= threads ? 1 : std::min(H, (threads + groups - 1) / groups);
+  const int64_t per = (H + runs - 1) / runs;  // heads a run
+  at::parallel_for(0, groups * runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h0 = i % runs * per, h1 = std::min(H, h0 + per);
+      if (h0 < h1) attend_group<D, T>(pc, gs, i / runs, h0, h1);
+    }
   });
   return out;
 }

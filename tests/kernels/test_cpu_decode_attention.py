@@ -141,3 +141,42 @@ def test_a_sequence_alone_equals_it_in_a_batch() -> None:
         assert torch.equal(alone[0], batch[i])
     want = reference.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
     torch.testing.assert_close(batch, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (2, 1)], ids=["gqa", "mha", "mqa"])
+def test_heads_split_over_threads_give_the_same_bits(
+    heads: tuple[int, int], dtype: torch.dtype
+) -> None:
+    """With fewer sequences than threads (one at batch 1) the kernel splits each sequence's
+    heads over the threads: every row is bit-identical whatever the thread count (one thread
+    computes all heads) and in a batch large enough to need no split, and matches the
+    reference."""
+    torch.manual_seed(4)
+    h, kvh = heads
+    d, bs, lens = 64, 16, [77, 140, 5, 33]
+    nb = 40
+    kc, vc = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    ks = vs = None
+    if dtype != torch.float32:
+        (kc, ks), (vc, vs) = reference.quantize_kv(kc, dtype), reference.quantize_kv(vc, dtype)
+    tables = torch.randperm(nb)[:36].view(4, 9).int()
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(4, h, d)
+
+    def attend(rows: slice, threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return cpu_decode_attention.paged_decode_attention(
+                q[rows], kc, vc, tables[rows], ctx[rows], d**-0.5, ks, vs
+            )
+        finally:
+            torch.set_num_threads(before)
+
+    batch = attend(slice(0, 4), 1)
+    for threads in (2, 3, 8):
+        assert torch.equal(attend(slice(0, 1), threads)[0], batch[0]), threads
+        assert torch.equal(attend(slice(1, 3), threads), batch[1:3]), threads
+    want = reference.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5, ks, vs)
+    torch.testing.assert_close(batch, want, atol=1e-5, rtol=1e-5)
