@@ -107,6 +107,18 @@ def make_resident(tensors: Sequence[torch.Tensor], stop: threading.Event | None 
     return True
 
 
+def idle_priority() -> bool:
+    """Run the calling thread only on CPU time no other thread wants (Linux's SCHED_IDLE),
+    so that a background population never slows the steps of a server that already serves
+    (the page faults are kernel work charged to this thread). False where the platform has no
+    such policy."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
 # Caches whose pages a thread is still faulting in. A process that exits meanwhile stops those
 # threads first: one that wakes up inside a call while the interpreter finalizes aborts it.
 _populating: weakref.WeakSet[KVCache] = weakref.WeakSet()
@@ -165,6 +177,7 @@ class KVCache:
             self._populating.start()
 
     def _populate_in_background(self) -> None:
+        idle_priority()
         try:  # an older kernel: the pages are faulted in as blocks are written
             make_resident(self.k + self.v, self._stop_populating)
         except MemoryError as e:

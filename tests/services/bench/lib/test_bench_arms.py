@@ -167,6 +167,16 @@ def test_kvserve_arms_take_the_clients_timeout(arm: str, model_path: Path, tmp_p
     assert cmd[cmd.index("--request-timeout") + 1] == "3660"
 
 
+@pytest.mark.parametrize("arm", ["kvserve", "kvserve-fp32", "kvserve-bf16"])
+def test_serve_arms_populate_their_kv_cache_before_they_are_ready(
+    arm: str, model_path: Path, tmp_path: Path
+) -> None:
+    """A cache populated in the background while the first requests run slows their decode:
+    a benchmark measures the server once its cache is resident."""
+    cmd = make_server(arm, free_port(), ArmSettings(model_path, tmp_path)).process.cmd
+    assert cmd[cmd.index("--kv-populate") + 1] == "eager"
+
+
 def test_llama_server_is_built_for_the_kernels_march(monkeypatch: pytest.MonkeyPatch) -> None:
     native_dir = llama_cpp_dir()
     assert "-DGGML_NATIVE=ON" in llama_cpp._build_flags()

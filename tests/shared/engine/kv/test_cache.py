@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import pytest
@@ -85,6 +86,27 @@ def test_a_background_cache_keeps_what_is_written_while_it_populates() -> None:
     for layer, t in enumerate(cache.k + cache.v):
         assert torch.count_nonzero(t) == 3 * 16 * 2 * 16
         assert bool((t[layer * 7 : layer * 7 + 3] == layer + 1).all())
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this platform")
+def test_a_background_population_runs_on_idle_cpu_time_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The population thread takes only CPU time no other thread wants (its page faults
+    slowed a serving engine's first requests); the thread that made the cache keeps its own
+    policy."""
+    seen: list[int] = []
+
+    def record(tensors: object, stop: object = None) -> bool:
+        seen.append(os.sched_getscheduler(0))
+        return True
+
+    monkeypatch.setattr(kv_cache, "make_resident", record)
+    before = os.sched_getscheduler(0)
+    cache = cache_of("background")
+    cache.close()
+    assert seen == [os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == before != os.SCHED_IDLE
 
 
 def test_close_stops_a_background_population() -> None:
