@@ -43,7 +43,13 @@ from kvserve.services.engine_options import (
 )
 from kvserve.services.gateway.router import POLICIES
 from kvserve.services.supervisor import Supervisor
-from kvserve.shared.config import KV_DTYPES, SIM_PAYLOADS, STORE_FORMATS, default_model_path
+from kvserve.shared.config import (
+    KV_DTYPES,
+    POPULATE_MODES,
+    SIM_PAYLOADS,
+    STORE_FORMATS,
+    default_model_path,
+)
 
 CLAIM_IDLE_S = 30.0  # the workers' --claim-idle default
 QUARANTINE_AFTER = 2  # the workers' --quarantine-after default
@@ -85,6 +91,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--store-format", choices=STORE_FORMATS, default="auto")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="the workers' KV cache")
+    p.add_argument(
+        "--kv-populate",
+        choices=POPULATE_MODES,
+        default="background",
+        help="the workers': when their KV cache's memory becomes resident",
+    )
     p.add_argument("--model", default=str(default_model_path()))
     p.add_argument("--metrics-port", type=int, default=9100, help="first worker's; 0: off")
     p.add_argument("--grace", type=float, default=40.0, help="seconds before SIGKILL on stop")
@@ -178,6 +190,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
         own += ["--quarantine-after", str(args.quarantine_after)]
     if args.kv_dtype != "auto":
         own += ["--kv-dtype", args.kv_dtype]
+    if args.kv_populate != "background":
+        own += ["--kv-populate", args.kv_populate]
     own += speculative_flags(args)
     if args.simulate is not None:
         return [*out, sim_fleet_command(args, base)]

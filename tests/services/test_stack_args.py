@@ -159,6 +159,14 @@ def test_every_worker_gets_the_kv_dtype(topology: list[str]) -> None:
     assert all("--kv-dtype" not in w for w in _commands(*topology))  # the workers' default
 
 
+@pytest.mark.parametrize("topology", [[], ["--workers", "3"]])
+def test_every_worker_gets_the_kv_populate_mode(topology: list[str]) -> None:
+    gateway, *workers = _commands(*topology, "--kv-populate", "eager")
+    assert "--kv-populate" not in gateway
+    assert [w[w.index("--kv-populate") + 1] for w in workers] == ["eager"] * 3
+    assert all("--kv-populate" not in w for w in _commands(*topology))  # the workers' default
+
+
 def test_aggregated_workers_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stack.os, "cpu_count", lambda: 8)
     for count, threads in (("1", "8"), ("3", "2"), ("16", "1")):

@@ -113,14 +113,15 @@ def stack_server(
 ) -> ArmServer:
     """`kvserve stack ... FLAGS` (the topology), not started, on the settings' Redis, or when
     that is None on a RedisServer of its own started and stopped with it; ready once its
-    gateway lists `workers` live workers."""
+    gateway lists `workers` live workers, whose KV caches are resident by then (as the serve
+    arms')."""
     own = None
     if settings.redis_url is None:
         log = settings.log_dir / "redis.log"
         own = RedisServer(maxmemory=settings.redis_maxmemory, log=log)
     url = own.url if own is not None else str(settings.redis_url)
     args = ["--redis", url, "--model", str(settings.model), "--port", str(port), *flags]
-    args += ["--request-timeout", str(settings.request_timeout)]
+    args += ["--request-timeout", str(settings.request_timeout), "--kv-populate", "eager"]
     process = kvserve_process(
         ["stack"], args, name=name, ready=HttpReady("/ready", workers),
         url=f"http://127.0.0.1:{port}", log=settings.log_dir / f"{name}.log",

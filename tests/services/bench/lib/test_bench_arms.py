@@ -167,8 +167,8 @@ def test_kvserve_arms_take_the_clients_timeout(arm: str, model_path: Path, tmp_p
     assert cmd[cmd.index("--request-timeout") + 1] == "3660"
 
 
-@pytest.mark.parametrize("arm", ["kvserve", "kvserve-fp32", "kvserve-bf16"])
-def test_serve_arms_populate_their_kv_cache_before_they_are_ready(
+@pytest.mark.parametrize("arm", ["kvserve", "kvserve-fp32", "kvserve-bf16", "kvserve-disagg"])
+def test_kvserve_arms_populate_their_kv_cache_before_they_are_ready(
     arm: str, model_path: Path, tmp_path: Path
 ) -> None:
     """A cache populated in the background while the first requests run slows their decode:
