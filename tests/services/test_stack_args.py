@@ -152,19 +152,12 @@ def test_every_worker_gets_the_store_format(topology: list[str]) -> None:
 
 
 @pytest.mark.parametrize("topology", [[], ["--workers", "3"]])
-def test_every_worker_gets_the_kv_dtype(topology: list[str]) -> None:
-    gateway, *workers = _commands(*topology, "--kv-dtype", "int8")
-    assert "--kv-dtype" not in gateway
-    assert [w[w.index("--kv-dtype") + 1] for w in workers] == ["int8"] * 3
-    assert all("--kv-dtype" not in w for w in _commands(*topology))  # the workers' default
-
-
-@pytest.mark.parametrize("topology", [[], ["--workers", "3"]])
-def test_every_worker_gets_the_kv_populate_mode(topology: list[str]) -> None:
-    gateway, *workers = _commands(*topology, "--kv-populate", "eager")
-    assert "--kv-populate" not in gateway
-    assert [w[w.index("--kv-populate") + 1] for w in workers] == ["eager"] * 3
-    assert all("--kv-populate" not in w for w in _commands(*topology))  # the workers' default
+@pytest.mark.parametrize(("flag", "value"), [("--kv-dtype", "int8"), ("--kv-populate", "eager")])
+def test_every_worker_gets_the_kv_cache_options(topology: list[str], flag: str, value: str) -> None:
+    gateway, *workers = _commands(*topology, flag, value)
+    assert flag not in gateway
+    assert [w[w.index(flag) + 1] for w in workers] == [value] * 3
+    assert all(flag not in w for w in _commands(*topology))  # the workers' default
 
 
 def test_aggregated_workers_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
