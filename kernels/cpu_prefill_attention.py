@@ -7,11 +7,16 @@ group); it walks the keys up to its last position 2 VW at a time (VW: the machin
 width, 16 or 8), in block-table order: the key tile transposed into [d][2 VW] so that a query
 row's scores are two vectors of broadcast-multiply-adds (8 rows at a time with AVX-512, 6 with
 AVX2), the online softmax with a vectorized exp, then P V with the accumulators in registers.
-Tiles above the diagonal are never visited; the diagonal tile is masked per row. A row's
-arithmetic depends only on its own query, its position and the keys: a token's result does not
-depend on how its prompt was chunked or what else is in the batch. Work items go longest first
-to whichever thread is free (a static split would hand one thread the late, expensive tiles of
-a long prompt). Figures: docs/benchmarks.md (CPU kernels).
+Tiles above the diagonal are never visited; the diagonal tile is masked per row. Keys come in
+spans of 512 at fixed positions (0, 512, ...), each span a work item of its own with a partial
+softmax (max, sum, unnormalized output per row), merged in span order afterwards: a short chunk
+over a long cached prefix (a question after a system prompt) is then several work items per KV
+head instead of one, where three KV heads on two threads left one idle a third of the time. A
+row's arithmetic depends only on its own query, its position and the keys (the spans are fixed
+by position): a token's result does not depend on how its prompt was chunked, what else is in
+the batch or how many threads run. Work items go most keys first to whichever thread is free (a
+static split would hand one thread the late, expensive tiles of a long prompt). Figures:
+docs/benchmarks.md (CPU kernels).
 
 Other dtypes (bf16 models), other head dims and a machine without a compiler take torch's flash
 kernel, called so that it does no wasted work: a chunk of L new tokens after P cached ones is

@@ -16,6 +16,11 @@
 namespace cpu_prefill_attention {
 
 constexpr int64_t kQueryTile = 32;  // query positions per work item
+// Keys are attended in spans of kKeySpan at fixed positions (0, kKeySpan, ...), each span a work
+// item of its own whose partial softmax is merged with the others' in span order: a short chunk
+// over a long cached prefix (a question after a system prompt) is then more than one work item
+// per KV head. Fixed positions keep a token's arithmetic independent of its chunk and batch.
+constexpr int64_t kKeySpan = 512;
 
 // Register blocking for head dim D: KT keys per tile; scores for SR rows at a time (two
 // vectors each); P V for PR rows and CB vectors of the head dim at a time. SR, PR and CB keep
@@ -134,39 +139,83 @@ static inline __attribute__((always_inline)) void accumulate_pv(const float* p, 
   }
 }
 
+// A row's partial result over one span of keys: its running max, its sum of exponentials and
+// its unnormalized output, D floats.
+constexpr int64_t kPartHead = 2;
+
 // One work item: the `npos` query positions starting at `pos0` (rows `q_first`.. of the query)
-// of one sequence, for the G query heads of KV head `kh` (G * npos rows), over every key up to
-// the last of them, KT keys at a time in the order of the sequence's blocks: gather_keys,
-// score_rows, accumulate_pv. A row's arithmetic depends only on its own query, its position
-// and the keys, never on the other rows of the tile: a token's result is the same however the
-// prompt was chunked or batched.
+// of one sequence, for the G query heads of KV head `kh` (G * npos rows), over the keys k0 ..
+// k1 - 1 (k1 at most one past the last position), KT keys at a time in the order of the
+// sequence's blocks: gather_keys, score_rows, accumulate_pv. Rows at positions before k0 have
+// no key there and are left out. With `part` null the keys are all of the rows' keys and the
+// rows' outputs go to `out`; otherwise each row's partial result goes to `part` (kPartHead + D
+// floats a row; m = -FLT_MAX, l = 0 for a row left out). A row's arithmetic depends only on its
+// own query, its position and the keys, never on the other rows of the tile: a token's result
+// is the same however the prompt was chunked or batched.
 template <int D>
 static void attend_tile(const float* q, int64_t H, int64_t G, int64_t kh, int64_t q_first,
-                        int64_t npos, int64_t pos0, const float* kc, const float* vc,
-                        const int32_t* table, int64_t BS, int64_t KVH, float sc, float* out) {
+                        int64_t npos, int64_t pos0, int64_t k0, int64_t k1, const float* kc,
+                        const float* vc, const int32_t* table, int64_t BS, int64_t KVH, float sc,
+                        float* out, float* part) {
   using T = Tiling<D>;
-  const int64_t rows = npos * G, RP = (rows + T::RQ - 1) / T::RQ * T::RQ;
+  const int64_t skip = std::max<int64_t>(0, k0 - pos0) * G;  // rows before k0
+  const int64_t rows = npos * G - skip, RP = (rows + T::RQ - 1) / T::RQ * T::RQ;
   std::vector<float> qs(RP * D, 0.f), o(RP * D, 0.f), p(RP * T::KT), m(RP, -FLT_MAX),
       l(RP, 0.f), alpha(RP), rowpos(RP, 0.f);
   alignas(64) float kt[D * T::KT];
   alignas(64) float vt[T::KT * D];
+  auto row_of = [&](int64_t r) { return ((q_first + r / G) * H + kh * G + r % G) * D; };
   for (int64_t r = 0; r < rows; ++r) {
-    const float* src = q + ((q_first + r / G) * H + kh * G + r % G) * D;
+    const float* src = q + row_of(skip + r);
     for (int64_t c = 0; c < D; ++c) qs[r * D + c] = src[c] * sc;
-    rowpos[r] = static_cast<float>(pos0 + r / G);
+    rowpos[r] = static_cast<float>(pos0 + (skip + r) / G);
   }
-  const int64_t last = pos0 + npos - 1;
-  for (int64_t t0 = 0; t0 <= last;) {
-    const int64_t nt = gather_keys<D>(t0, last, kc, vc, table, BS, KVH * D, kh, kt, vt);
+  for (int64_t t0 = k0; t0 < k1;) {
+    const int64_t nt = gather_keys<D>(t0, k1 - 1, kc, vc, table, BS, KVH * D, kh, kt, vt);
     score_rows<D>(qs.data(), rowpos.data(), kt, t0, nt, RP, p.data(), m.data(), l.data(),
                   alpha.data());
     accumulate_pv<D>(p.data(), vt, alpha.data(), nt, RP, o.data());
     t0 += nt;
   }
+  if (part == nullptr) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = out + row_of(skip + r);
+      const float inv = 1.f / l[r];
+      for (int64_t c = 0; c < D; ++c) dst[c] = o[r * D + c] * inv;
+    }
+    return;
+  }
+  for (int64_t r = 0; r < skip + rows; ++r) {
+    float* dst = part + r * (kPartHead + D);
+    const bool in = r >= skip;
+    dst[0] = in ? m[r - skip] : -FLT_MAX;
+    dst[1] = in ? l[r - skip] : 0.f;
+    for (int64_t c = 0; c < D; ++c) dst[kPartHead + c] = in ? o[(r - skip) * D + c] : 0.f;
+  }
+}
+
+// A tile's `spans` partial results (attend_tile's `part`, span after span, `rows` rows each)
+// merged row by row in span order into its output rows: the max of the maxima, each span's
+// sum and output rescaled to it, the output divided by the sum. Spans a row has no key in add
+// nothing (their sum is 0 and their max no larger than the others').
+template <int D>
+static void merge_spans(const float* part, int64_t spans, int64_t rows, int64_t G, int64_t H,
+                        int64_t kh, int64_t q_first, float* out) {
+  constexpr int64_t W = kPartHead + D;
   for (int64_t r = 0; r < rows; ++r) {
+    float mx = -FLT_MAX;
+    for (int64_t s = 0; s < spans; ++s) mx = std::max(mx, part[(s * rows + r) * W]);
+    float l = 0.f, acc[D] = {};
+    for (int64_t s = 0; s < spans; ++s) {
+      const float* ps = part + (s * rows + r) * W;
+      if (ps[1] == 0.f) continue;
+      const float w = std::exp(ps[0] - mx);
+      l += ps[1] * w;
+      for (int64_t c = 0; c < D; ++c) acc[c] += ps[kPartHead + c] * w;
+    }
     float* dst = out + ((q_first + r / G) * H + kh * G + r % G) * D;
-    const float inv = 1.f / l[r];
-    for (int64_t c = 0; c < D; ++c) dst[c] = o[r * D + c] * inv;
+    const float inv = 1.f / l;
+    for (int64_t c = 0; c < D; ++c) dst[c] = acc[c] * inv;
   }
 }
 
@@ -186,28 +235,59 @@ static torch::Tensor prefill(torch::Tensor query, torch::Tensor k_cache, torch::
   const int32_t* cq = cu.data_ptr<int32_t>();
   const int32_t* ln = lens.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
-  struct Item { int64_t b, kh, i0, n; };
+  // A tile: query positions i0 .. i0 + n - 1 of sequence b for KV head kh, its keys in
+  // `spans` spans (more than one: their partial results from `part` on).
+  struct Tile { int64_t b, kh, i0, n, spans, part; };
+  struct Item { int64_t tile, k0, k1; };
+  std::vector<Tile> tiles;
   std::vector<Item> items;
+  int64_t part_floats = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t qlen = cq[b + 1] - cq[b];
     for (int64_t i0 = 0; i0 < qlen; i0 += kQueryTile)
-      for (int64_t kh = 0; kh < KVH; ++kh)
-        items.push_back({b, kh, i0, std::min<int64_t>(kQueryTile, qlen - i0)});
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        const int64_t n = std::min<int64_t>(kQueryTile, qlen - i0);
+        const int64_t keys = ln[b] - qlen + i0 + n;  // up to the tile's last position
+        const int64_t spans = (keys + kKeySpan - 1) / kKeySpan;
+        const int64_t t = static_cast<int64_t>(tiles.size());
+        tiles.push_back({b, kh, i0, n, spans, spans > 1 ? part_floats : -1});
+        if (spans > 1) part_floats += spans * n * G * (kPartHead + D);
+        for (int64_t s = 0; s < spans; ++s)
+          items.push_back({t, s * kKeySpan, std::min(keys, (s + 1) * kKeySpan)});
+      }
   }
-  // Longest first (a causal tile's cost grows with its position), pulled by the threads one at
-  // a time: a static split would leave one thread the late, expensive tiles of a long prompt.
-  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
-    return ln[x.b] - (cq[x.b + 1] - cq[x.b]) + x.i0 > ln[y.b] - (cq[y.b + 1] - cq[y.b]) + y.i0;
-  });
+  // Most keys first, pulled by the threads one at a time: a static split would leave one
+  // thread the late, expensive tiles of a long prompt.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.k1 - x.k0 > y.k1 - y.k0; });
+  // Grown, never shrunk or cleared: every float of it that is read was written by this call
+  // (a fresh zeroed buffer was a page fault per 4 KiB of it, every layer, every chunk).
+  // The calling thread's (the lambdas below run on others: they take the pointer).
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < static_cast<size_t>(part_floats)) scratch.resize(part_floats);
+  float* const part = scratch.data();
   const float sc = static_cast<float>(scale);
   const int64_t N = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), N), 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < N; i = next++) {
       const Item& it = items[i];
-      const int64_t qlen = cq[it.b + 1] - cq[it.b];
-      attend_tile<D>(q, H, G, it.kh, cq[it.b] + it.i0, it.n, ln[it.b] - qlen + it.i0, kc, vc,
-                      tb + it.b * MAXB, BS, KVH, sc, o);
+      const Tile& tl = tiles[it.tile];
+      const int64_t qlen = cq[tl.b + 1] - cq[tl.b];
+      float* dst = nullptr;
+      if (tl.spans > 1)
+        dst = part + tl.part + it.k0 / kKeySpan * tl.n * G * (kPartHead + D);
+      attend_tile<D>(q, H, G, tl.kh, cq[tl.b] + tl.i0, tl.n, ln[tl.b] - qlen + tl.i0, it.k0,
+                     it.k1, kc, vc, tb + tl.b * MAXB, BS, KVH, sc, o, dst);
+    }
+  });
+  const int64_t T = static_cast<int64_t>(tiles.size());
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Tile& tl = tiles[t];
+      if (tl.spans > 1)
+        merge_spans<D>(part + tl.part, tl.spans, tl.n * G, G, H, tl.kh, cq[tl.b] + tl.i0,
+                       o);
     }
   });
   return out;

@@ -88,6 +88,49 @@ def test_a_prompt_gives_the_same_bits_however_it_is_chunked_or_batched(kv_dtype)
     torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
 
 
+def _threads(n: int, fn):  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_keys_in_spans_give_the_same_bits_however_the_prompt_is_chunked() -> None:
+    """Past kKeySpan (512) keys a row's keys are attended span by span, each span a work item
+    of its own, and merged: a 1,200-token prompt gives the same bits in one chunk, in chunks
+    that cross a span's start (rows before it have no key in that span), beside another
+    sequence and on any number of threads; and the reference's values."""
+    torch.manual_seed(6)
+    h, kvh, d, bs = 9, 3, 64, 16
+    k = torch.randn(160, bs, kvh, d)
+    v = torch.randn(160, bs, kvh, d)
+    table = torch.randperm(160)[:76].int()
+    n = 1200
+    q = torch.randn(n, h, d)
+    whole = _attend(q, k, v, table[None], [(n, n)])
+    cuts = [(0, 500), (500, 530), (530, 1030), (1030, 1188), (1188, 1200)]
+    for threads in (1, 2, 3):
+        chunked = _threads(threads, lambda: torch.cat([
+            _attend(q[a:b], k, v, table[None], [(b - a, b)]) for a, b in cuts
+        ]))  # fmt: skip
+        assert torch.equal(chunked, whole), threads
+    other = torch.randperm(160)[:76].int()
+    q_other = torch.randn(7, h, d)
+    batch = _attend(
+        torch.cat([q[1030:1188], q_other]), k, v, torch.stack([table, other]),
+        [(158, 1188), (7, 900)],
+    )  # fmt: skip
+    assert torch.equal(batch[:158], whole[1030:1188])
+    want = reference.prefill_attention(
+        q, k, v, table[None], torch.tensor([0, n], dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32), d**-0.5,
+    )  # fmt: skip
+    torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
+
+
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [32, 80, 96])
 def test_other_head_dims_match_reference(head_dim: int) -> None:
