@@ -26,9 +26,9 @@ merge does):
   mask would make it compute them all) and reads each KV head for its group of query heads;
 - the chunk over the P prefix tokens, unmasked, with each KV head's query heads stacked as rows
   of one [g * L, d] query, so K/V are read once per KV head instead of being expanded g times.
-Quantized caches take the C++ kernel too, over each sequence's context gathered and dequantized
-into a float32 cache of its own (so their results do not depend on the chunking either); torch's
-kernel where the C++ one cannot run.
+Quantized caches (int8, fp8 e4m3) take the C++ kernel too, which reads them in place: each key
+tile's codes times their scales in fp32 as it is gathered (the reference's dequantized values
+exactly), never a dequantized copy of the context; torch's kernel where the C++ one cannot run.
 """
 
 from __future__ import annotations
@@ -102,11 +102,10 @@ def prefill_attention(
     ):  # the C++ kernel
         assert query.shape[1] % k_cache.shape[2] == 0
         assert block_tables.dtype == cu_query_lens.dtype == context_lens.dtype == torch.int32
-        if k_scale is not None or v_scale is not None:
-            return _dequantized(ext, args, k_scale, v_scale)
-        if k_cache.dtype == v_cache.dtype == torch.float32:
-            tensors = (t.contiguous() for t in args[:-1])
-            out: torch.Tensor = ext.prefill_attention(*tensors, float(scale))
+        scales = () if k_scale is None or v_scale is None else (k_scale, v_scale)
+        if scales or k_cache.dtype == v_cache.dtype == torch.float32:
+            tensors = [t.contiguous() for t in (*args[:-1], *scales)]
+            out: torch.Tensor = ext.prefill_attention(*tensors[:6], float(scale), *tensors[6:])
             return out
     if _FLASH is None or query.device.type != "cpu":
         return reference.prefill_attention(*args, k_scale, v_scale)
@@ -139,26 +138,6 @@ def _per_sequence(
         v = reference.gather_kv(v_cache, v_scale, table, query.dtype)
         out[q0:q1] = attend(query[q0:q1], k, v, ctx)
     return out
-
-
-def _dequantized(
-    ext: Any, args: tuple[Any, ...], k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
-) -> torch.Tensor:
-    """A quantized cache through the C++ kernel: each sequence's context gathered and
-    dequantized into a float32 cache of its own (its blocks in order), so that, as with a
-    float32 cache, a token's result does not depend on how much of its prompt was cached."""
-    bs, scale = args[1].shape[1], args[-1]
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> torch.Tensor:
-        n = k.shape[0] // bs
-        own = torch.arange(n, dtype=torch.int32)[None]
-        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
-        k, v = (t.view(n, bs, *t.shape[1:]) for t in (k, v))
-        lens = torch.tensor([ctx], dtype=torch.int32)
-        out: torch.Tensor = ext.prefill_attention(q.contiguous(), k, v, own, cu, lens, scale)
-        return out
-
-    return _per_sequence(args, k_scale, v_scale, attend)
 
 
 def _flash_prefill(

@@ -17,22 +17,13 @@
 #include <string>
 #include <vector>
 
+#include "cpu_ops.h"
+
 #define XXH_INLINE_ALL
 #include "third_party/xxhash.h"
 
 namespace cpu_load {
 
-// Every e4m3 code's value (exact in fp32).
-static const std::array<float, 256>& fp8_values() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int i = 0; i < 256; ++i)
-      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i),
-                                                   c10::Float8_e4m3fn::from_bits()));
-    return t;
-  }();
-  return table;
-}
 
 // int8 codes * their row's scale into fp32 rows of d floats (d a multiple of 8, out 32-byte
 // aligned): streaming stores, which write the cache's lines without first reading them in
@@ -164,7 +155,7 @@ int64_t write_frames(const std::vector<torch::Tensor>& k, const std::vector<torc
   TORCH_CHECK(!checked || (static_cast<int64_t>(digests.size()) == n &&
                            static_cast<int64_t>(heads.size()) == n),
               "write_frames: a head and a digest per block, or none");
-  const auto& fp8 = fp8_values();
+  const auto& fp8 = cpu_ops::fp8_values();
 
   pybind11::gil_scoped_release no_gil;
   const int64_t scale_bytes = rows * static_cast<int64_t>(sizeof(float));

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
@@ -15,6 +16,18 @@
 #include "simd.h"
 
 namespace cpu_ops {
+
+// Every e4m3 code's value (exact in fp32).
+static const std::array<float, 256>& fp8_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i)
+      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i),
+                                                   c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table;
+}
 
 // Rows per parallel_for task: about 32k floats of work, so that a decode step's few rows run
 // inline on the calling thread.

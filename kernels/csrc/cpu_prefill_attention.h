@@ -9,8 +9,10 @@
 #include <cfloat>
 #include <cmath>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "simd.h"
 
 namespace cpu_prefill_attention {
@@ -39,23 +41,44 @@ struct Tiling {
   static_assert(NC % CB == 0 && SR <= VW);
 };
 
+// A paged cache of elements T: fp32, or int8 / e4m3 codes (uint8_t bits) with an fp32 scale
+// per (slot, KV head), read as code x scale in fp32: the reference's dequantized values
+// exactly (`reference.dequantize_kv`), widened while a tile is gathered, never written out.
+template <class T>
+struct Cache {
+  const T *k, *v;
+  const float *ks, *vs;  // scales [slots, KVH]; null for fp32
+  const float* fp8;      // every e4m3 code's value (cpu_ops::fp8_values), for uint8_t
+  float value(T x) const {
+    if constexpr (std::is_same_v<T, uint8_t>) return fp8[x];
+    else return static_cast<float>(x);
+  }
+};
+
 // The keys t0 .. (at most KT of them, up to `last`) of KV head `kh`, possibly from two blocks,
 // into kt [D][KT] (transposed, zero past the last key) and vt [KT][D]; returns their number.
-template <int D>
+template <int D, class T>
 static inline __attribute__((always_inline)) int64_t gather_keys(
-    int64_t t0, int64_t last, const float* kc, const float* vc, const int32_t* table, int64_t BS,
-    int64_t stride, int64_t kh, float* kt, float* vt) {
+    int64_t t0, int64_t last, const Cache<T>& cache, const int32_t* table, int64_t BS,
+    int64_t KVH, int64_t kh, float* kt, float* vt) {
   constexpr int64_t KT = Tiling<D>::KT;
+  const int64_t stride = KVH * D;
   int64_t nt = 0;
   while (nt < KT && t0 + nt <= last) {
     const int64_t t = t0 + nt, off = t % BS;
     const int64_t run = std::min<int64_t>({KT - nt, BS - off, last + 1 - t});
     const int64_t slot = static_cast<int64_t>(table[t / BS]) * BS + off;
-    const float* kb = kc + slot * stride + kh * D;
-    const float* vb = vc + slot * stride + kh * D;
+    const T* kb = cache.k + slot * stride + kh * D;
+    const T* vb = cache.v + slot * stride + kh * D;
     for (int64_t i = 0; i < run; ++i) {
-      for (int64_t c = 0; c < D; ++c) kt[c * KT + nt + i] = kb[i * stride + c];
-      std::memcpy(vt + (nt + i) * D, vb + i * stride, D * sizeof(float));
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t c = 0; c < D; ++c) kt[c * KT + nt + i] = kb[i * stride + c];
+        std::memcpy(vt + (nt + i) * D, vb + i * stride, D * sizeof(float));
+      } else {
+        const float sk = cache.ks[(slot + i) * KVH + kh], sv = cache.vs[(slot + i) * KVH + kh];
+        for (int64_t c = 0; c < D; ++c) kt[c * KT + nt + i] = cache.value(kb[i * stride + c]) * sk;
+        for (int64_t c = 0; c < D; ++c) vt[(nt + i) * D + c] = cache.value(vb[i * stride + c]) * sv;
+      }
     }
     nt += run;
   }
@@ -152,11 +175,11 @@ constexpr int64_t kPartHead = 2;
 // floats a row; m = -FLT_MAX, l = 0 for a row left out). A row's arithmetic depends only on its
 // own query, its position and the keys, never on the other rows of the tile: a token's result
 // is the same however the prompt was chunked or batched.
-template <int D>
+template <int D, class E>
 static void attend_tile(const float* q, int64_t H, int64_t G, int64_t kh, int64_t q_first,
-                        int64_t npos, int64_t pos0, int64_t k0, int64_t k1, const float* kc,
-                        const float* vc, const int32_t* table, int64_t BS, int64_t KVH, float sc,
-                        float* out, float* part) {
+                        int64_t npos, int64_t pos0, int64_t k0, int64_t k1,
+                        const Cache<E>& cache, const int32_t* table, int64_t BS, int64_t KVH,
+                        float sc, float* out, float* part) {
   using T = Tiling<D>;
   const int64_t skip = std::max<int64_t>(0, k0 - pos0) * G;  // rows before k0
   const int64_t rows = npos * G - skip, RP = (rows + T::RQ - 1) / T::RQ * T::RQ;
@@ -171,7 +194,7 @@ static void attend_tile(const float* q, int64_t H, int64_t G, int64_t kh, int64_
     rowpos[r] = static_cast<float>(pos0 + (skip + r) / G);
   }
   for (int64_t t0 = k0; t0 < k1;) {
-    const int64_t nt = gather_keys<D>(t0, k1 - 1, kc, vc, table, BS, KVH * D, kh, kt, vt);
+    const int64_t nt = gather_keys<D>(t0, k1 - 1, cache, table, BS, KVH, kh, kt, vt);
     score_rows<D>(qs.data(), rowpos.data(), kt, t0, nt, RP, p.data(), m.data(), l.data(),
                   alpha.data());
     accumulate_pv<D>(p.data(), vt, alpha.data(), nt, RP, o.data());
@@ -219,18 +242,16 @@ static void merge_spans(const float* part, int64_t spans, int64_t rows, int64_t 
   }
 }
 
-// query [T, H, D] f32; k/v cache [NB, BS, KVH, D] f32; tables [B, MAXB] i32; cu [B + 1] i32;
-// lens [B] i32 (cache length including the chunk).
-template <int D>
-static torch::Tensor prefill(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+// query [T, H, D] f32; k/v cache [NB, BS, KVH, D] of E (`cache`); tables [B, MAXB] i32;
+// cu [B + 1] i32; lens [B] i32 (cache length including the chunk).
+template <int D, class E>
+static torch::Tensor prefill(torch::Tensor query, torch::Tensor k_cache, const Cache<E>& cache,
                              torch::Tensor tables, torch::Tensor cu, torch::Tensor lens,
                              double scale) {
   const int64_t H = query.size(1), BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t B = lens.size(0), MAXB = tables.size(1);
   auto out = torch::empty_like(query);
   const float* q = query.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
   const int32_t* tb = tables.data_ptr<int32_t>();
   const int32_t* cq = cu.data_ptr<int32_t>();
   const int32_t* ln = lens.data_ptr<int32_t>();
@@ -277,8 +298,8 @@ static torch::Tensor prefill(torch::Tensor query, torch::Tensor k_cache, torch::
       float* dst = nullptr;
       if (tl.spans > 1)
         dst = part + tl.part + it.k0 / kKeySpan * tl.n * G * (kPartHead + D);
-      attend_tile<D>(q, H, G, tl.kh, cq[tl.b] + tl.i0, tl.n, ln[tl.b] - qlen + tl.i0, it.k0,
-                     it.k1, kc, vc, tb + tl.b * MAXB, BS, KVH, sc, o, dst);
+      attend_tile<D, E>(q, H, G, tl.kh, cq[tl.b] + tl.i0, tl.n, ln[tl.b] - qlen + tl.i0, it.k0,
+                        it.k1, cache, tb + tl.b * MAXB, BS, KVH, sc, o, dst);
     }
   });
   const int64_t T = static_cast<int64_t>(tiles.size());
@@ -293,15 +314,55 @@ static torch::Tensor prefill(torch::Tensor query, torch::Tensor k_cache, torch::
   return out;
 }
 
+template <int D, class T>
+static torch::Tensor prefill_as(torch::Tensor query, torch::Tensor k_cache,
+                                torch::Tensor v_cache, torch::Tensor tables, torch::Tensor cu,
+                                torch::Tensor lens, double scale, const float* ks,
+                                const float* vs) {
+  const Cache<T> cache{static_cast<const T*>(k_cache.data_ptr()),
+                       static_cast<const T*>(v_cache.data_ptr()), ks, vs,
+                       cpu_ops::fp8_values().data()};
+  return prefill<D, T>(query, k_cache, cache, tables, cu, lens, scale);
+}
+
+// An fp32 cache, or an int8 / fp8 one with its fp32 scales [NB, BS, KVH].
+template <int D>
+static torch::Tensor prefill_any(torch::Tensor query, torch::Tensor k_cache,
+                                 torch::Tensor v_cache, torch::Tensor tables, torch::Tensor cu,
+                                 torch::Tensor lens, double scale,
+                                 const std::optional<torch::Tensor>& k_scale,
+                                 const std::optional<torch::Tensor>& v_scale) {
+  const auto type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == type, "prefill_attention: K and V caches of one dtype");
+  if (type == torch::kFloat)
+    return prefill_as<D, float>(query, k_cache, v_cache, tables, cu, lens, scale, nullptr,
+                                nullptr);
+  TORCH_CHECK((type == torch::kChar || type == torch::kFloat8_e4m3fn) && k_scale && v_scale &&
+                  k_scale->scalar_type() == torch::kFloat &&
+                  v_scale->scalar_type() == torch::kFloat &&
+                  k_scale->numel() == k_cache.numel() / k_cache.size(3) &&
+                  v_scale->numel() == k_scale->numel() && k_scale->is_contiguous() &&
+                  v_scale->is_contiguous(),
+              "prefill_attention: an fp32 cache, or an int8 / fp8 one with fp32 scales "
+              "[NB, BS, KVH]");
+  const float *ks = k_scale->data_ptr<float>(), *vs = v_scale->data_ptr<float>();
+  if (type == torch::kChar)
+    return prefill_as<D, int8_t>(query, k_cache, v_cache, tables, cu, lens, scale, ks, vs);
+  return prefill_as<D, uint8_t>(query, k_cache, v_cache, tables, cu, lens, scale, ks, vs);
+}
+
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor k_cache,
                                 torch::Tensor v_cache, torch::Tensor tables, torch::Tensor cu,
-                                torch::Tensor lens, double scale) {
+                                torch::Tensor lens, double scale,
+                                std::optional<torch::Tensor> k_scale = std::nullopt,
+                                std::optional<torch::Tensor> v_scale = std::nullopt) {
   switch (query.size(2)) {
-    case 32: return prefill<32>(query, k_cache, v_cache, tables, cu, lens, scale);
-    case 64: return prefill<64>(query, k_cache, v_cache, tables, cu, lens, scale);
-    case 80: return prefill<80>(query, k_cache, v_cache, tables, cu, lens, scale);
-    case 96: return prefill<96>(query, k_cache, v_cache, tables, cu, lens, scale);
-    case 128: return prefill<128>(query, k_cache, v_cache, tables, cu, lens, scale);
+    case 32: return prefill_any<32>(query, k_cache, v_cache, tables, cu, lens, scale, k_scale, v_scale);
+    case 64: return prefill_any<64>(query, k_cache, v_cache, tables, cu, lens, scale, k_scale, v_scale);
+    case 80: return prefill_any<80>(query, k_cache, v_cache, tables, cu, lens, scale, k_scale, v_scale);
+    case 96: return prefill_any<96>(query, k_cache, v_cache, tables, cu, lens, scale, k_scale, v_scale);
+    case 128:
+      return prefill_any<128>(query, k_cache, v_cache, tables, cu, lens, scale, k_scale, v_scale);
   }
   TORCH_CHECK(false, "prefill_attention: unsupported head dim ", query.size(2));
 }

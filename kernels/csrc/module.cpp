@@ -27,7 +27,10 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("tables"),
         pybind11::arg("lens"), pybind11::arg("scale"), pybind11::arg("k_scale") = pybind11::none(),
         pybind11::arg("v_scale") = pybind11::none());
-  m.def("prefill_attention", &cpu_prefill_attention::prefill_attention);
+  m.def("prefill_attention", &cpu_prefill_attention::prefill_attention, pybind11::arg("query"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("tables"),
+        pybind11::arg("cu"), pybind11::arg("lens"), pybind11::arg("scale"),
+        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   m.def("decode_layers", &cpu_decode_step::decode_layers);
   m.def("decode_timing", &cpu_decode_step::timing);
   m.def("write_frames", &cpu_load::write_frames);

@@ -98,6 +98,24 @@ def _threads(n: int, fn):  # type: ignore[no-untyped-def]
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_a_quantized_cache_read_in_place_equals_its_dequantized_copy(kv_dtype) -> None:  # type: ignore[no-untyped-def]
+    """An int8 / fp8 cache is read in place, each code times its scale as the key tile is
+    gathered: the same bits as the kernel over a float32 cache holding the dequantized values
+    (`reference.dequantize_kv`), for chunks after a cached prefix past a key span."""
+    torch.manual_seed(7)
+    h, kvh, d, bs = 9, 3, 64, 16
+    (k, ks), (v, vs) = (reference.quantize_kv(torch.randn(80, bs, kvh, d), kv_dtype) for _ in "kv")
+    tables = torch.randperm(80).int().view(2, 40)
+    chunks = [(40, 440), (25, 600)]
+    q = torch.randn(65, h, d)
+    got = _attend(q, k, v, tables, chunks, (ks, vs))
+    dk = reference.dequantize_kv(k, ks, torch.float32)
+    dv = reference.dequantize_kv(v, vs, torch.float32)
+    assert torch.equal(got, _attend(q, dk, dv, tables, chunks))
+
+
+@needs_kernel
 def test_keys_in_spans_give_the_same_bits_however_the_prompt_is_chunked() -> None:
     """Past kKeySpan (512) keys a row's keys are attended span by span, each span a work item
     of its own, and merged: a 1,200-token prompt gives the same bits in one chunk, in chunks
