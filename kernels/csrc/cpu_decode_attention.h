@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "simd.h"
 
 namespace cpu_decode_attention {
@@ -276,13 +277,7 @@ static torch::Tensor decode_any(torch::Tensor query, torch::Tensor k_cache, torc
   if (k_cache.scalar_type() == torch::kFloat)
     return decode<D, float>(query, k_cache, v_cache, tables, lens, scale, nullptr, nullptr);
   const auto type = k_cache.scalar_type();
-  TORCH_CHECK((type == torch::kChar || type == torch::kFloat8_e4m3fn) &&
-                  v_cache.scalar_type() == type && k_scale && v_scale &&
-                  k_scale->scalar_type() == torch::kFloat &&
-                  v_scale->scalar_type() == torch::kFloat &&
-                  k_scale->numel() == k_cache.numel() / k_cache.size(3) &&
-                  v_scale->numel() == k_scale->numel() && k_scale->is_contiguous() &&
-                  v_scale->is_contiguous(),
+  TORCH_CHECK(cpu_ops::scaled_cache(k_cache, v_cache, k_scale, v_scale),
               "paged_decode: an fp32 cache, or an int8 / fp8 one with fp32 scales [NB, BS, KVH]");
   if (type == torch::kChar)
     return decode<D, int8_t>(query, k_cache, v_cache, tables, lens, scale,

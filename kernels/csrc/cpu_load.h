@@ -24,7 +24,6 @@
 
 namespace cpu_load {
 
-
 // int8 codes * their row's scale into fp32 rows of d floats (d a multiple of 8, out 32-byte
 // aligned): streaming stores, which write the cache's lines without first reading them in
 // (a load's fp32 writes are 4x its int8 bytes, more than the caches hold). True where it ran.

@@ -29,6 +29,20 @@ static const std::array<float, 256>& fp8_values() {
   return table;
 }
 
+// Whether k_cache / v_cache [NB, BS, KVH, D] are int8 or fp8 alike, with contiguous fp32
+// scales [NB, BS, KVH] each (one per token and KV head).
+static bool scaled_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const std::optional<torch::Tensor>& k_scale,
+                         const std::optional<torch::Tensor>& v_scale) {
+  const auto type = k_cache.scalar_type();
+  return (type == torch::kChar || type == torch::kFloat8_e4m3fn) &&
+         v_cache.scalar_type() == type && k_scale && v_scale &&
+         k_scale->scalar_type() == torch::kFloat && v_scale->scalar_type() == torch::kFloat &&
+         k_scale->is_contiguous() && v_scale->is_contiguous() &&
+         k_scale->numel() * k_cache.size(3) == k_cache.numel() &&
+         v_scale->numel() == k_scale->numel();
+}
+
 // Rows per parallel_for task: about 32k floats of work, so that a decode step's few rows run
 // inline on the calling thread.
 static int64_t grain(int64_t row) {
@@ -182,11 +196,7 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
   const int64_t* sp = slots.data_ptr<int64_t>();
   const auto type = k_cache.scalar_type();
   if (type == torch::kChar || type == torch::kFloat8_e4m3fn) {
-    TORCH_CHECK(v_cache.scalar_type() == type && k_scale && v_scale &&
-                    k_scale->scalar_type() == torch::kFloat &&
-                    v_scale->scalar_type() == torch::kFloat && k_scale->is_contiguous() &&
-                    v_scale->is_contiguous() && k_scale->numel() * d == k_cache.numel() &&
-                    v_scale->numel() == k_scale->numel() && d % VW == 0,
+    TORCH_CHECK(scaled_cache(k_cache, v_cache, k_scale, v_scale) && d % VW == 0,
                 "store_kv: an int8 or fp8 cache needs its fp32 scales [NB, BS, KVH]");
     int8_t* kc = static_cast<int8_t*>(k_cache.data_ptr());
     int8_t* vc = static_cast<int8_t*>(v_cache.data_ptr());

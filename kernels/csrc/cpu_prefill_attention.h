@@ -303,6 +303,7 @@ static torch::Tensor prefill(torch::Tensor query, torch::Tensor k_cache, const C
     }
   });
   const int64_t T = static_cast<int64_t>(tiles.size());
+  if (part_floats == 0) return out;  // every tile's keys in one span: written out already
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const Tile& tl = tiles[t];
@@ -337,12 +338,7 @@ static torch::Tensor prefill_any(torch::Tensor query, torch::Tensor k_cache,
   if (type == torch::kFloat)
     return prefill_as<D, float>(query, k_cache, v_cache, tables, cu, lens, scale, nullptr,
                                 nullptr);
-  TORCH_CHECK((type == torch::kChar || type == torch::kFloat8_e4m3fn) && k_scale && v_scale &&
-                  k_scale->scalar_type() == torch::kFloat &&
-                  v_scale->scalar_type() == torch::kFloat &&
-                  k_scale->numel() == k_cache.numel() / k_cache.size(3) &&
-                  v_scale->numel() == k_scale->numel() && k_scale->is_contiguous() &&
-                  v_scale->is_contiguous(),
+  TORCH_CHECK(cpu_ops::scaled_cache(k_cache, v_cache, k_scale, v_scale),
               "prefill_attention: an fp32 cache, or an int8 / fp8 one with fp32 scales "
               "[NB, BS, KVH]");
   const float *ks = k_scale->data_ptr<float>(), *vs = v_scale->data_ptr<float>();
