@@ -242,11 +242,13 @@ def test_slowdown_records_modelled_time_and_sends_at_rate_over_s(
     wall = time.perf_counter() - t0
     summary = last_json(capsys)
     assert summary["slowdown"] == 4 and summary["request_rate"] == 20 and summary["completed"] == 6
+    # Wall-clock times on two shared vCPUs: a request's 0.2 s took up to 0.3 s, so the bounds
+    # are 0.16 s of wall time wide, still well apart from a slowdown of 2 (0.1 s, 0.14 s).
     for r in rows:
-        assert r["ttft_s"] == pytest.approx(DELAY_S / 4, abs=0.02)
+        assert r["ttft_s"] == pytest.approx(DELAY_S / 4, abs=0.04)
         assert r["itl_s"] == [pytest.approx(GAP_S / 4, abs=0.015)]
         assert r["tpot_s"] == pytest.approx(r["e2e_s"] - r["ttft_s"])
-        assert r["e2e_s"] == pytest.approx((DELAY_S + GAP_S) / 4, abs=0.03)
+        assert r["e2e_s"] == pytest.approx((DELAY_S + GAP_S) / 4, abs=0.05)
     arrivals = arrival_times([Session([])] * 6, 20.0, seed=0)  # modelled, as the run drew them
     for r in rows:
         assert r["start_s"] == pytest.approx(arrivals[r["index"]], abs=0.02)
