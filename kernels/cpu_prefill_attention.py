@@ -102,9 +102,9 @@ def prefill_attention(
     ):  # the C++ kernel
         assert query.shape[1] % k_cache.shape[2] == 0
         assert block_tables.dtype == cu_query_lens.dtype == context_lens.dtype == torch.int32
-        quantized = k_scale is not None and v_scale is not None
-        if quantized or k_cache.dtype == v_cache.dtype == torch.float32:
-            scales = [s.contiguous() for s in (k_scale, v_scale) if quantized and s is not None]
+        scales = [] if k_scale is None or v_scale is None else [k_scale, v_scale]
+        if scales or k_cache.dtype == v_cache.dtype == torch.float32:
+            scales = [s.contiguous() for s in scales]
             tensors = (t.contiguous() for t in args[:-1])
             out: torch.Tensor = ext.prefill_attention(*tensors, float(scale), *scales)
             return out
