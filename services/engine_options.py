@@ -86,7 +86,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_fault_injection_argument(p)
     add_speculative_arguments(p)
+    add_async_scheduling_argument(p)
     p.add_argument("--log-level", default=None)
+
+
+def add_async_scheduling_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="make a step's outputs (text, deltas, their delivery) while the next step's model "
+        "call runs (default: on)",
+    )
 
 
 # The speculative decoding options: (dest, flag); their defaults are SpeculativeConfig's.
@@ -286,6 +297,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                 quarantine_after=args.quarantine_after, injection=args.enable_fault_injection
             ),
             speculative=speculative_config(args),
+            async_scheduling=args.async_scheduling,
         )
     except ValueError as e:
         raise CliError(str(e)) from e

@@ -36,6 +36,7 @@ import time
 
 from kvserve.services.cli_support import CliError
 from kvserve.services.engine_options import (
+    add_async_scheduling_argument,
     add_speculative_arguments,
     check_sim_arguments,
     speculative_config,
@@ -126,6 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="gateway and workers accept `kvserve_fault` (tests, chaos runs)",
     )
     add_speculative_arguments(p)  # the workers'
+    add_async_scheduling_argument(p)  # the workers'
     g = p.add_argument_group("simulation")
     g.add_argument("--simulate", metavar="PROFILE", default=None,
                    help="simulated workers (one sim-fleet process) on this cost profile: gpu, "
@@ -193,6 +195,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
     if args.kv_populate != "background":
         own += ["--kv-populate", args.kv_populate]
     own += speculative_flags(args)
+    if not args.async_scheduling:
+        own += ["--no-async-scheduling"]
     if args.simulate is not None:
         return [*out, sim_fleet_command(args, base)]
     for i, (role, name) in enumerate(worker_roles(args)):

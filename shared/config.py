@@ -270,6 +270,9 @@ class EngineConfig:
     simulate: SimConfig | None = None  # a simulated engine: no model, the profile's timing
     faults: FaultConfig = field(default_factory=FaultConfig)
     speculative: SpeculativeConfig | None = None  # None: one token per sequence and step
+    # A step's outputs (text, deltas, delivery) made while the next step's model call runs
+    # (vLLM's async scheduling); a simulated engine does not overlap.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:

@@ -10,26 +10,30 @@
 #include "cpu_decode_step.h"
 #include "cpu_load.h"
 
+// The kernels touch tensors only: each runs without the GIL (the engine's other threads, the
+// event loop among them, run Python meanwhile). Arguments are converted before it is released.
+using no_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 PYBIND11_MODULE(KVSERVE_MODULE, m) {
-  m.def("rms_norm", &cpu_ops::rms_norm);
-  m.def("add_rms_norm", &cpu_ops::add_rms_norm);
-  m.def("rope_", &cpu_ops::rope_);
-  m.def("silu_mul", &cpu_ops::silu_mul);
-  m.def("argmax_logsumexp", &cpu_ops::argmax_logsumexp);
-  m.def("store_kv", &cpu_ops::store_kv, pybind11::arg("key"), pybind11::arg("value"),
+  m.def("rms_norm", &cpu_ops::rms_norm, no_gil());
+  m.def("add_rms_norm", &cpu_ops::add_rms_norm, no_gil());
+  m.def("rope_", &cpu_ops::rope_, no_gil());
+  m.def("silu_mul", &cpu_ops::silu_mul, no_gil());
+  m.def("argmax_logsumexp", &cpu_ops::argmax_logsumexp, no_gil());
+  m.def("store_kv", &cpu_ops::store_kv, no_gil(), pybind11::arg("key"), pybind11::arg("value"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
-  m.def("linear", &cpu_linear::linear);
+  m.def("linear", &cpu_linear::linear, no_gil());
   m.def("geometry", &cpu_linear::geometry);
-  m.def("qlinear", &cpu_qlinear::linear, pybind11::arg("x"), pybind11::arg("packed"),
+  m.def("qlinear", &cpu_qlinear::linear, no_gil(), pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("N"), pybind11::arg("float_rows") = cpu_q4i8::FLOAT_ROWS);
-  m.def("paged_decode", &cpu_decode_attention::paged_decode, pybind11::arg("query"),
+  m.def("paged_decode", &cpu_decode_attention::paged_decode, no_gil(), pybind11::arg("query"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("tables"),
         pybind11::arg("lens"), pybind11::arg("scale"), pybind11::arg("k_scale") = pybind11::none(),
         pybind11::arg("v_scale") = pybind11::none());
-  m.def("prefill_attention", &cpu_prefill_attention::prefill_attention, pybind11::arg("query"),
-        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("tables"),
-        pybind11::arg("cu"), pybind11::arg("lens"), pybind11::arg("scale"),
+  m.def("prefill_attention", &cpu_prefill_attention::prefill_attention, no_gil(),
+        pybind11::arg("query"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("tables"), pybind11::arg("cu"), pybind11::arg("lens"), pybind11::arg("scale"),
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   m.def("decode_layers", &cpu_decode_step::decode_layers);
   m.def("decode_timing", &cpu_decode_step::timing);

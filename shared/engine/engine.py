@@ -14,6 +14,7 @@ drives it (see AsyncEngine for the async API).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -100,6 +101,9 @@ class Engine:
             self.max_model_len,
         )
         self.num_steps = 0
+        # Overlapped steps: a step's outputs are made on this thread during the next model call.
+        self.overlap = config.async_scheduling and config.simulate is None
+        self._emitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-emit")
         self.faults = faults
         self.step_failures = StepFailures(faults.max_step_failures, faults.window_s)
         self.num_step_failures = 0  # steps that failed as a whole
@@ -123,7 +127,7 @@ class Engine:
         identity = (self.model_fingerprint, self.tokenizer.fingerprint)
         self.kv = build_kv_manager(config, self.model_config, identity, self.startup_s)
         backend = get_backend(config.attention_backend, config.device)
-        on_cpu = torch.device(config.device).type == "cpu"
+        self.on_cpu = on_cpu = torch.device(config.device).type == "cpu"
         self.step_threads = StepThreads(torch.get_num_threads(), enabled=on_cpu)
         self.runner = ModelRunner(loaded.model, self.kv.cache, backend)
 
@@ -146,6 +150,7 @@ class Engine:
         self.kv = build_kv_manager(config, sim.config, identity, self.startup_s, backend)
         if sim.true_payload:
             fill_like_kv(self.kv.cache)
+        self.on_cpu = True
         self.step_threads = StepThreads(torch.get_num_threads(), enabled=False)
         words = word_vocabulary(sim.tokenizer)
         self.runner = SimulatedRunner(sim.profile, self.kv.cache, words, scale)
@@ -159,6 +164,7 @@ class Engine:
 
     def close(self) -> None:
         """Write out queued blocks and close the store. The engine is unusable afterwards."""
+        self._emitter.shutdown()
         self.kv.close()
 
     def __enter__(self) -> Engine:
@@ -344,32 +350,75 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step; a request whose own processing raised fails alone, a step that failed as
         a whole requeues (or quarantines) its requests (shared/engine/failure.py). Raises
-        EngineDeadError when too many steps failed in a short time."""
+        EngineDeadError when too many steps failed in a short time.
+
+        Overlapped (`async_scheduling`): the step's outputs (text, deltas, delivery) are made
+        while the next step's model call runs, and returned by that step (or by the next
+        step() that has nothing to run, at once)."""
         started = time.perf_counter()
         self.runner.begin_step()
         try:
             batch = self.scheduler.schedule()
         except Exception as e:
-            return self._step_failed(Batch(), e)
+            return self._emit() + self._step_failed(Batch(), e)
         if not batch:
-            return []
+            return self._emit()
         shape = shape_of(batch) if self.on_step is not None else None
+        emitting: list[concurrent.futures.Future[list[RequestOutput]]] = []
+
+        def launched() -> None:  # the model call begins: the last step's outputs meanwhile
+            if not self.outputs.has_unemitted:
+                return
+            if self._spare_core():
+                emitting.append(self._emitter.submit(self._emit))
+            else:
+                emitted.extend(self._emit())
+
+        emitted: list[RequestOutput] = []
+
         try:
             if self.faults.injection:
                 inject_step_faults(s.seq.params for s in batch.scheduled)
-            out, seconds = self.step_threads.run(batch.num_tokens, lambda: self.runner.run(batch))
-            self.scheduler.advance(batch, seconds)
+            out, seconds = self.step_threads.run(
+                batch.num_tokens, lambda: self.runner.run(batch, launched)
+            )
         except Exception as e:
-            return self._step_failed(batch, e)
+            emitted += emitting[0].result() if emitting else []
+            return emitted + self._step_failed(batch, e)
+        emitted += emitting[0].result() if emitting else []
+        failed = self._take_failed()  # requests that failed while they were emitted
+        if failed:
+            batch, out = batch.without_finished(), out.without_finished()
+        self.scheduler.advance(batch, seconds)
         self.num_steps += 1
-        outputs = self.outputs.process(out) if out.sampling_seqs else []
-        for rid, error in self.outputs.take_failed().items():
-            log.error("request failed", request_id=rid, exc_info=error)
-            outputs.append(self._fail_request(rid, "internal_error", error))
+        outputs = self.outputs.process(out, self.overlap) if out.sampling_seqs else []
+        outputs += failed + self._take_failed()
         self._deliver(outputs)
         self.runner.end_step()
         if self.on_step is not None and shape is not None:
             self.on_step(shape, time.perf_counter() - started)
+        return emitted + outputs
+
+    def _spare_core(self) -> bool:
+        """Whether the model call now starting leaves the emitter a core of its own: on a GPU,
+        or on the CPU when the step computes on fewer threads than the engine has (a thread
+        more would preempt one of the step's, and every other one waits for it)."""
+        return not self.on_cpu or torch.get_num_threads() < self.step_threads.max_threads
+
+    def _emit(self) -> list[RequestOutput]:
+        """What the last overlapped step left: its outputs, made and delivered."""
+        if not self.outputs.has_unemitted:
+            return []
+        outputs = self.outputs.emit()
+        self._deliver(outputs)
+        return outputs
+
+    def _take_failed(self) -> list[RequestOutput]:
+        """Each request whose own processing raised, failed (aborted; its error output)."""
+        outputs = []
+        for rid, error in self.outputs.take_failed().items():
+            log.error("request failed", request_id=rid, exc_info=error)
+            outputs.append(self._fail_request(rid, "internal_error", error))
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -7,6 +7,7 @@ sequence travel as Python ints, so the forward pass queues its work without a ho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,21 @@ class StepOutput:
             at += n
         return spans
 
+    def without_finished(self) -> StepOutput:
+        """The output less the rows of sequences that finished since the step was scheduled."""
+        if not any(q.is_finished for q in self.sampling_seqs):
+            return self
+        keep = [i for i, q in enumerate(self.sampling_seqs) if not q.is_finished]
+        spans = self.row_spans()
+        rows = [r for i in keep for r in range(*spans[i])]
+        drafts = self.num_drafts
+        return StepOutput(
+            [self.sampling_seqs[i] for i in keep],
+            self.logits[rows],
+            self.columns,
+            None if drafts is None else tuple(drafts[i] for i in keep),
+        )
+
     def by_token_id(self) -> torch.Tensor:
         """The logits with column j standing for token j (-inf where `columns` has none)."""
         if self.columns is None:
@@ -69,16 +85,17 @@ class ModelRunner:
         """The engine step's outputs are processed."""
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> StepOutput:
+    def run(self, batch: Batch, launched: Callable[[], None] | None = None) -> StepOutput:
         """Logits of the sequences that sample: the model computes its last layer only for
-        their rows (the last token of each sampling chunk, every decode row)."""
+        their rows (the last token of each sampling chunk, every decode row). `launched` is
+        called once the step's inputs are built, as the model call begins."""
         prefills, decodes = self._split(batch)
         ordered = prefills + decodes
         sampling = [s for s in ordered if s.samples]
         if not sampling:
-            self._run_model(batch, prefills, decodes)
+            self._run_model(batch, prefills, decodes, launched=launched)
             return StepOutput([], torch.empty((0, 0), device=self.device))
-        hidden = self._run_model(batch, prefills, decodes, only_sampling=True)
+        hidden = self._run_model(batch, prefills, decodes, True, launched)
         drafts = tuple(s.num_drafts for s in sampling)
         return StepOutput(
             [s.seq for s in sampling],
@@ -108,6 +125,7 @@ class ModelRunner:
         prefills: list[ScheduledSeq],
         decodes: list[ScheduledSeq],
         only_sampling: bool = False,
+        launched: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         for src, dst in batch.block_copies:
             self.cache.copy_block(src, dst)
@@ -167,6 +185,8 @@ class ModelRunner:
                 max_seq_len=max_seq_len,
             )
             out = OutputRows(t["rows"], sub)
+        if launched is not None:
+            launched()
         return self.model(t["ids"], t["pos"], meta, self.cache, self.backend, out)
 
     def _output_rows(

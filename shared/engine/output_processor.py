@@ -16,6 +16,13 @@ finishes the sequence (the rest is discarded). Each accepted draft's K/V, writte
 then counts as computed and its newly full blocks are published; a rejected draft's slots
 are left to be overwritten, beyond `num_computed_tokens`, in no published block.
 
+Deferred output (`process(out, defer=True)`, the engine's overlapped step): everything that
+decides what runs next happens at once (the tokens, their logprobs, stops on token ids, EOS,
+length and, for a request with stop strings, its text); the text of the other requests and
+every touched request's output wait for `emit()`, which the engine runs on another thread
+while the next step's model call runs. The two never run at once: `emit()` reads only the
+completions and the request table, which nothing else touches during a model call.
+
 Mutates: the request table (shared with the Engine), sequences' tokens, logprobs, drafts and
 (for accepted drafts) computed tokens; finishes sequences and adds forks through the
 Scheduler; forks share blocks and accepted drafts' blocks are published through the KV
@@ -80,11 +87,54 @@ class OutputProcessor:
         self._pending_children: dict[tuple[SeqId, int], Sequence] = {}
         # Requests whose own processing raised in this step (take_failed), with the exception.
         self.failed: dict[str, BaseException] = {}
+        # Deferred (process(defer=True)) until emit(): tokens to detokenize, requests to output.
+        self._defer = False
+        self._untexted: list[tuple[Completion, int]] = []
+        self._unemitted: dict[str, None] = {}
 
-    def process(self, out: StepOutput) -> list[RequestOutput]:
+    def process(self, out: StepOutput, defer: bool = False) -> list[RequestOutput]:
         """The outputs of the requests this step's sampled rows touched. A request whose own
         processing raised is left out and named in `take_failed()` (its sequences untouched
-        since, for the engine to abort); the others go on."""
+        since, for the engine to abort); the others go on. With `defer`, their text (where no
+        stop string needs it now) and their outputs wait for `emit()`; returns what an
+        earlier deferred call left (emitted first: a completion's text grows in order)."""
+        earlier = self.emit() if self._unemitted or self._untexted else []
+        self._defer = defer
+        try:
+            touched = self._process(out)
+        finally:
+            self._defer = False
+        if defer:
+            self._unemitted.update(dict.fromkeys(touched))
+            return earlier
+        return earlier + self._outputs(touched)
+
+    @property
+    def has_unemitted(self) -> bool:
+        return bool(self._unemitted)
+
+    def emit(self) -> list[RequestOutput]:
+        """The outputs that deferred `process` calls left: their tokens' text, then each
+        touched request's output (a request that left the table meanwhile has none)."""
+        untexted, self._untexted = self._untexted, []
+        for comp, token in untexted:
+            rid = comp.seq.request_id
+            if rid not in self.failed:
+                with self._blame(rid):
+                    comp.add(token)
+        touched, self._unemitted = list(self._unemitted), {}
+        return self._outputs(touched)
+
+    def _outputs(self, touched: list[str]) -> list[RequestOutput]:
+        outputs = []
+        for rid in touched:
+            if rid in self.requests and rid not in self.failed:
+                with self._blame(rid):
+                    outputs.append(self._output(self.requests[rid]))
+        return outputs
+
+    def _process(self, out: StepOutput) -> list[str]:
+        """Sample, verify or advance beams; the requests touched."""
         seqs = out.sampling_seqs
         beam = [i for i, q in enumerate(seqs) if self.requests[q.request_id].beam]
         spans = out.row_spans()
@@ -103,12 +153,7 @@ class OutputProcessor:
                 touched += self._verify([seqs[i] for i in drafted], logits, out)
         else:
             touched = self._sample(seqs, out.logits, out)
-        outputs = []
-        for rid in touched:
-            if rid in self.requests and rid not in self.failed:
-                with self._blame(rid):
-                    outputs.append(self._output(self.requests[rid]))
-        return outputs
+        return touched
 
     def take_failed(self) -> dict[str, BaseException]:
         """The requests whose processing raised since the last call, with their exception."""
@@ -391,7 +436,10 @@ class OutputProcessor:
         seq.cumulative_logprob += logprob
         req = self.requests[seq.request_id]
         comp = req.completions[seq.index]
-        comp.add(token)
+        if self._defer and not seq.params.stop:
+            self._untexted.append((comp, token))
+        else:
+            comp.add(token)
         reason = self._stop_reason(seq, comp, token)
         if reason is not None:
             if req.export_tail and seq.index == 0:

@@ -112,6 +112,12 @@ class Batch:
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 
+    def without_finished(self) -> Batch:
+        """The batch less the sequences that finished since it was scheduled (a request that
+        failed while the step ran): their blocks are freed, nothing of theirs is kept."""
+        live = [s for s in self.scheduled if not s.seq.is_finished]
+        return Batch(live, self.block_copies, self.preempted)
+
 
 class Scheduler:
     def __init__(

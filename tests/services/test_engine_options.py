@@ -104,3 +104,13 @@ def test_the_engine_config_refuses_a_simulated_engine_with_drafts() -> None:
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="min <= max"):
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def test_async_scheduling_on_by_default_and_off_when_asked() -> None:
+    for argv in (["serve"], WORKER):
+        args = build_parser(argv).parse_args(argv)
+        assert engine_options.engine_config(args).async_scheduling
+        off = build_parser([*argv, "--no-async-scheduling"]).parse_args(
+            [*argv, "--no-async-scheduling"]
+        )
+        assert not engine_options.engine_config(off).async_scheduling

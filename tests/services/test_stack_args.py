@@ -238,3 +238,13 @@ def test_engine_failure_and_host_tier_flags_reach_the_engine_config() -> None:
     config = engine_config(build_parser(argv).parse_args(argv))
     assert config.store.host_tier_bytes == 512 << 20
     assert (config.faults.quarantine_after, config.faults.injection) == (2, False)
+
+
+@pytest.mark.parametrize("topology", [[], ["--workers", "3"]])
+def test_every_worker_gets_no_async_scheduling(topology: list[str]) -> None:
+    gateway, *workers = _commands(*topology, "--no-async-scheduling")
+    assert "--no-async-scheduling" not in gateway
+    assert all("--no-async-scheduling" in w for w in workers)
+    for w in workers:
+        assert not build_parser(w[4:]).parse_args(w[4:]).async_scheduling
+    assert all("async-scheduling" not in " ".join(w) for w in _commands(*topology))  # default on

@@ -2,7 +2,8 @@
 `ServerProcess` and, for a stack without a given Redis, the redis-server it brings.
 
 - kvserve itself (`kvserve serve`, ready at its `ready` log event; `kvserve-spec` with n-gram
-  speculative decoding, `--speculative ngram --num-speculative-tokens K`) and `kvserve stack`
+  speculative decoding, `--speculative ngram --num-speculative-tokens K`; `kvserve-sync`
+  without overlapped steps, `--no-async-scheduling`) and `kvserve stack`
   (`stack_server`: the topology its flags describe, e.g. the disaggregated arm's 2 prefill + 1
   decode workers), the stack on a redis-server started like compose.yaml's (maxmemory,
   allkeys-lru, no persistence) unless a Redis URL is given; ready once its gateway lists its
@@ -29,12 +30,14 @@ from kvserve.services.bench.lib.process import HttpReady, ServerProcess, kvserve
 from kvserve.services.bench.lib.redis_server import RedisServer
 
 ARMS = ("kvserve", "kvserve-fp32", "kvserve-bf16", "kvserve-disagg", "llama-server", "hf",
-        "kvserve-spec")  # fmt: skip
-DEFAULT_ARMS = ARMS[:-1]  # `bench compare`'s default: kvserve-spec when asked for
+        "kvserve-spec", "kvserve-sync")  # fmt: skip
+DEFAULT_ARMS = ARMS[:-2]  # `bench compare`'s default: kvserve-spec and -sync when asked for
 SPECULATIVE_TOKENS = 4  # kvserve-spec's K by default
 DISAGG_REDIS_MAXMEMORY = "2gb"  # compose.yaml's default
-SERVE_WEIGHTS = {"kvserve": [], "kvserve-fp32": ["--weights", "fp32"],
-                 "kvserve-bf16": ["--weights", "bf16"]}  # fmt: skip
+# The arms that are `kvserve serve` with flags of their own (kvserve-sync: steps not overlapped)
+SERVE_FLAGS = {"kvserve": [], "kvserve-fp32": ["--weights", "fp32"],
+               "kvserve-bf16": ["--weights", "bf16"],
+               "kvserve-sync": ["--no-async-scheduling"]}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def serve_server(
     requests' decode 1.3-3x while it faulted in the cache's pages."""
     args = ["--model", str(settings.model), "--port", str(port), "--store", "memory://"]
     args += ["--request-timeout", str(settings.request_timeout), "--kv-populate", "eager"]
-    args += [*SERVE_WEIGHTS.get(arm, []), *(flags or [])]
+    args += [*SERVE_FLAGS.get(arm, []), *(flags or [])]
     log = settings.log_dir / f"{arm}.log"
     return ArmServer(kvserve_process(["serve"], args, name=arm, log=log, env=settings.threads_env))
 
@@ -195,7 +198,7 @@ def make_server(arm: str, port: int, settings: ArmSettings) -> ArmServer:
     """The arm's server, not started yet. Raises ArmSetupError when it cannot be set up (for
     llama-server: when the build fails; for kvserve-spec: when `kvserve serve` has no n-gram
     speculative decoding)."""
-    if arm in SERVE_WEIGHTS:
+    if arm in SERVE_FLAGS:
         return serve_server(arm, port, settings)
     if arm == "kvserve-spec":
         return serve_server(arm, port, settings, speculative_flags(settings.speculative_tokens))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvserve.services.bench.workloads.tokens import random_tokens
@@ -91,10 +91,10 @@ def recorded_steps(engine: Engine) -> Iterator[list[StepRecord]]:
     run = runner.run
     records: list[StepRecord] = []
 
-    def timed(batch: Batch) -> StepOutput:
+    def timed(batch: Batch, launched: Callable[[], None] | None = None) -> StepOutput:
         rows = [(s.num_new_tokens, s.seq.num_computed_tokens, s.samples) for s in batch.scheduled]
         t0 = time.perf_counter()
-        out = run(batch)
+        out = run(batch, launched)
         records.append(StepRecord(StepShape.of_rows(rows), time.perf_counter() - t0))
         return out
 

@@ -109,7 +109,7 @@ class SimulatedRunner:
         after = self.clock() - self._returned
         self._after_s += 0.2 * (after - self._after_s)
 
-    def run(self, batch: Batch) -> StepOutput:
+    def run(self, batch: Batch, launched: Callable[[], None] | None = None) -> StepOutput:
         t0 = self.clock() if self._started is None else self._started
         self._started = None
         for src, dst in batch.block_copies:
@@ -119,6 +119,8 @@ class SimulatedRunner:
         self.modelled_s += seconds
         sampling = self._sampling_order(batch)
         logits = self._logits(sampling)
+        if launched is not None:
+            launched()
         self._wait_until(t0 + seconds * self.time_scale - self._after_s)
         self._returned = self.clock()
         return StepOutput([s.seq for s in sampling], logits, columns=self.vocab.ids)

@@ -164,11 +164,11 @@ def test_transient_step_failure_is_retried(
     original = runner.run
     calls = {"n": 0}
 
-    def run_once_failing(batch: Any) -> Any:
+    def run_once_failing(batch: Any, launched: Any = None) -> Any:
         calls["n"] += 1
         if calls["n"] == 4:
             raise RuntimeError("a transient failure in the forward")
-        return original(batch)
+        return original(batch, launched)
 
     monkeypatch.setattr(runner, "run", run_once_failing)
     got = run(engine, {f"ok{i}": (p, GREEDY) for i, p in enumerate(chat_prompt_ids[:4])})

@@ -221,6 +221,14 @@ def test_spec_arm_without_the_engines_flags_is_an_arm_setup_error(
         make_server("kvserve-spec", 8123, ArmSettings(tmp_path, tmp_path, speculative_tokens=0))
 
 
+def test_sync_arm_is_kvserve_serve_without_overlapped_steps(tmp_path: Path) -> None:
+    settings = ArmSettings(tmp_path / "m.gguf", tmp_path)
+    cmd = make_server("kvserve-sync", 8123, settings).process.cmd
+    assert cmd == make_server("kvserve", 8123, settings).process.cmd + ["--no-async-scheduling"]
+    assert "--no-async-scheduling" in arms.serve_flags()
+    assert "kvserve-sync" in arms.ARMS and "kvserve-sync" not in arms.DEFAULT_ARMS
+
+
 def test_serve_flags_are_read_from_kvserve_serves_parser() -> None:
     flags = arms.serve_flags()
     assert {"--model", "--store", "--port", "--weights"} <= flags

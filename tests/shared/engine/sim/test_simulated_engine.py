@@ -205,9 +205,9 @@ def test_host_work_after_the_model_call_is_inside_the_modelled_step(
     prof = CostProfile.load(str(profile_file))
     process = engine.outputs.process
 
-    def slow_process(out):  # type: ignore[no-untyped-def]
+    def slow_process(out, *rest):  # type: ignore[no-untyped-def]
         fake.now += 0.002
-        return process(out)
+        return process(out, *rest)
 
     engine.outputs.process = slow_process  # type: ignore[method-assign]
     starts: list[float] = []
