@@ -224,7 +224,7 @@ def test_spec_arm_without_the_engines_flags_is_an_arm_setup_error(
 def test_sync_arm_is_kvserve_serve_without_overlapped_steps(tmp_path: Path) -> None:
     settings = ArmSettings(tmp_path / "m.gguf", tmp_path)
     cmd = make_server("kvserve-sync", 8123, settings).process.cmd
-    assert cmd == make_server("kvserve", 8123, settings).process.cmd + ["--no-async-scheduling"]
+    assert cmd == [*make_server("kvserve", 8123, settings).process.cmd, "--no-async-scheduling"]
     assert "--no-async-scheduling" in arms.serve_flags()
     assert "kvserve-sync" in arms.ARMS and "kvserve-sync" not in arms.DEFAULT_ARMS
 
