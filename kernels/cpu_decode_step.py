@@ -32,11 +32,19 @@ def applies(rows: int, head_dim: int) -> bool:
     )
 
 
-def decode_layers(x: torch.Tensor, h: torch.Tensor, *args: Any) -> torch.Tensor:
-    """See the C++ source for the arguments; `applies` must hold."""
+def decoder_weights(*weights: Any) -> Any | None:
+    """The layers' weights as one C++ object (DecoderWeights in the C++ source), converted once
+    for every step's call; None where the kernels are not built."""
+    ext = _extension()
+    return None if ext is None else ext.DecoderWeights(*weights)
+
+
+def decode_layers(x: torch.Tensor, h: torch.Tensor, weights: Any, *args: Any) -> torch.Tensor:
+    """See the C++ source for the arguments (`weights`: `decoder_weights`'); `applies` must
+    hold."""
     ext = _extension()
     assert ext is not None
-    out: torch.Tensor = ext.decode_layers(x, h, *args)
+    out: torch.Tensor = ext.decode_layers(x, h, weights, *args)
     return out
 
 

@@ -49,6 +49,18 @@ static torch::Tensor side_by_side(torch::Tensor x, const std::vector<torch::Tens
   return torch::cat(ys, 1);
 }
 
+// The layers' weights as decode_layers takes them (described below), converted from Python once,
+// when the model is built: pybind11 converts every tensor of a call's lists on each call, and a
+// step would pass ~250 of them.
+struct DecoderWeights {
+  std::vector<std::vector<torch::Tensor>> qkv;
+  std::vector<std::vector<int64_t>> qkv_sizes;
+  std::vector<torch::Tensor> o;
+  std::vector<std::vector<torch::Tensor>> gate_up;
+  std::vector<std::vector<int64_t>> gate_up_sizes;
+  std::vector<torch::Tensor> down, post_norm, next_norm;
+};
+
 // Every layer of the model for B decode tokens. x [B, H] is the residual stream, updated in
 // place; h [B, H] the first layer's input norm of it. Per layer i: the fused QKV (and gate/up)
 // weights as one or more panel matrices side by side (blocks of different formats) with their
@@ -56,15 +68,8 @@ static torch::Tensor side_by_side(torch::Tensor x, const std::vector<torch::Tens
 // ones, the post-attention norm's weight and the weight of the norm after the MLP (the next
 // layer's input norm, the final norm after the last), the layer's K and V caches
 // [NB, BS, KVH, D], fp32, or int8 / fp8 with their scales [NB, BS, KVH] (none for fp32).
-// Returns the final norm of x.
-torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h,
-                            std::vector<std::vector<torch::Tensor>> qkv,
-                            std::vector<std::vector<int64_t>> qkv_sizes,
-                            std::vector<torch::Tensor> o,
-                            std::vector<std::vector<torch::Tensor>> gate_up,
-                            std::vector<std::vector<int64_t>> gate_up_sizes,
-                            std::vector<torch::Tensor> down, std::vector<torch::Tensor> post_norm,
-                            std::vector<torch::Tensor> next_norm,
+// Returns the final norm of x. The weights come as one DecoderWeights, built once.
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, const DecoderWeights& w,
                             std::vector<torch::Tensor> k_cache,
                             std::vector<torch::Tensor> v_cache,
                             std::vector<torch::Tensor> k_scale,
@@ -76,6 +81,14 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h,
   // The engine runs steps in a thread beside the server's event loop, which must not wait for
   // a whole step. Nothing below touches a Python object.
   pybind11::gil_scoped_release no_gil;
+  const auto& qkv = w.qkv;
+  const auto& qkv_sizes = w.qkv_sizes;
+  const auto& o = w.o;
+  const auto& gate_up = w.gate_up;
+  const auto& gate_up_sizes = w.gate_up_sizes;
+  const auto& down = w.down;
+  const auto& post_norm = w.post_norm;
+  const auto& next_norm = w.next_norm;
   const int64_t B = x.size(0), H = x.size(1), L = static_cast<int64_t>(qkv.size());
   const int64_t rows = heads + 2 * kv_heads;
   TORCH_CHECK(o.size() == qkv.size() && gate_up.size() == qkv.size() &&

@@ -35,6 +35,17 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
         pybind11::arg("query"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("tables"), pybind11::arg("cu"), pybind11::arg("lens"), pybind11::arg("scale"),
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
+  using cpu_decode_step::DecoderWeights;
+  pybind11::class_<DecoderWeights>(m, "DecoderWeights")
+      .def(pybind11::init(
+          [](std::vector<std::vector<torch::Tensor>> qkv,
+             std::vector<std::vector<int64_t>> qkv_sizes, std::vector<torch::Tensor> o,
+             std::vector<std::vector<torch::Tensor>> gate_up,
+             std::vector<std::vector<int64_t>> gate_up_sizes, std::vector<torch::Tensor> down,
+             std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> next_norm) {
+            return DecoderWeights{qkv, qkv_sizes, o, gate_up, gate_up_sizes, down, post_norm,
+                                  next_norm};
+          }));
   m.def("decode_layers", &cpu_decode_step::decode_layers);
   m.def("decode_timing", &cpu_decode_step::timing);
   m.def("write_frames", &cpu_load::write_frames);

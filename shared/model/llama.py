@@ -20,7 +20,7 @@ from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.config import ModelConfig
 from kvserve.shared.model.attention import AttentionMetadata, OutputRows, PagedKV
 from kvserve.shared.model.linear import Linear
-from kvserve.shared.model.quantized import QuantizedWeight, Weight, expand, fuse
+from kvserve.shared.model.quantized import BlockRows, QuantizedWeight, Weight, expand, fuse
 from kvserve.shared.model.rope import Rope, RotaryEmbedding
 from torch import nn
 
@@ -177,7 +177,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         embed = weights["model.embed_tokens.weight"]
-        self.embed_blocks = embed if isinstance(embed, QuantizedWeight) else None
+        self.embed_blocks = BlockRows(embed) if isinstance(embed, QuantizedWeight) else None
         self.embed: nn.Parameter | None = None
         if not isinstance(embed, QuantizedWeight):
             self.embed = nn.Parameter(embed, requires_grad=False)
@@ -200,10 +200,10 @@ class LlamaModel(nn.Module):
         the fp32 expansion's)."""
         return any(m.int8_activations for m in self.modules() if isinstance(m, Linear))
 
-    def _decoder_weights(self) -> tuple[list[Any], ...] | None:
+    def _decoder_weights(self) -> Any | None:
         """Each layer's weights as kernels.cpu_decode_step takes them (the fused QKV and gate/up
-        as lists of parts with their sizes), or None where some layer has no panels of either
-        kind (or its norms are not fp32)."""
+        as lists of parts with their sizes, in one object), or None where some layer has no
+        panels of either kind (or its norms are not fp32, or the kernels are not built)."""
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         fused = [[x.attn.qkv.cpp_parts for x in layers], [x.mlp.gate_up.cpp_parts for x in layers]]
         single = [[x.attn.o.cpp_weight for x in layers], [x.mlp.down.cpp_weight for x in layers]]
@@ -219,14 +219,14 @@ class LlamaModel(nn.Module):
         def split(parts: list[list[tuple[torch.Tensor, int]]]) -> list[list[Any]]:
             return [[[t for t, _ in p] for p in parts], [[n for _, n in p] for p in parts]]
 
-        return (*split(qkv), o, *split(gate_up), down, posts, nexts)
+        return cpu_decode_step.decoder_weights(*split(qkv), o, *split(gate_up), down, posts, nexts)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] in the model's dtype."""
         if self.embed is not None:
             return F.embedding(input_ids, self.embed)
         assert self.embed_blocks is not None
-        return self.embed_blocks.rows(input_ids).dequantize().to(self.dtype)
+        return self.embed_blocks.lookup(input_ids).to(self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -290,7 +290,7 @@ class LlamaModel(nn.Module):
         return cpu_decode_step.decode_layers(
             x,
             h,
-            *weights,
+            weights,
             cache.k,
             cache.v,
             *((cache.k_scale, cache.v_scale) if cache.k_scale[0] is not None else ([], [])),

@@ -76,6 +76,40 @@ class QuantizedWeight:
         return torch.from_numpy(dequantize(self.blocks.numpy(), qtype))
 
 
+class BlockRows:
+    """A weight's rows for lookups (an embedding). Q8_0 and Q4_1 blocks are split once into
+    their fp32 scales (and Q4_1's mins) and their quants, so that a lookup gathers the rows and
+    does `dequantize`'s arithmetic on them alone, bit-identical to it, without its per-call
+    setup (~0.15 ms a decode step). Other formats: `QuantizedWeight.rows(...).dequantize()`."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight: QuantizedWeight | None = None
+        if weight.fmt not in ("q8_0", "q4_1"):
+            self.weight = weight
+            return
+        size = FORMATS[weight.fmt][1]  # bytes per block of 32
+        blocks = weight.blocks.view(weight.out_features, -1, size)
+        self.d = blocks[..., :2].contiguous().view(torch.float16).float()  # [V, blocks, 1]
+        self.m: torch.Tensor | None = None
+        if weight.fmt == "q8_0":  # d (f16), then 32 int8 quants: q * d
+            self.q = blocks[..., 2:].contiguous().view(torch.int8)
+        else:  # d, m (f16), then 16 bytes: low nibbles are quants 0-15, high nibbles 16-31
+            self.m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+            self.q = blocks[..., 4:].contiguous()
+
+    def lookup(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 [len(index), in_features]: the rows at `index`, dequantized."""
+        if self.weight is not None:
+            return self.weight.rows(index).dequantize()
+        d = self.d[index]
+        if self.m is None:
+            out = self.q[index].float() * d
+        else:
+            packed = self.q[index]
+            out = d * torch.cat((packed & 0x0F, packed >> 4), dim=-1).float() + self.m[index]
+        return out.reshape(index.shape[0], -1)
+
+
 @dataclass(frozen=True)
 class StackedBlocks:
     """Weights stacked along the output rows whose blocks differ in format (Q4_K_M files store
