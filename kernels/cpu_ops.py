@@ -164,11 +164,13 @@ def write_frames(
     return written
 
 
-def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per row of logits [N, V]: the argmax (the first, as torch.argmax) and logsumexp, in one
-    call reading each row twice; or None."""
+def argmax_logsumexp(
+    logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Per row of logits [N, V]: the argmax (the first, as torch.argmax), logsumexp and the
+    largest logit (the argmax's own), in one call reading each row twice; or None."""
     ext = _extension() if _applies(logits) else None
     if ext is None or logits.dim() != 2 or logits.shape[1] == 0:
         return None
-    ids, lse = ext.argmax_logsumexp(logits.contiguous())
-    return ids, lse
+    ids, lse, top = ext.argmax_logsumexp(logits.contiguous())
+    return ids, lse, top

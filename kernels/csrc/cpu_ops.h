@@ -223,15 +223,18 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
   });
 }
 
-// Per row of logits [N, V]: the index of the (first) largest value and log(sum(exp(row))),
-// the max subtracted first. Two passes over the row; the second reads it from cache.
+// Per row of logits [N, V]: the index of the (first) largest value, log(sum(exp(row))) (the
+// max subtracted first) and the largest value itself. Two passes over the row; the second
+// reads it from cache.
 std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
   const int64_t N = logits.size(0), V = logits.size(1);
   auto ids = torch::empty({N}, logits.options().dtype(torch::kLong));
   auto lse = torch::empty({N}, logits.options());
+  auto top = torch::empty({N}, logits.options());
   const float* lp = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   float* sp = lse.data_ptr<float>();
+  float* tp = top.data_ptr<float>();
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = lp + r * V;
@@ -243,9 +246,10 @@ std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
       while (x[at] != mx) ++at;
       ip[r] = at;
       sp[r] = mx + std::log(sum);
+      tp[r] = mx;
     }
   });
-  return {ids, lse};
+  return {ids, lse, top};
 }
 
 }  // namespace cpu_ops

@@ -105,10 +105,11 @@ class Sampler:
         # log p(token) = logit - logsumexp(logits). On the CPU one fused pass gives the argmax
         # and the logsumexp, reading the logits once and writing no [N, V] log-softmax.
         fused = cpu_ops.argmax_logsumexp(logits)
+        top: torch.Tensor | None = None  # the argmax's logit, per row
         if fused is None:
             tokens, lse = torch.argmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
         else:
-            tokens, lse = fused  # greedy default, [N]; [N]
+            tokens, lse, top = fused  # greedy default, [N]; [N]; [N]
         for i, row in enumerate(rows):
             p = row.params
             if p.greedy:
@@ -119,7 +120,10 @@ class Sampler:
                 tokens[i] = draw(probs, row.generator)
             else:
                 tokens[i] = verify_draft(probs, row.draft, row.generator)
-        chosen = logits.gather(1, tokens[:, None])[:, 0] - lse
+            top = None  # a drawn token is not the argmax
+        if top is None:
+            top = logits.gather(1, tokens[:, None])[:, 0]
+        chosen = top - lse
         asked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (row, values, ids)
         for i, row in enumerate(rows):
             k = min(row.params.top_logprobs, logits.shape[-1])

@@ -121,6 +121,7 @@ def test_argmax_logsumexp(rows: int) -> None:
     assert got is not None
     assert torch.equal(got[0], logits.argmax(-1))
     torch.testing.assert_close(got[1], torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-6)
+    assert torch.equal(got[2], logits.max(-1).values)
 
 
 def test_store_kv_writes_what_the_reference_writes() -> None:
