@@ -376,12 +376,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def layer_parts(side: EngineSide) -> dict[str, float | None]:
-    """Per probe, the layers' C++ call by part (means over its steps; None without it)."""
+    """Per probe, the layers' C++ call by part, the LM head and the rest of the step (host
+    work), means over its steps; None without the C++ call."""
     parts: dict[str, float | None] = {}
     for probe in side.probes:
         for part in cpu_decode_step.LayerSeconds._fields:
             ms = getattr(probe.layers_ms, part) if probe.layers_ms else None
             parts[f"engine_{part}_b{probe.batch}_ms"] = ms
+        parts[f"engine_lm_head_b{probe.batch}_ms"] = probe.lm_head_ms
+        parts[f"engine_host_b{probe.batch}_ms"] = probe.host_ms
     return parts
 
 

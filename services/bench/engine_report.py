@@ -86,7 +86,9 @@ def _print_layers(s: dict[str, Any]) -> None:
             linear, attention, other = parts
             print(
                 f"  b{b} step's layers (means): linear projections {linear:.2f} ms, attention "
-                f"{attention:.2f} ms, RoPE / KV writes / norms / activations {other:.2f} ms"
+                f"{attention:.2f} ms, RoPE / KV writes / norms / activations {other:.2f} ms; "
+                f"LM head {s[f'engine_lm_head_b{b}_ms']:.2f} ms; the rest of the step (host "
+                f"work) {s[f'engine_host_b{b}_ms']:.3f} ms"
             )
 
 

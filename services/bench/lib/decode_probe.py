@@ -6,10 +6,11 @@ that call's time by part as well."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,10 @@ class DecodeProbe:
     # Means over the timed steps of the layers' one C++ call by part (None: the steps did not
     # take it), in ms.
     layers_ms: cpu_decode_step.LayerSeconds | None = None
+    # With the layers' parts: the LM head's mean time, and the rest of the mean step (host work:
+    # the step's inputs, the embedding, sampling, outputs, scheduling), in ms.
+    lm_head_ms: float | None = None
+    host_ms: float | None = None
 
 
 def probe_max_tokens(batch: int, context: int, steps: int, step_budget: int) -> int:
@@ -101,14 +106,39 @@ def decode_step(
     on_cpu = torch.device(engine.config.device).type == "cpu"  # where the C++ call can run
     if on_cpu:
         cpu_decode_step.timing(True)
-    records, contexts, times = _timed_decode(engine, emitted, context, steps, paired or {})
+    with _timed_lm_head(engine) as head_s:
+        records, contexts, times = _timed_decode(engine, emitted, context, steps, paired or {})
     layers = cpu_decode_step.timing(False) if on_cpu else None
     for rid in emitted:
         engine.abort_request(rid)
     if any(r.num_seqs != batch or not r.decode_only for r in records):
         raise RuntimeError(f"decode probe at batch {batch} ran steps that were not pure decode")
     ms = statistics.median(r.seconds for r in records) * 1e3
-    layers_ms = None
+    layers_ms = head_ms = host_ms = None
     if layers is not None and sum(layers) > 0:
         layers_ms = cpu_decode_step.LayerSeconds(*(t * 1e3 / len(records) for t in layers))
-    return DecodeProbe(batch, ms, statistics.fmean(contexts), times, layers_ms)
+        head_ms = sum(head_s) * 1e3 / len(records)
+        host_ms = statistics.fmean(r.seconds for r in records) * 1e3 - sum(layers_ms) - head_ms
+    return DecodeProbe(batch, ms, statistics.fmean(contexts), times, layers_ms, head_ms, host_ms)
+
+
+@contextlib.contextmanager
+def _timed_lm_head(engine: Engine) -> Iterator[list[float]]:
+    """The seconds of each of the steps' LM head calls within the block (the model's
+    `compute_logits`, wrapped only while the block runs; the paired measurements call the
+    head's kernel directly, uncounted)."""
+    model = engine.model_runner.model
+    compute_logits = model.compute_logits
+    seconds: list[float] = []
+
+    def timed(hidden: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = compute_logits(hidden)
+        seconds.append(time.perf_counter() - t0)
+        return logits
+
+    model.compute_logits = timed  # type: ignore[method-assign]
+    try:
+        yield seconds
+    finally:
+        del model.compute_logits  # the class's method again

@@ -93,6 +93,7 @@ def test_bench_engine_without_hf(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert plot.stat().st_size > 0
     # The probes' steps ran their layers as the one C++ call where the kernels are built.
     parts = [summary[f"engine_{p}_b{b}_ms"] for p in LayerSeconds._fields for b in (1, 8, 32)]
+    parts += [summary[f"engine_{p}_b{b}_ms"] for p in ("lm_head", "host") for b in (1, 8, 32)]
     if cpu_decode_step.applies(32, 64):
         assert all(isinstance(v, float) and v > 0 for v in parts), parts
     else:
