@@ -101,7 +101,8 @@ class Engine:
             self.max_model_len,
         )
         self.num_steps = 0
-        # Overlapped steps: a step's outputs are made on this thread during the next model call.
+        # Overlapped steps: a step's outputs are made on this thread during the next model call
+        # (where that call leaves a core).
         self.overlap = config.async_scheduling and config.simulate is None
         self._emitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-emit")
         self.faults = faults
@@ -353,8 +354,9 @@ class Engine:
         EngineDeadError when too many steps failed in a short time.
 
         Overlapped (`async_scheduling`): the step's outputs (text, deltas, delivery) are made
-        while the next step's model call runs, and returned by that step (or by the next
-        step() that has nothing to run, at once)."""
+        as the next step's model call begins, on the emitter thread while it runs where the
+        call leaves a core (`_spare_core`), and returned by that step (or by the next step()
+        that has nothing to run, at once)."""
         started = time.perf_counter()
         self.runner.begin_step()
         try:
@@ -364,6 +366,7 @@ class Engine:
         if not batch:
             return self._emit()
         shape = shape_of(batch) if self.on_step is not None else None
+        emitted: list[RequestOutput] = []
         emitting: list[concurrent.futures.Future[list[RequestOutput]]] = []
 
         def launched() -> None:  # the model call begins: the last step's outputs meanwhile
@@ -373,8 +376,6 @@ class Engine:
                 emitting.append(self._emitter.submit(self._emit))
             else:
                 emitted.extend(self._emit())
-
-        emitted: list[RequestOutput] = []
 
         try:
             if self.faults.injection:

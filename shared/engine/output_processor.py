@@ -19,9 +19,10 @@ are left to be overwritten, beyond `num_computed_tokens`, in no published block.
 Deferred output (`process(out, defer=True)`, the engine's overlapped step): everything that
 decides what runs next happens at once (the tokens, their logprobs, stops on token ids, EOS,
 length and, for a request with stop strings, its text); the text of the other requests and
-every touched request's output wait for `emit()`, which the engine runs on another thread
-while the next step's model call runs. The two never run at once: `emit()` reads only the
-completions and the request table, which nothing else touches during a model call.
+every touched request's output wait for `emit()`, which the engine runs as the next step's
+model call begins (on another thread while it runs, where the call leaves a core). `emit()`
+never runs beside `process`: it touches only the completions and the request table, which
+nothing else touches during a model call.
 
 Mutates: the request table (shared with the Engine), sequences' tokens, logprobs, drafts and
 (for accepted drafts) computed tokens; finishes sequences and adds forks through the
