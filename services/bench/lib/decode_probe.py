@@ -37,8 +37,9 @@ class DecodeProbe:
     # Means over the timed steps of the layers' one C++ call by part (None: the steps did not
     # take it), in ms.
     layers_ms: cpu_decode_step.LayerSeconds | None = None
-    # With the layers' parts: the LM head's mean time, and the rest of the mean step (host work:
-    # the step's inputs, the embedding, sampling, outputs, scheduling), in ms.
+    # With the layers' parts: the LM head's mean time, and the median host work of as many
+    # steps again, run one after the other (the rest of a step: its inputs, the embedding,
+    # sampling, outputs, scheduling), in ms.
     lm_head_ms: float | None = None
     host_ms: float | None = None
 
@@ -47,7 +48,7 @@ def probe_max_tokens(batch: int, context: int, steps: int, step_budget: int) -> 
     """Enough tokens that no probe sequence finishes before the timed decode steps end: early
     sequences decode while the later ones are still prefilling."""
     prefill_steps = -(-batch * context // step_budget)
-    return 2 * prefill_steps + PROBE_WARMUP_STEPS + steps + 2
+    return 2 * prefill_steps + PROBE_WARMUP_STEPS + 2 * steps + 2  # timed, then the host's
 
 
 def _count_tokens(outputs: list[RequestOutput], emitted: dict[str, int]) -> None:
@@ -109,17 +110,40 @@ def decode_step(
     with _timed_lm_head(engine) as head_s:
         records, contexts, times = _timed_decode(engine, emitted, context, steps, paired or {})
     layers = cpu_decode_step.timing(False) if on_cpu else None
+    layers_ms = head_ms = host_ms = None
+    if layers is not None and sum(layers) > 0:
+        layers_ms = cpu_decode_step.LayerSeconds(*(t * 1e3 / len(records) for t in layers))
+        head_ms = sum(head_s) * 1e3 / len(records)
+        host_ms = _host_work(engine, emitted, steps)
     for rid in emitted:
         engine.abort_request(rid)
     if any(r.num_seqs != batch or not r.decode_only for r in records):
         raise RuntimeError(f"decode probe at batch {batch} ran steps that were not pure decode")
     ms = statistics.median(r.seconds for r in records) * 1e3
-    layers_ms = head_ms = host_ms = None
-    if layers is not None and sum(layers) > 0:
-        layers_ms = cpu_decode_step.LayerSeconds(*(t * 1e3 / len(records) for t in layers))
-        head_ms = sum(head_s) * 1e3 / len(records)
-        host_ms = statistics.fmean(r.seconds for r in records) * 1e3 - sum(layers_ms) - head_ms
     return DecodeProbe(batch, ms, statistics.fmean(contexts), times, layers_ms, head_ms, host_ms)
+
+
+def _host_work(engine: Engine, emitted: dict[str, int], steps: int) -> float | None:
+    """The median host work of `steps` more decode steps, one after the other with nothing
+    measured between them (the paired measurements leave the caches cold): each step's wall
+    time less its layers' time by the C++ call's own clock and its LM head's. None where a
+    step did not take the C++ call."""
+    host = []
+    with _timed_lm_head(engine) as head_s:
+        for _ in range(steps):
+            cpu_decode_step.timing(True)  # zeroed: this step's layers alone
+            before = len(head_s)
+            t0 = time.perf_counter()
+            _count_tokens(engine.step(), emitted)
+            wall = time.perf_counter() - t0
+            timed = cpu_decode_step.timing(True)
+            layers = sum(timed) if timed is not None else 0.0
+            if layers <= 0:
+                cpu_decode_step.timing(False)
+                return None
+            host.append(wall - layers - sum(head_s[before:]))
+    cpu_decode_step.timing(False)
+    return statistics.median(host) * 1e3
 
 
 @contextlib.contextmanager
