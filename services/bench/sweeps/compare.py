@@ -11,8 +11,9 @@ expanded to fp32), `kvserve-bf16` (`--weights bf16`: bf16 matmuls), `kvserve-dis
 batching, prompt cache on) and `hf` (transformers behind a minimal OpenAI shim); and, only when
 named in --arms, `kvserve-spec` (`kvserve serve --speculative ngram --num-speculative-tokens K`,
 K from --num-speculative-tokens; not run, with the reason, where `kvserve serve` has no such
-option). The pinned llama-server has no n-gram speculative decoding (only a draft model's), so
-no arm of it. Every repeat
+option) and `kvserve-sync` (`kvserve serve --no-async-scheduling`: steps not overlapped). The
+pinned llama-server has no n-gram speculative decoding (only a draft model's), so no arm of it.
+Every repeat
 starts the arm's server fresh (so no repeat finds the previous one's prompts cached), sends
 `--warmup-requests` short requests that are not measured, runs `kvserve bench serve` as a
 subprocess and stops the server. Same tokens (the vocabulary comes from the GGUF, not
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--arms",
         default=",".join(arms.DEFAULT_ARMS),
-        help="comma-separated, of: " + ", ".join(arms.ARMS) + " (default: all but kvserve-spec)",
+        help="comma-separated, of: " + ", ".join(arms.ARMS) + " (default: all but kvserve-spec and kvserve-sync)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench-compare", help="output directory")
