@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--arms",
         default=",".join(arms.DEFAULT_ARMS),
-        help="comma-separated, of: " + ", ".join(arms.ARMS) + " (default: all but kvserve-spec and kvserve-sync)",
+        help="comma-separated, of: "
+        + ", ".join(arms.ARMS)
+        + " (default: all but kvserve-spec and kvserve-sync)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench-compare", help="output directory")
