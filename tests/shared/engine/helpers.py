@@ -72,3 +72,14 @@ def run_one(
             tokens += out.completions[0].token_ids
             cached = out.num_cached_tokens
     return tokens, cached
+
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50}  # sampling settings that vary a draw
+
+
+def assert_no_leak(engine: Engine) -> None:
+    """Nothing left: no request, no queued sequence, every block free, the pool consistent."""
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    engine.kv.pool.check()

@@ -6,11 +6,10 @@ from keeping the blocks the running step writes."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 from kvserve.shared.config import SpeculativeConfig
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.outputs import RequestOutput
@@ -18,18 +17,12 @@ from kvserve.shared.engine.request import Request
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import SamplingParams
 
-from tests.shared.engine.helpers import long_ids
+from tests.shared.engine.helpers import SAMPLED, assert_no_leak, long_ids
 
 MakeEngine = Callable[..., Engine]
-SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass
@@ -74,13 +67,6 @@ def run(engine: Engine, requests: Requests, late: Requests = ()) -> dict[str, Re
                 engine.add_request(rid, prompt, params)
             first = False
     return got
-
-
-def assert_no_leak(engine: Engine) -> None:
-    assert not engine.has_unfinished_requests()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
-    engine.kv.pool.check()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ never leak; sampling settings do what they say; bad requests are refused by fiel
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,19 +17,12 @@ from kvserve.shared.engine.sequence import Sequence
 from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.sampling_params import InvalidRequestError, SamplingParams
 
-from tests.shared.engine.helpers import long_ids
+from tests.shared.engine.helpers import SAMPLED, assert_no_leak, long_ids
 
 MakeEngine = Callable[..., Engine]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """The engine's ops are tiny: on a shared 2-core machine two OpenMP threads wait on each
-    other in every op (about 15x slower than one)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 LENGTHS = [10, 118, 23, 64, 37, 91, 15, 120, 48, 77, 12, 105, 30, 56, 84, 19]
@@ -91,18 +84,8 @@ def run_one(engine: Engine, ids: list[int], params: SamplingParams) -> list[Comp
     return run(engine, {0: [("one", ids, params)]})["one"]
 
 
-def assert_no_leak(engine: Engine) -> None:
-    assert not engine.has_unfinished_requests()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
-    engine.kv.pool.check()
-
-
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
 
 
 def seqs_of(engine: Engine, rid: str) -> list[Sequence]:

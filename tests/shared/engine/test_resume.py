@@ -4,11 +4,10 @@ the next token, at any temperature; max_tokens and stop strings count the whole 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 from kvserve.shared.engine.engine import Engine
 from kvserve.shared.engine.outputs import Emitted
 from kvserve.shared.model.tokenizer import KVTokenizer
@@ -20,12 +19,7 @@ MakeEngine = Callable[..., Engine]
 HOT = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # every token of the vocabulary can come
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass
