@@ -99,7 +99,7 @@ class OutputProcessor:
         since, for the engine to abort); the others go on. With `defer`, their text (where no
         stop string needs it now) and their outputs wait for `emit()`; returns what an
         earlier deferred call left (emitted first: a completion's text grows in order)."""
-        earlier = self.emit() if self._unemitted or self._untexted else []
+        earlier = self.emit() if self.has_unemitted else []
         self._defer = defer
         try:
             touched = self._process(out)
@@ -112,7 +112,8 @@ class OutputProcessor:
 
     @property
     def has_unemitted(self) -> bool:
-        return bool(self._unemitted)
+        """Whether a deferred `process` left text or outputs for `emit()`."""
+        return bool(self._unemitted or self._untexted)
 
     def emit(self) -> list[RequestOutput]:
         """The outputs that deferred `process` calls left: their tokens' text, then each

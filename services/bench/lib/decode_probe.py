@@ -129,20 +129,21 @@ def _host_work(engine: Engine, emitted: dict[str, int], steps: int) -> float | N
     time less its layers' time by the C++ call's own clock and its LM head's. None where a
     step did not take the C++ call."""
     host = []
-    with _timed_lm_head(engine) as head_s:
-        for _ in range(steps):
-            cpu_decode_step.timing(True)  # zeroed: this step's layers alone
-            before = len(head_s)
-            t0 = time.perf_counter()
-            _count_tokens(engine.step(), emitted)
-            wall = time.perf_counter() - t0
-            timed = cpu_decode_step.timing(True)
-            layers = sum(timed) if timed is not None else 0.0
-            if layers <= 0:
-                cpu_decode_step.timing(False)
-                return None
-            host.append(wall - layers - sum(head_s[before:]))
-    cpu_decode_step.timing(False)
+    try:
+        with _timed_lm_head(engine) as head_s:
+            for _ in range(steps):
+                cpu_decode_step.timing(True)  # zeroed: this step's layers alone
+                before = len(head_s)
+                t0 = time.perf_counter()
+                _count_tokens(engine.step(), emitted)
+                wall = time.perf_counter() - t0
+                timed = cpu_decode_step.timing(True)
+                layers = sum(timed) if timed is not None else 0.0
+                if layers <= 0:
+                    return None
+                host.append(wall - layers - sum(head_s[before:]))
+    finally:
+        cpu_decode_step.timing(False)
     return statistics.median(host) * 1e3
 
 
