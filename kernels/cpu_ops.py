@@ -16,6 +16,7 @@ Each function returns None (or False) where the kernel cannot be built or does n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -127,10 +128,21 @@ def store_kv(
     ext.store_kv(key, value, k_cache, v_cache, slot_mapping.contiguous(), *scales)
 
 
+Buffer = bytes | bytearray | memoryview
+# The element types a frame's payload may hold, by the name write_frames knows them by.
+_STORED_NAMES = {
+    torch.int8: "int8",
+    torch.float8_e4m3fn: "fp8",
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
+
+
 def write_frames(
-    k: list[torch.Tensor],  # per block [num_layers, block_size, kvh, d], as stored
-    v: list[torch.Tensor],
-    scales: list[torch.Tensor] | None,  # per block [2, num_layers, block_size, kvh] fp32
+    payloads: Sequence[Buffer],  # per block: K's bytes then V's [num_layers, block_size, kvh, d]
+    scales: Sequence[Buffer] | None,  # int8 / fp8: fp32 [2, num_layers, block_size, kvh]
+    stored: torch.dtype,  # the payloads' element type
     k_cache: list[torch.Tensor],  # per layer [num_blocks, block_size, kvh, d]
     v_cache: list[torch.Tensor],
     k_scale: list[torch.Tensor | None],  # per layer [num_blocks, block_size, kvh], or Nones
@@ -138,20 +150,19 @@ def write_frames(
     blocks: list[int],  # block j's cache block
     checksums: tuple[list[bytes], list[bytes]] | None = None,  # (heads, digests) per block
 ) -> int | None:
-    """A store load's blocks into their cache blocks in one call without the GIL: a copy of
-    their bytes (and scales) where they are stored in the cache's own format, dequantized into
-    an fp32 cache where they are int8 / fp8 (as `reference.dequantize_kv`, bit for bit).
-    `checksums`: block j's frame checksum (codec.Checksum's head and digest; an empty digest:
-    verified already), checked just before block j is written. How many leading blocks were
-    written (up to the first whose checksum fails); None (nothing written) where the kernel
-    does not apply: another device or pairing."""
+    """A store load's blocks, as their frames' bytes, into their cache blocks in one call
+    without the GIL (no tensor made per frame): a copy of their bytes (and scales) where they
+    are stored in the cache's own format, dequantized into an fp32 cache where they are int8 /
+    fp8 (as `reference.dequantize_kv`, bit for bit). `checksums`: block j's frame checksum
+    (codec.Checksum's head and digest; an empty digest: verified already), checked just before
+    block j is written. How many leading blocks were written (up to the first whose checksum
+    fails); None (nothing written) where the kernel does not apply: another device or
+    pairing."""
     ext = _extension()
-    if ext is None or not k or not (k_cache[0].is_cpu and k[0].is_cpu):
+    if ext is None or not payloads or not k_cache[0].is_cpu or stored not in _STORED_NAMES:
         return None
-    stored, cache = k[0].dtype, k_cache[0].dtype
+    cache = k_cache[0].dtype
     quantized = reference.is_quantized(stored)
-    if any(t.dtype != stored for t in (*k, *v)):  # frames of several formats
-        return None
     if (stored != cache and not (quantized and cache == torch.float32)) or (
         quantized and scales is None
     ):
@@ -159,8 +170,9 @@ def write_frames(
     cache_scales = ([s for s in k_scale if s is not None], [s for s in v_scale if s is not None])
     heads, digests = checksums or ([], [])
     written: int = ext.write_frames(
-        k, v, scales or [], k_cache, v_cache, *cache_scales, blocks, heads, digests
-    )
+        list(payloads), list(scales or []), _STORED_NAMES[stored], k_cache, v_cache,
+        *cache_scales, blocks, heads, digests,
+    )  # fmt: skip
     return written
 
 

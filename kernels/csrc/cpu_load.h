@@ -1,11 +1,12 @@
 // A store load's blocks into their KV-cache blocks in one call (kernels/cpu_ops.py,
-// write_frames): the frames' K and V, as stored, go into every layer's cache block, either as
-// a copy of their bytes (a frame in the cache's own format, int8 / fp8 with its scales) or
-// dequantized into an fp32 cache (code * scale, as reference.dequantize_kv). Without the GIL:
-// the loader thread's copies run while the event loop receives the next batch. A frame whose
-// checksum the reader left to the copy (codec.decode_unchecked) is hashed just before its
-// block is written, while its bytes are in the core's cache for the copy that follows: the
-// first one that does not verify ends the write.
+// write_frames): the frames' K and V, as stored (their payloads' bytes: no tensor is made per
+// frame), go into every layer's cache block, either as a copy of their bytes (a frame in the
+// cache's own format, int8 / fp8 with its scales) or dequantized into an fp32 cache (code *
+// scale, as reference.dequantize_kv). Without the GIL: the loader thread's copies run while
+// the event loop receives the next batch. A frame whose checksum the reader left to the copy
+// (codec.read_unchecked) is hashed just before its block is written, while its bytes are in
+// the core's cache for the copy that follows: the first one that does not verify ends the
+// write.
 #pragma once
 
 #include <torch/extension.h>
@@ -55,19 +56,6 @@ static void dequantize_block(const Code* q, const float* scale, float* out, int6
   }
 }
 
-static std::vector<const uint8_t*> pointers(const std::vector<torch::Tensor>& ts, int64_t numel,
-                                            c10::ScalarType type, const char* what) {
-  std::vector<const uint8_t*> out;
-  out.reserve(ts.size());
-  for (const auto& t : ts) {
-    TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.scalar_type() == type && t.numel() == numel,
-                "write_frames: every ", what, " must be a contiguous CPU tensor of ", numel,
-                " elements of one dtype");
-    out.push_back(static_cast<const uint8_t*>(t.data_ptr()));
-  }
-  return out;
-}
-
 static std::vector<uint8_t*> layers(const std::vector<torch::Tensor>& ts, const torch::Tensor& like,
                                     const char* what) {
   std::vector<uint8_t*> out;
@@ -101,17 +89,33 @@ static bool checksum_matches(const std::string& head, const uint8_t* scales, int
   return digest.size() == sizeof(out) && std::memcmp(out.digest, digest.data(), sizeof(out)) == 0;
 }
 
-// k[j], v[j]: block j's K and V [num_layers, block_size, kvh, d] as stored; scales[j] its
-// fp32 scales [2, num_layers, block_size, kvh] (K's, V's) when stored int8 / fp8, else none.
-// k_cache / v_cache: each layer's [num_blocks, block_size, kvh, d] (k_scale / v_scale their
-// [num_blocks, block_size, kvh] for an int8 / fp8 cache); dst[j]: block j's cache block.
-// Either the stored type is the cache's (a copy of the bytes, scales too) or the frames are
-// int8 / fp8 and the cache fp32 (dequantized). heads[j] / digests[j] (none, or one per block;
-// an empty digest: block j was verified already): block j's checksum, checked before it is
-// written. Returns how many leading blocks were written: all of them, or up to the first whose
-// checksum does not verify.
-int64_t write_frames(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
-                     const std::vector<torch::Tensor>& scales,
+// Each frame's byte buffers (`request()` needs the GIL: taken before it is released), every
+// one `bytes` long. Python keeps the objects, and so their bytes, alive for the call.
+static std::vector<const uint8_t*> buffers(const std::vector<pybind11::buffer>& bs, int64_t bytes,
+                                           const char* what) {
+  std::vector<const uint8_t*> out;
+  out.reserve(bs.size());
+  for (const auto& b : bs) {
+    const pybind11::buffer_info info = b.request();
+    TORCH_CHECK(info.ndim == 1 && info.itemsize == 1 && info.size == bytes &&
+                    (info.strides.empty() || info.strides[0] == 1),
+                "write_frames: every ", what, " must be ", bytes, " contiguous bytes");
+    out.push_back(static_cast<const uint8_t*>(info.ptr));
+  }
+  return out;
+}
+
+// payloads[j]: block j's frame payload, its K then its V [num_layers, block_size, kvh, d] as
+// stored (`stored_name`: "int8", "fp8", "float32", "bfloat16" or "float16"); scales[j] (int8 /
+// fp8 only) its fp32 scales [2, num_layers, block_size, kvh] (K's, V's). k_cache / v_cache: each
+// layer's [num_blocks, block_size, kvh, d] (k_scale / v_scale their [num_blocks, block_size,
+// kvh] for an int8 / fp8 cache); dst[j]: block j's cache block. Either the stored type is the
+// cache's (a copy of the bytes, scales too) or the frames are int8 / fp8 and the cache fp32
+// (dequantized). heads[j] / digests[j] (none, or one per block; an empty digest: block j was
+// verified already): block j's checksum, checked before it is written. Returns how many
+// leading blocks were written: all of them, or up to the first whose checksum does not verify.
+int64_t write_frames(const std::vector<pybind11::buffer>& payloads,
+                     const std::vector<pybind11::buffer>& scales, const std::string& stored_name,
                      const std::vector<torch::Tensor>& k_cache,
                      const std::vector<torch::Tensor>& v_cache,
                      const std::vector<torch::Tensor>& k_scale,
@@ -119,24 +123,31 @@ int64_t write_frames(const std::vector<torch::Tensor>& k, const std::vector<torc
                      const std::vector<std::string>& heads,
                      const std::vector<std::string>& digests) {
   const int64_t n = static_cast<int64_t>(dst.size()), L = static_cast<int64_t>(k_cache.size());
-  TORCH_CHECK(n > 0 && L > 0 && static_cast<int64_t>(k.size()) == n &&
-                  static_cast<int64_t>(v.size()) == n && static_cast<int64_t>(v_cache.size()) == L,
-              "write_frames: one K and V per block, one cache tensor per layer");
+  TORCH_CHECK(n > 0 && L > 0 && static_cast<int64_t>(payloads.size()) == n &&
+                  static_cast<int64_t>(v_cache.size()) == L,
+              "write_frames: one payload per block, one cache tensor per layer");
   const auto& like = k_cache[0];
   TORCH_CHECK(like.dim() == 4, "write_frames: cache layers are [num_blocks, block_size, kvh, d]");
   const int64_t num_blocks = like.size(0), rows = like.size(1) * like.size(2), d = like.size(3);
-  const auto stored = k[0].scalar_type(), cache = like.scalar_type();
+  const auto cache = like.scalar_type();
+  const auto stored = stored_name == "int8"       ? torch::kChar
+                      : stored_name == "fp8"      ? torch::kFloat8_e4m3fn
+                      : stored_name == "float32"  ? torch::kFloat
+                      : stored_name == "bfloat16" ? torch::kBFloat16
+                      : stored_name == "float16"  ? torch::kHalf
+                                                  : torch::kByte;
+  TORCH_CHECK(stored != torch::kByte, "write_frames: no stored type ", stored_name);
   const bool quantized = stored == torch::kChar || stored == torch::kFloat8_e4m3fn;
   const bool copy = stored == cache;
   TORCH_CHECK(copy || (quantized && cache == torch::kFloat),
               "write_frames: frames must be in the cache's format, or int8 / fp8 into fp32");
-  const int64_t block = rows * d, esize = k[0].element_size(), block_bytes = block * esize;
-  const auto kp = pointers(k, L * block, stored, "K");
-  const auto vp = pointers(v, L * block, stored, "V");
-  std::vector<const uint8_t*> sp;
+  const int64_t block = rows * d, esize = c10::elementSize(stored), block_bytes = block * esize;
+  const auto pp = buffers(payloads, 2 * L * block_bytes, "payload");
+  std::vector<const uint8_t*> kp(pp), vp(pp), sp;
+  for (auto& p : vp) p += L * block_bytes;
   if (quantized) {
     TORCH_CHECK(static_cast<int64_t>(scales.size()) == n, "write_frames: scales per block");
-    sp = pointers(scales, 2 * L * rows, torch::kFloat, "scales");
+    sp = buffers(scales, 2 * L * rows * static_cast<int64_t>(sizeof(float)), "scales");
   }
   const auto kc = layers(k_cache, like, "K cache"), vc = layers(v_cache, like, "V cache");
   std::vector<uint8_t*> ksc, vsc;

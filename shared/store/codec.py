@@ -474,14 +474,36 @@ def decode_block(
 UNCHECKED_FORMATS: Final = frozenset({"native", "int8", "fp8"})
 
 
-def decode_unchecked(
+@dataclass(frozen=True)
+class UncheckedFrame:
+    """An uncompressed native / int8 / fp8 frame that passed every check but its checksum,
+    left as the frame's own bytes (no tensors made: a load's one-call write takes the bytes):
+    `payload` is K's bytes then V's, as `stored`; `scales` the fp32 scales [2, num_layers,
+    block_size, num_kv_heads] of an int8 / fp8 frame (finite; empty for a native one)."""
+
+    fmt: str
+    stored: torch.dtype
+    payload: memoryview
+    scales: bytes
+    checksum: Checksum
+    fields: dict[str, Any]
+    shape: tuple[int, int, int, int]
+    root: BlockHash
+
+    def block(self) -> DecodedBlock:
+        """The frame as `decode_block(dequantize=False)` gives it (views of its bytes)."""
+        block = _tensors(self.fields, self.payload, self.shape, self.root, dequantize=False)
+        assert not isinstance(block, Miss)  # the scales were checked already
+        return block
+
+
+def read_unchecked(
     data: bytes | bytearray | memoryview, expected: BlockMeta, key_hash: BlockHash, root: BlockHash
-) -> tuple[DecodedBlock, Checksum] | None:
-    """`decode_block(dequantize=False)` of an uncompressed native / int8 / fp8 frame laid out as
-    `encode_block` writes it, with every check but the checksum, which it returns for the copy
-    into the cache to verify before it writes the block (reading the payload once rather than
-    twice). None for any other frame or any failed check: `decode_block` then names the miss.
-    Never raises."""
+) -> UncheckedFrame | None:
+    """Every check of `decode_block` but the checksum, on an uncompressed native / int8 / fp8
+    frame laid out as `encode_block` writes it; the checksum is left to the copy into the cache
+    (reading the payload once rather than twice). None for any other frame or any failed
+    check: `decode_block` then names the miss. Never raises."""
     try:
         if not isinstance(data, bytes | bytearray | memoryview) or len(data) > MAX_FRAME_BYTES:
             return None
@@ -494,12 +516,24 @@ def decode_unchecked(
         raw = _decompress(f, shape)
         if isinstance(raw, Miss) or chain_hash(BlockHash(f["parent"]), f["token_ids"]) != key_hash:
             return None
-        block = _tensors(f, raw, shape, root, dequantize=False)
-        if isinstance(block, Miss):
+        fmt, scales = f["fmt"], f["scales"]
+        if fmt in _QUANTIZED and not np.isfinite(np.frombuffer(scales, np.float32)).all():
             return None
-        return block, Checksum(_checksum_head(f), f["checksum"], f["scales"], f["payload"])
+        stored = NATIVE_DTYPES[f["dtype"]] if fmt == "native" else _FMT_DTYPES[fmt]
+        checksum = Checksum(_checksum_head(f), f["checksum"], scales, f["payload"])
+        return UncheckedFrame(fmt, stored, memoryview(raw), scales, checksum, f, shape, root)
     except Exception:
         return None
+
+
+def decode_unchecked(
+    data: bytes | bytearray | memoryview, expected: BlockMeta, key_hash: BlockHash, root: BlockHash
+) -> tuple[DecodedBlock, Checksum] | None:
+    """`decode_block(dequantize=False)` of a frame `read_unchecked` takes, with every check but
+    the checksum, which it returns for whoever copies the payload to verify first. None for any
+    other frame or any failed check. Never raises."""
+    frame = read_unchecked(data, expected, key_hash, root)
+    return None if frame is None else (frame.block(), frame.checksum)
 
 
 def _unpack(data: bytes | bytearray | memoryview, expected: BlockMeta) -> dict[str, Any] | Miss:

@@ -11,9 +11,10 @@ reuses its own) and written with one copy per layer (KVCache.write_stacked, whic
 on the way in for a float cache); anything else is converted block by block.
 
 Where the one-call write is there, verification leaves each frame's checksum to it
-(codec.decode_unchecked): it hashes the frame just before copying its block, so the payload is
-read once. A batch's blocks count only up to the first frame whose checksum fails, however
-they were written (the staged path checks the deferred checksums itself, before its copies).
+(codec.read_unchecked): it hashes the frame just before copying its block, so the payload is
+read once, and takes the frames' bytes as they are (no tensor is made per frame). A batch's
+blocks count only up to the first frame whose checksum fails, however they were written (the
+staged path checks the deferred checksums itself, before its copies).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from kvserve.shared.store.codec import (
     Checksum,
     DecodedBlock,
     Miss,
+    UncheckedFrame,
     decode_block,
-    decode_unchecked,
+    read_unchecked,
 )
 from kvserve.shared.store.hashing import BlockHash
 
@@ -43,14 +45,14 @@ from kvserve.shared.store.hashing import BlockHash
 WriteStacked = Callable[
     [list[int], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None
 ]
-# KVCache.write_frames: (blocks, k, v, scales, checksums) as frames hold them; the leading
-# blocks written (up to a checksum that fails), None: not written.
+# KVCache.write_frames: (blocks, payloads, scales, stored dtype, checksums) as frames hold
+# them; the leading blocks written (up to a checksum that fails), None: not written.
 WriteFrames = Callable[
     [
         list[int],
-        list[torch.Tensor],
-        list[torch.Tensor],
-        list[torch.Tensor] | None,
+        list[memoryview],
+        list[bytes] | None,
+        torch.dtype,
         tuple[list[bytes], list[bytes]] | None,
     ],
     int | None,
@@ -174,13 +176,22 @@ class LoadJob:
 
 @dataclass
 class Verified:
-    """A batch's leading verified blocks (views of their frames) and its LoadedBatch so far;
-    `checksums[j]`: block j's checksum, left to its write (None: verified already)."""
+    """A batch's leading verified blocks and its LoadedBatch so far: each block decoded (views
+    of its frame), or, where the one-call write takes it, its frame read but not yet hashed
+    (an UncheckedFrame: its checksum left to the write)."""
 
-    blocks: list[DecodedBlock]
+    blocks: list[DecodedBlock | UncheckedFrame]
     got: LoadedBatch
     hashes: list[BlockHash] = field(default_factory=list)
-    checksums: list[Checksum | None] = field(default_factory=list)
+
+    @property
+    def checksums(self) -> list[Checksum | None]:
+        """Each block's checksum left to its write (None: verified already)."""
+        return [b.checksum if isinstance(b, UncheckedFrame) else None for b in self.blocks]
+
+    def decoded(self, n: int) -> list[DecodedBlock]:
+        """The first `n` blocks as decoded blocks (views of their frames)."""
+        return [b.block() if isinstance(b, UncheckedFrame) else b for b in self.blocks[:n]]
 
 
 @dataclass
@@ -222,34 +233,31 @@ class BatchLoader:
         self, hashes: list[BlockHash], frames: Sequence[bytes | memoryview | None]
     ) -> Verified:
         """The leading verified frames, up to the first missing or bad one. Where the cache's
-        one-call write takes the frames, their checksums are left to it (codec.decode_unchecked:
+        one-call write takes the frames, their checksums are left to it (codec.read_unchecked:
         it hashes each payload just before copying it, one pass over the bytes)."""
         t0 = time.perf_counter()
-        got, blocks = LoadedBatch(), []
-        checksums: list[Checksum | None] = []
+        got, blocks = LoadedBatch(), list[DecodedBlock | UncheckedFrame]()
         for h, frame in zip(hashes, frames, strict=True):
             if frame is None:
                 got.miss = "gone"
                 break
-            unchecked = decode_unchecked(frame, self.meta, h, self.root) if self.fused else None
+            unchecked = read_unchecked(frame, self.meta, h, self.root) if self.fused else None
             if unchecked is not None:
-                blocks.append(unchecked[0])
-                checksums.append(unchecked[1])
+                blocks.append(unchecked)
                 continue
             decoded = decode_block(frame, self.meta, h, self.root, dequantize=False)
             if isinstance(decoded, Miss):
                 got.miss, got.bad = decoded.reason, h
                 break
             blocks.append(decoded)
-            checksums.append(None)
         got.written = len(blocks)
         got.verify_s = time.perf_counter() - t0
-        return Verified(blocks, got, hashes[: len(blocks)], checksums)
+        return Verified(blocks, got, hashes[: len(blocks)])
 
     @property
     def fused(self) -> bool:
         """Whether checksums are left to the write: the one-call write is there and the
-        store's frames are of a format decode_unchecked takes (else each frame would be read
+        store's frames are of a format read_unchecked takes (else each frame would be read
         twice)."""
         return self.write_frames is not None and self.fmt in UNCHECKED_FORMATS
 
@@ -266,7 +274,7 @@ class BatchLoader:
                     written = self._checked(verified)
                     if written:
                         staging = self._staging(written)
-                        for j, block in enumerate(verified.blocks[:written]):
+                        for j, block in enumerate(verified.decoded(written)):
                             staging.put(j, block)
                         self._write(dst[:written], staging, written)
                 if written < n:
@@ -289,22 +297,21 @@ class BatchLoader:
         return len(verified.blocks)
 
     def _write_direct(self, dst: list[int], verified: Verified) -> int | None:
-        """The blocks straight from their frames into the cache (write_frames), if it takes
-        them: how many leading blocks it wrote (each checksum left to it verified first)."""
-        if self.write_frames is None:
+        """The blocks straight from their frames' bytes into the cache (write_frames), if it
+        takes them (every block an UncheckedFrame, all of one stored type): how many leading
+        blocks it wrote, each checksum verified first."""
+        frames = [b for b in verified.blocks if isinstance(b, UncheckedFrame)]
+        if (
+            self.write_frames is None
+            or len(frames) != len(verified.blocks)
+            or any(f.stored != frames[0].stored for f in frames)
+        ):
             return None
-        blocks = verified.blocks
-        scales = [b.scales for b in blocks if b.scales is not None]
-        if scales and len(scales) != len(blocks):  # quantized and float frames mixed
-            return None
-        sums = verified.checksums
-        checks = (
-            ([c.head if c else b"" for c in sums], [c.digest if c else b"" for c in sums])
-            if any(sums)
-            else None
-        )
-        k, v = [b.k for b in blocks], [b.v for b in blocks]
-        return self.write_frames(dst, k, v, scales or None, checks)
+        sums = [f.checksum for f in frames]
+        checks = ([c.head for c in sums], [c.digest for c in sums])
+        scales = [f.scales for f in frames] if frames[0].fmt in QUANTIZED_KV_DTYPES else None
+        payloads = [f.payload for f in frames]
+        return self.write_frames(dst, payloads, scales, frames[0].stored, checks)
 
     def _staging(self, n: int) -> Staging:
         """Frames of an int8 / fp8 format stay as stored unless the cache is quantized

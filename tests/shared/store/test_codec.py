@@ -15,6 +15,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvserve.shared.store import codec
+from kvserve.shared.store.block_data import BlockData
 from kvserve.shared.store.codec import (
     FORMATS,
     FRAME_VERSION,
@@ -27,6 +28,7 @@ from kvserve.shared.store.codec import (
     decode_unchecked,
     encode_block,
     frame_checksum,
+    read_unchecked,
 )
 from kvserve.shared.store.hashing import BlockHash, chain_hash, root_hash
 from kvserve.shared.store.msgpack_view import unpack
@@ -502,9 +504,32 @@ def test_an_unchecked_decode_leaves_exactly_the_checksum_to_its_caller(fmt: str)
     assert torch.equal(block.v.view(torch.uint8), want.v.view(torch.uint8))
     assert (block.scales is None) == (want.scales is None)
     assert block.scales is None or torch.equal(block.scales, want.scales)
+    read = read_unchecked(frame, SMALL, SMALL_KEY, SMALL_ROOT)  # the bytes the write takes
+    assert read is not None and read.stored == want.k.dtype and read.fmt == fmt
+    raw = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in (want.k, want.v)]
+    assert bytes(read.payload) == raw[0] + raw[1]
+    scales = b"" if want.scales is None else want.scales.numpy().tobytes()
+    assert read.scales == scales
     for bit in range(len(frame) * 8):
         flipped = decode_unchecked(_flip(frame, bit), SMALL, SMALL_KEY, SMALL_ROOT)
         assert flipped is None or not flipped[1].verifies(), (fmt, bit)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_an_unchecked_read_refuses_a_frame_with_a_scale_that_is_not_finite(fmt: str) -> None:
+    """A quantized frame whose checksum holds but one of whose scales is NaN or infinite is not
+    left to the write: decode_block names it a bad payload."""
+    k, v = _kv(SMALL)
+    data = BlockData.from_float(k, v, torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+    assert data.k_scale is not None and data.v_scale is not None
+    for bad in (float("nan"), float("inf")):
+        k_scale = data.k_scale.clone()
+        k_scale.view(-1)[3] = bad
+        frame = encode_block(
+            SMALL, SMALL_TOKENS, data.k, data.v, fmt, SMALL_ROOT, scales=(k_scale, data.v_scale)
+        )
+        assert read_unchecked(frame, SMALL, SMALL_KEY, SMALL_ROOT) is None
+        assert decode_block(frame, SMALL, SMALL_KEY, SMALL_ROOT) == Miss("bad_payload")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "compact"])

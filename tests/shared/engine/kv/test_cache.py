@@ -164,6 +164,16 @@ def _frames(n: int, layers: int, config, dtype: torch.dtype, g: torch.Generator)
     return k, v, scales
 
 
+def _as_bytes(k, v, scales):  # type: ignore[no-untyped-def]
+    """The blocks' payloads (K's bytes, then V's) and scales as a frame holds them."""
+
+    def raw(t: torch.Tensor) -> bytes:
+        return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+    payloads = [raw(a) + raw(b) for a, b in zip(k, v, strict=True)]
+    return payloads, None if scales is None else [raw(s) for s in scales]
+
+
 PAIRS = [(torch.int8, torch.int8), (torch.float8_e4m3fn, torch.float8_e4m3fn),
          (torch.int8, torch.float32), (torch.float8_e4m3fn, torch.float32),
          (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]  # fmt: skip
@@ -186,7 +196,7 @@ def test_write_frames_writes_what_write_stacked_writes(
     config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim)
     k, v, scales = _frames(len(blocks), 2, config, stored, torch.Generator().manual_seed(1))
     direct, staged = (KVCache(config, 8, 4, cache_dtype, populate="lazy") for _ in range(2))
-    assert direct.write_frames(blocks, k, v, scales) == len(blocks)
+    assert direct.write_frames(blocks, *_as_bytes(k, v, scales), stored) == len(blocks)
     ks = vs = None
     if scales is not None:
         ks, vs = (torch.stack([s[i] for s in scales], 1) for i in (0, 1))
@@ -212,7 +222,7 @@ def test_write_frames_declines_other_pairings_and_writes_nothing(stored, cache_d
     config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
     k, v, scales = _frames(2, 2, config, stored, torch.Generator().manual_seed(2))
     cache = KVCache(config, 4, 4, cache_dtype, populate="lazy")
-    assert cache.write_frames([1, 2], k, v, scales) is None
+    assert cache.write_frames([1, 2], *_as_bytes(k, v, scales), stored) is None
     assert all(not kv_cache.raw_view(b.k).any() for b in cache.read_blocks(range(4)))
 
 
@@ -225,7 +235,7 @@ def test_write_frames_refuses_a_block_outside_the_cache_before_writing() -> None
     k, v, scales = _frames(2, 2, config, torch.int8, torch.Generator().manual_seed(3))
     cache = KVCache(config, 4, 4, torch.int8, populate="lazy")
     with pytest.raises(RuntimeError, match="write_frames: block 4"):
-        cache.write_frames([1, 4], k, v, scales)
+        cache.write_frames([1, 4], *_as_bytes(k, v, scales), torch.int8)
     assert all(not b.k.any() for b in cache.read_blocks(range(4)))
 
 
@@ -263,12 +273,12 @@ def _encoded(n: int, meta: BlockMeta, fmt: str, cache_dtype: torch.dtype):  # ty
     ],
 )
 def test_write_frames_checks_each_checksum_before_writing_its_block(fmt, cache_dtype) -> None:  # type: ignore[no-untyped-def]
-    """Checksums left to the write (codec.decode_unchecked) are checked in C++ just before
+    """Checksums left to the write (codec.read_unchecked) are checked in C++ just before
     each block is written: intact frames are all written, exactly as without the check; a
     flipped payload byte in the second frame stops the write there, the first block written,
     the second and third not touched."""
     from kvserve.kernels import cpu_ops
-    from kvserve.shared.store.codec import decode_unchecked
+    from kvserve.shared.store.codec import read_unchecked
 
     if not cpu_ops.available():
         pytest.skip("no C++ toolchain")
@@ -278,14 +288,14 @@ def test_write_frames_checks_each_checksum_before_writing_its_block(fmt, cache_d
     root, frames, hashes = _encoded(3, meta, fmt, cache_dtype)
 
     def write(cache: KVCache, frames: list[bytearray], checked: bool) -> int | None:
-        got = [decode_unchecked(f, meta, h, root) for f, h in zip(frames, hashes, strict=True)]
-        assert all(g is not None for g in got)
-        blocks = [g[0] for g in got if g is not None]
-        sums = [g[1] for g in got if g is not None]
-        scales = [b.scales for b in blocks if b.scales is not None] or None
+        got = [read_unchecked(f, meta, h, root) for f, h in zip(frames, hashes, strict=True)]
+        read = [g for g in got if g is not None]
+        assert len(read) == len(frames)
+        sums = [g.checksum for g in read]
+        scales = [g.scales for g in read] if fmt != "native" else None
         checks = ([c.head for c in sums], [c.digest for c in sums]) if checked else None
-        return cache.write_frames([1, 2, 3], [b.k for b in blocks], [b.v for b in blocks],
-                                  scales, checks)  # fmt: skip
+        payloads = [g.payload for g in read]
+        return cache.write_frames([1, 2, 3], payloads, scales, read[0].stored, checks)
 
     plain, checked = (KVCache(config, 5, 4, cache_dtype, populate="lazy") for _ in range(2))
     assert write(plain, frames, False) == 3 and write(checked, frames, True) == 3
