@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import queue
+import sys
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,21 @@ from kvserve.shared.engine.outputs import RequestOutput
 from kvserve.shared.engine.sim.runner import SimulatedRunner
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.store.block_data import KVTail
+
+# The longest a thread that wants the GIL waits for one that holds it running Python (the
+# interpreter's default is 5 ms).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def share_the_gil() -> None:
+    """Hand the GIL between threads every 0.5 ms at most (unless the process asked for less).
+    The engine thread releases the GIL in every C++ kernel and must take it back when the
+    kernel returns, while the event loop (the HTTP responses, the store's reads) and the
+    emitter run Python: with the default 5 ms it could wait up to a step's length for them.
+    Served batch-1 TPOT on a 2-vCPU EPYC (docs/benchmarks.md): 19.0 against 20.7 ms mean over
+    interleaved pairs, and 8-16% more output tok/s at 16 concurrent requests."""
+    if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
 @dataclass(frozen=True)
@@ -333,6 +349,7 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        share_the_gil()
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()

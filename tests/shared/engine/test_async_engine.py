@@ -88,3 +88,24 @@ def test_building_raises_what_making_the_engine_raised() -> None:
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine.build(make)
+
+
+@pytest.mark.parametrize(("before", "after"), [(0.005, 0.0005), (0.0001, 0.0001)])
+async def test_stepping_shortens_the_gil_switch_interval_but_never_lengthens_it(
+    make_engine, before: float, after: float
+) -> None:  # type: ignore[no-untyped-def]
+    """Once the engine thread steps, a thread that wants the GIL back (the engine's, after a
+    kernel) waits at most 0.5 ms for one running Python; a shorter interval the process set
+    is kept."""
+    import sys
+
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(before)
+    engine = AsyncEngine(make_engine())
+    try:
+        engine.start()
+        interval = await engine.call(sys.getswitchinterval)  # once the thread runs
+        assert interval == pytest.approx(after)
+    finally:
+        engine.stop()
+        sys.setswitchinterval(saved)
