@@ -1,6 +1,7 @@
 """`kvserve bench compare --workload NAME [workload options] [--arms A,B,...] [--repeats 3]`:
 the same `kvserve bench serve` workload against kvserve and the servers a user would pick instead,
-one arm after another, on the same GGUF file.
+on the same GGUF file, the arms in turn within each repeat (A B C, A B C, ...) so that the
+machine's drift over a run falls on every arm alike.
 
 Arms (see kvserve.services.bench.lib.arms): `kvserve` (`kvserve serve --store memory://`: the
 GGUF's own quantized weights), `kvserve-fp32` (the same with `--weights fp32`: the weights
@@ -112,28 +113,21 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def run_arm(
-    arm: str, args: argparse.Namespace, model: Path, vocab: int, out: Path
+def run_repeat(
+    arm: str, r: int, args: argparse.Namespace, model: Path, vocab: int, out: Path
 ) -> dict[str, Any]:
-    """One arm's repeats; {"runs": [summary, ...]} or {"error": why} (with any runs made)."""
-    runs: list[dict[str, Any]] = []
-    for r in range(args.repeats):
-        try:
-            server = _start_server(arm, args, model, out, r)
-        except StartError as e:
-            return {"error": str(e), "runs": runs}
-        try:
-            summary = bench_serve(args, server.url, vocab, out / arm / f"repeat-{r}", model)
-        except RunFailed as e:
-            return {"error": str(e), "runs": runs}
-        finally:
-            server.stop()
-        runs.append(summary)
-        print(
-            f"[{arm}] repeat {r + 1}: " + ", ".join(f"{k}={summary.get(k)}" for k in KEYS),
-            flush=True,
-        )
-    return {"runs": runs}
+    """Repeat `r` of one arm on a fresh server: its summary. StartError or RunFailed when it
+    does not count."""
+    server = _start_server(arm, args, model, out, r)
+    try:
+        summary = bench_serve(args, server.url, vocab, out / arm / f"repeat-{r}", model)
+    finally:
+        server.stop()
+    print(
+        f"[{arm}] repeat {r + 1}: " + ", ".join(f"{k}={summary.get(k)}" for k in KEYS),
+        flush=True,
+    )
+    return summary
 
 
 class RunFailed(Exception):
@@ -279,25 +273,32 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _run_arms(args: argparse.Namespace, chosen: list[str]) -> dict[str, dict[str, Any]]:
-    """Every chosen arm in turn; the rows so far saved in --out after each."""
+    """Every chosen arm in turn, repeat after repeat; the rows so far saved in --out after
+    each run. An arm that fails once is not run again."""
     from kvserve.shared.config import default_model_path
 
     model = args.gguf or default_model_path()
     vocab = arms.model_vocab(model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, Any]] = {}
-    rows: dict[str, dict[str, Any]] = {}
-    for arm in chosen:
-        result = run_arm(arm, args, model, vocab, out)
-        if "error" in result:
-            print(f"[{arm}] could not run: {result['error']}", flush=True)
-        results[arm] = result
-        rows = {arm: aggregate(r) for arm, r in results.items()}
-        # After every arm, so that a run stopped part-way keeps (and --report shows) the others.
-        raw = json.dumps({"arms": rows, "raw": results}, indent=2) + "\n"
-        (out / "compare.json").write_text(raw)
-    return rows
+    results: dict[str, dict[str, Any]] = {arm: {"runs": []} for arm in chosen}
+    for r in range(args.repeats):
+        for arm in chosen:
+            result = results[arm]
+            if "error" in result:
+                continue
+            try:
+                result["runs"].append(run_repeat(arm, r, args, model, vocab, out))
+            except (StartError, RunFailed) as e:
+                result["error"] = str(e)
+                print(f"[{arm}] could not run: {e}", flush=True)
+            # After every run, so that a run stopped part-way keeps (and --report shows) the
+            # others.
+            done = {a: res for a, res in results.items() if res["runs"] or "error" in res}
+            rows = {a: aggregate(res) for a, res in done.items()}
+            raw = json.dumps({"arms": rows, "raw": done}, indent=2) + "\n"
+            (out / "compare.json").write_text(raw)
+    return {arm: aggregate(res) for arm, res in results.items()}
 
 
 def run(args: argparse.Namespace) -> int:

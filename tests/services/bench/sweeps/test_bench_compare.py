@@ -49,6 +49,37 @@ def test_report_prints_and_plots_a_saved_run(
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_arms_take_turns_within_each_repeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Repeats interleave the arms (A B C, A B C), so that the machine's drift over a run falls
+    on every arm alike; an arm that fails is not run again and is reported with its reason.
+    The runs themselves are stood in for here (a real one: the slow test below)."""
+    from kvserve.services.bench.lib.process import StartError
+    from kvserve.services.bench.sweeps import compare
+
+    calls: list[tuple[str, int]] = []
+
+    def run_repeat(arm: str, r: int, *args: object) -> dict[str, float]:
+        calls.append((arm, r))
+        if arm == "kvserve-fp32":
+            raise StartError("no room for fp32 weights")
+        return summary(10.0 * (r + 1), 1.0)
+
+    monkeypatch.setattr(compare, "run_repeat", run_repeat)
+    argv = ["bench", "compare", "--workload", "random", "--repeats", "3", "--out", str(tmp_path)]
+    assert main([*argv, "--arms", "kvserve,kvserve-fp32,kvserve-sync"]) == 0
+    assert calls == [
+        ("kvserve", 0), ("kvserve-fp32", 0), ("kvserve-sync", 0),
+        ("kvserve", 1), ("kvserve-sync", 1), ("kvserve", 2), ("kvserve-sync", 2),
+    ]  # fmt: skip
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rows["kvserve"]["output_tok_s"] == 20 and rows["kvserve-sync"]["repeats"] == 3
+    assert rows["kvserve-fp32"] == {"error": "no room for fp32 weights", "repeats_done": 0}
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved["arms"] == rows
+
+
 def test_unknown_arm_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "compare", "--workload", "random", "--arms", "kvserve,vllm"]
     assert main([*argv, "--out", str(tmp_path)]) == 2
@@ -81,16 +112,16 @@ def test_each_arm_is_saved_as_it_ends(
     already in compare.json."""
     from kvserve.services.bench.sweeps import compare
 
-    real_run_arm = compare.run_arm
+    real_run_repeat = compare.run_repeat
     calls: list[str] = []
 
-    def run_arm_then_stop(arm: str, *args: object) -> dict[str, object]:
+    def run_repeat_then_stop(arm: str, *args: object) -> dict[str, object]:
         calls.append(arm)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real_run_arm(arm, *args)  # type: ignore[arg-type]
+        return real_run_repeat(arm, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(compare, "run_arm", run_arm_then_stop)
+    monkeypatch.setattr(compare, "run_repeat", run_repeat_then_stop)
     argv = ["bench", "compare", "--workload", "random", "--arms", "kvserve-disagg,kvserve"]
     argv += ["--redis-maxmemory", "lots", "--repeats", "1", "--out", str(tmp_path)]
     assert main(argv) == 130  # the command line's answer to Ctrl-C
