@@ -42,8 +42,8 @@ def share_the_gil() -> None:
     The engine thread releases the GIL in every C++ kernel and must take it back when the
     kernel returns, while the event loop (the HTTP responses, the store's reads) and the
     emitter run Python: with the default 5 ms it could wait up to a step's length for them.
-    Served batch-1 TPOT on a 2-vCPU EPYC (docs/benchmarks.md): 19.0 against 20.7 ms mean over
-    interleaved pairs, and 8-16% more output tok/s at 16 concurrent requests."""
+    Served on a 2-vCPU EPYC (docs/benchmarks.md): batch-1 TPOT 18.2 against 20.9 ms, the means
+    of five interleaved pairs, and 12-16% more output tok/s at 16 concurrent requests."""
     if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
