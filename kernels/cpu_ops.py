@@ -140,9 +140,10 @@ _STORED_NAMES = {
 
 
 def write_frames(
-    payloads: Sequence[Buffer],  # per block: K's bytes then V's [num_layers, block_size, kvh, d]
+    k: Sequence[Buffer],  # per block: K's bytes [num_layers, block_size, kvh, d] as stored
+    v: Sequence[Buffer],
     scales: Sequence[Buffer] | None,  # int8 / fp8: fp32 [2, num_layers, block_size, kvh]
-    stored: torch.dtype,  # the payloads' element type
+    stored: torch.dtype,  # K's and V's element type
     k_cache: list[torch.Tensor],  # per layer [num_blocks, block_size, kvh, d]
     v_cache: list[torch.Tensor],
     k_scale: list[torch.Tensor | None],  # per layer [num_blocks, block_size, kvh], or Nones
@@ -150,16 +151,16 @@ def write_frames(
     blocks: list[int],  # block j's cache block
     checksums: tuple[list[bytes], list[bytes]] | None = None,  # (heads, digests) per block
 ) -> int | None:
-    """A store load's blocks, as their frames' bytes, into their cache blocks in one call
-    without the GIL (no tensor made per frame): a copy of their bytes (and scales) where they
-    are stored in the cache's own format, dequantized into an fp32 cache where they are int8 /
-    fp8 (as `reference.dequantize_kv`, bit for bit). `checksums`: block j's frame checksum
-    (codec.Checksum's head and digest; an empty digest: verified already), checked just before
-    block j is written. How many leading blocks were written (up to the first whose checksum
-    fails); None (nothing written) where the kernel does not apply: another device or
+    """A store load's blocks, as bytes (a frame's payload halves: no tensor made per frame),
+    into their cache blocks in one call without the GIL: a copy of their bytes (and scales)
+    where they are stored in the cache's own format, dequantized into an fp32 cache where they
+    are int8 / fp8 (as `reference.dequantize_kv`, bit for bit). `checksums`: block j's frame
+    checksum (codec.Checksum's head and digest; an empty digest: verified already), checked
+    just before block j is written. How many leading blocks were written (up to the first whose
+    checksum fails); None (nothing written) where the kernel does not apply: another device or
     pairing."""
     ext = _extension()
-    if ext is None or not payloads or not k_cache[0].is_cpu or stored not in _STORED_NAMES:
+    if ext is None or not k or not k_cache[0].is_cpu or stored not in _STORED_NAMES:
         return None
     cache = k_cache[0].dtype
     quantized = reference.is_quantized(stored)
@@ -170,10 +171,16 @@ def write_frames(
     cache_scales = ([s for s in k_scale if s is not None], [s for s in v_scale if s is not None])
     heads, digests = checksums or ([], [])
     written: int = ext.write_frames(
-        list(payloads), list(scales or []), _STORED_NAMES[stored], k_cache, v_cache,
+        list(k), list(v), list(scales or []), _STORED_NAMES[stored], k_cache, v_cache,
         *cache_scales, blocks, heads, digests,
     )  # fmt: skip
     return written
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes as a flat buffer (a copy only where it is not contiguous)."""
+    flat: Any = t.contiguous().view(torch.uint8).reshape(-1).numpy()
+    return memoryview(flat)
 
 
 def argmax_logsumexp(

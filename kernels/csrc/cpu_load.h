@@ -1,6 +1,6 @@
 // A store load's blocks into their KV-cache blocks in one call (kernels/cpu_ops.py,
-// write_frames): the frames' K and V, as stored (their payloads' bytes: no tensor is made per
-// frame), go into every layer's cache block, either as a copy of their bytes (a frame in the
+// write_frames): the frames' K and V, as stored (their bytes: no tensor is made per frame), go
+// into every layer's cache block, either as a copy of their bytes (a frame in the
 // cache's own format, int8 / fp8 with its scales) or dequantized into an fp32 cache (code *
 // scale, as reference.dequantize_kv). Without the GIL: the loader thread's copies run while
 // the event loop receives the next batch. A frame whose checksum the reader left to the copy
@@ -105,16 +105,17 @@ static std::vector<const uint8_t*> buffers(const std::vector<pybind11::buffer>& 
   return out;
 }
 
-// payloads[j]: block j's frame payload, its K then its V [num_layers, block_size, kvh, d] as
-// stored (`stored_name`: "int8", "fp8", "float32", "bfloat16" or "float16"); scales[j] (int8 /
-// fp8 only) its fp32 scales [2, num_layers, block_size, kvh] (K's, V's). k_cache / v_cache: each
-// layer's [num_blocks, block_size, kvh, d] (k_scale / v_scale their [num_blocks, block_size,
-// kvh] for an int8 / fp8 cache); dst[j]: block j's cache block. Either the stored type is the
-// cache's (a copy of the bytes, scales too) or the frames are int8 / fp8 and the cache fp32
-// (dequantized). heads[j] / digests[j] (none, or one per block; an empty digest: block j was
-// verified already): block j's checksum, checked before it is written. Returns how many
-// leading blocks were written: all of them, or up to the first whose checksum does not verify.
-int64_t write_frames(const std::vector<pybind11::buffer>& payloads,
+// k[j], v[j]: block j's K and V [num_layers, block_size, kvh, d] as stored (`stored_name`:
+// "int8", "fp8", "float32", "bfloat16" or "float16"), each a buffer of bytes (a frame's
+// payload halves, or a decoded block's tensors); scales[j] (int8 / fp8 only) its fp32 scales
+// [2, num_layers, block_size, kvh] (K's, V's). k_cache / v_cache: each layer's [num_blocks,
+// block_size, kvh, d] (k_scale / v_scale their [num_blocks, block_size, kvh] for an int8 /
+// fp8 cache); dst[j]: block j's cache block. Either the stored type is the cache's (a copy of
+// the bytes, scales too) or the frames are int8 / fp8 and the cache fp32 (dequantized).
+// heads[j] / digests[j] (none, or one per block; an empty digest: block j was verified
+// already): block j's checksum, checked before it is written. Returns how many leading blocks
+// were written: all of them, or up to the first whose checksum does not verify.
+int64_t write_frames(const std::vector<pybind11::buffer>& k, const std::vector<pybind11::buffer>& v,
                      const std::vector<pybind11::buffer>& scales, const std::string& stored_name,
                      const std::vector<torch::Tensor>& k_cache,
                      const std::vector<torch::Tensor>& v_cache,
@@ -123,9 +124,9 @@ int64_t write_frames(const std::vector<pybind11::buffer>& payloads,
                      const std::vector<std::string>& heads,
                      const std::vector<std::string>& digests) {
   const int64_t n = static_cast<int64_t>(dst.size()), L = static_cast<int64_t>(k_cache.size());
-  TORCH_CHECK(n > 0 && L > 0 && static_cast<int64_t>(payloads.size()) == n &&
-                  static_cast<int64_t>(v_cache.size()) == L,
-              "write_frames: one payload per block, one cache tensor per layer");
+  TORCH_CHECK(n > 0 && L > 0 && static_cast<int64_t>(k.size()) == n &&
+                  static_cast<int64_t>(v.size()) == n && static_cast<int64_t>(v_cache.size()) == L,
+              "write_frames: one K and V per block, one cache tensor per layer");
   const auto& like = k_cache[0];
   TORCH_CHECK(like.dim() == 4, "write_frames: cache layers are [num_blocks, block_size, kvh, d]");
   const int64_t num_blocks = like.size(0), rows = like.size(1) * like.size(2), d = like.size(3);
@@ -142,9 +143,9 @@ int64_t write_frames(const std::vector<pybind11::buffer>& payloads,
   TORCH_CHECK(copy || (quantized && cache == torch::kFloat),
               "write_frames: frames must be in the cache's format, or int8 / fp8 into fp32");
   const int64_t block = rows * d, esize = c10::elementSize(stored), block_bytes = block * esize;
-  const auto pp = buffers(payloads, 2 * L * block_bytes, "payload");
-  std::vector<const uint8_t*> kp(pp), vp(pp), sp;
-  for (auto& p : vp) p += L * block_bytes;
+  const auto kp = buffers(k, L * block_bytes, "K");
+  const auto vp = buffers(v, L * block_bytes, "V");
+  std::vector<const uint8_t*> sp;
   if (quantized) {
     TORCH_CHECK(static_cast<int64_t>(scales.size()) == n, "write_frames: scales per block");
     sp = buffers(scales, 2 * L * rows * static_cast<int64_t>(sizeof(float)), "scales");

@@ -269,21 +269,23 @@ class KVCache:
     def write_frames(
         self,
         blocks: Sequence[int],
-        payloads: Sequence[cpu_ops.Buffer],
+        k: Sequence[cpu_ops.Buffer],
+        v: Sequence[cpu_ops.Buffer],
         scales: Sequence[cpu_ops.Buffer] | None,
         stored: torch.dtype,
         checksums: tuple[list[bytes], list[bytes]] | None = None,
     ) -> int | None:
-        """Overwrite `blocks` with blocks as a store frame holds them, its bytes: each one's
-        payload, K then V [num_layers, block_size, num_kv_heads, head_dim] as `stored` (int8 /
-        fp8 with its fp32 scales [2, num_layers, block_size, num_kv_heads]), in one C++ call:
-        copied where they are in the cache's own format, dequantized into an fp32 cache.
-        `checksums`: each frame's checksum head and digest (an empty digest: verified already),
-        checked just before its block is written. How many leading blocks were written (up to
-        the first whose checksum fails); None (nothing written) where that kernel does not
-        apply (another device or pairing): write_stacked takes them then."""
+        """Overwrite `blocks` with blocks as a store frame holds them, as bytes: each one's K
+        and V [num_layers, block_size, num_kv_heads, head_dim] as `stored` (int8 / fp8 with its
+        fp32 scales [2, num_layers, block_size, num_kv_heads]), in one C++ call: copied where
+        they are in the cache's own format, dequantized into an fp32 cache. `checksums`: each
+        frame's checksum head and digest (an empty digest: verified already), checked just
+        before its block is written. How many leading blocks were written (up to the first
+        whose checksum fails); None (nothing written) where that kernel does not apply
+        (another device or pairing): write_stacked takes them then."""
         return cpu_ops.write_frames(
-            payloads,
+            k,
+            v,
             scales,
             stored,
             self.k,

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from kvserve.kernels import cpu_ops
+from kvserve.kernels.cpu_ops import Buffer
 from kvserve.kernels.reference import dequantize_kv
 from kvserve.shared.engine.kv.cache import raw_view
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
@@ -45,13 +47,14 @@ from kvserve.shared.store.hashing import BlockHash
 WriteStacked = Callable[
     [list[int], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None
 ]
-# KVCache.write_frames: (blocks, payloads, scales, stored dtype, checksums) as frames hold
-# them; the leading blocks written (up to a checksum that fails), None: not written.
+# KVCache.write_frames: (blocks, k, v, scales, stored dtype, checksums), the bytes as frames
+# hold them; the leading blocks written (up to a checksum that fails), None: not written.
 WriteFrames = Callable[
     [
         list[int],
-        list[memoryview],
-        list[bytes] | None,
+        list[Buffer],
+        list[Buffer],
+        list[Buffer] | None,
         torch.dtype,
         tuple[list[bytes], list[bytes]] | None,
     ],
@@ -99,6 +102,20 @@ class Staging:
         raw_view(self.k[:, j]).copy_(raw_view(k))
         raw_view(self.v[:, j]).copy_(raw_view(v))
         self.scales[:, :, j].copy_(scales)
+
+
+def _as_bytes(
+    block: DecodedBlock | UncheckedFrame,
+) -> tuple[Buffer, Buffer, Buffer | None, torch.dtype]:
+    """A verified block's K and V bytes as stored, its scales' bytes (int8 / fp8) and its
+    stored dtype: an unchecked frame's own bytes, a decoded block's tensors' bytes."""
+    if isinstance(block, UncheckedFrame):
+        half = len(block.payload) // 2
+        scales = block.scales if block.fmt in QUANTIZED_KV_DTYPES else None
+        return block.payload[:half], block.payload[half:], scales, block.stored
+    s = block.scales
+    k, v = cpu_ops.tensor_bytes(block.k), cpu_ops.tensor_bytes(block.v)
+    return k, v, None if s is None else cpu_ops.tensor_bytes(s), block.k.dtype
 
 
 def block_data(block: DecodedBlock, dtype: torch.dtype) -> BlockData:
@@ -298,20 +315,23 @@ class BatchLoader:
 
     def _write_direct(self, dst: list[int], verified: Verified) -> int | None:
         """The blocks straight from their frames' bytes into the cache (write_frames), if it
-        takes them (every block an UncheckedFrame, all of one stored type): how many leading
-        blocks it wrote, each checksum verified first."""
-        frames = [b for b in verified.blocks if isinstance(b, UncheckedFrame)]
-        if (
-            self.write_frames is None
-            or len(frames) != len(verified.blocks)
-            or any(f.stored != frames[0].stored for f in frames)
-        ):
+        takes them (all of one stored type): how many leading blocks it wrote, each checksum
+        left to it verified first."""
+        if self.write_frames is None:
             return None
-        sums = [f.checksum for f in frames]
-        checks = ([c.head for c in sums], [c.digest for c in sums])
-        scales = [f.scales for f in frames] if frames[0].fmt in QUANTIZED_KV_DTYPES else None
-        payloads = [f.payload for f in frames]
-        return self.write_frames(dst, payloads, scales, frames[0].stored, checks)
+        parts = [_as_bytes(b) for b in verified.blocks]
+        stored = parts[0][3]
+        if any(p[3] != stored for p in parts) or len({p[2] is None for p in parts}) != 1:
+            return None  # frames of several types, or quantized and float ones mixed
+        k, v = [p[0] for p in parts], [p[1] for p in parts]
+        scales = [p[2] for p in parts if p[2] is not None] or None
+        sums = verified.checksums
+        checks = (
+            ([c.head if c else b"" for c in sums], [c.digest if c else b"" for c in sums])
+            if any(sums)
+            else None
+        )
+        return self.write_frames(dst, k, v, scales, stored, checks)
 
     def _staging(self, n: int) -> Staging:
         """Frames of an int8 / fp8 format stay as stored unless the cache is quantized

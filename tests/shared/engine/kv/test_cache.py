@@ -165,13 +165,16 @@ def _frames(n: int, layers: int, config, dtype: torch.dtype, g: torch.Generator)
 
 
 def _as_bytes(k, v, scales):  # type: ignore[no-untyped-def]
-    """The blocks' payloads (K's bytes, then V's) and scales as a frame holds them."""
+    """The blocks' K, V and scales as the bytes a frame holds."""
 
     def raw(t: torch.Tensor) -> bytes:
         return t.contiguous().view(torch.uint8).numpy().tobytes()
 
-    payloads = [raw(a) + raw(b) for a, b in zip(k, v, strict=True)]
-    return payloads, None if scales is None else [raw(s) for s in scales]
+    return (
+        [raw(t) for t in k],
+        [raw(t) for t in v],
+        None if scales is None else [raw(s) for s in scales],
+    )
 
 
 PAIRS = [(torch.int8, torch.int8), (torch.float8_e4m3fn, torch.float8_e4m3fn),
@@ -294,8 +297,10 @@ def test_write_frames_checks_each_checksum_before_writing_its_block(fmt, cache_d
         sums = [g.checksum for g in read]
         scales = [g.scales for g in read] if fmt != "native" else None
         checks = ([c.head for c in sums], [c.digest for c in sums]) if checked else None
-        payloads = [g.payload for g in read]
-        return cache.write_frames([1, 2, 3], payloads, scales, read[0].stored, checks)
+        halves = [len(g.payload) // 2 for g in read]
+        k = [g.payload[:h] for g, h in zip(read, halves, strict=True)]
+        v = [g.payload[h:] for g, h in zip(read, halves, strict=True)]
+        return cache.write_frames([1, 2, 3], k, v, scales, read[0].stored, checks)
 
     plain, checked = (KVCache(config, 5, 4, cache_dtype, populate="lazy") for _ in range(2))
     assert write(plain, frames, False) == 3 and write(checked, frames, True) == 3

@@ -47,3 +47,50 @@ def test_a_bad_checksum_ends_the_leading_run_written(cache_dtype, one_call) -> N
     for a, b in zip(cache.read_blocks([1, 2]), intact.read_blocks([1, 2]), strict=True):
         assert torch.equal(raw(a.k), raw(b.k)) and torch.equal(raw(a.v), raw(b.v))
     assert all(not raw(b.k).any() and not raw(b.v).any() for b in cache.read_blocks([3, 4]))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32])
+def test_compressed_and_plain_frames_of_one_batch_go_in_one_call(cache_dtype) -> None:  # type: ignore[no-untyped-def]
+    """A zstd frame (decoded and checked on the loop) beside plain ones (checked in the write)
+    still takes the one-call write, as the decoded block's bytes: the blocks equal the staged
+    copies' bit for bit."""
+    from kvserve.kernels import cpu_ops
+    from kvserve.shared.store.block_data import BlockData
+    from kvserve.shared.store.codec import encode_block
+    from kvserve.shared.store.hashing import chain_hash, root_hash
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    kv_format = "float32" if cache_dtype == torch.float32 else "int8"
+    meta = BlockMeta("m", kv_format, 4, 2, CONFIG.num_kv_heads, CONFIG.head_dim)
+    g = torch.Generator().manual_seed(5)
+    root = root_hash(meta.model_fp, "t", meta.kv_format, meta.block_size)
+    frames, hashes, parent = [], [], root
+    for j in range(3):
+        tokens = [10 * j + t for t in range(meta.block_size)]
+        k, v = (torch.randn(meta.block_shape, generator=g) for _ in range(2))
+        q = BlockData.from_float(k, v, torch.int8)
+        scales = (q.k_scale, q.v_scale)
+        compress = j == 1
+        frames.append(encode_block(meta, tokens, q.k, q.v, "int8", parent, scales=scales, compress=compress))  # fmt: skip
+        parent = chain_hash(parent, tokens)
+        hashes.append(parent)
+    direct = KVCache(CONFIG, 5, 4, cache_dtype, populate="lazy")
+    calls: list[int | None] = []
+
+    def write_frames(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(direct.write_frames(*args, **kwargs))
+        return calls[-1]
+
+    loader = BatchLoader(
+        meta, cache_dtype, root, direct.write_stacked, LoadJob(), "int8", write_frames
+    )
+    assert loader.load(hashes, frames, [1, 2, 3]).written == 3 and calls == [3]
+    staged = KVCache(CONFIG, 5, 4, cache_dtype, populate="lazy")
+    assert _loader(staged, meta, root, one_call=False).load(hashes, frames, [1, 2, 3]).written == 3
+    raw = kv_cache.raw_view
+    for a, b in zip(direct.read_blocks(range(5)), staged.read_blocks(range(5)), strict=True):
+        assert torch.equal(raw(a.k), raw(b.k)) and torch.equal(raw(a.v), raw(b.v))
+        assert (a.k_scale is None) == (b.k_scale is None)
+        if a.k_scale is not None:
+            assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale)
