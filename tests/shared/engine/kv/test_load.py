@@ -71,8 +71,9 @@ def test_compressed_and_plain_frames_of_one_batch_go_in_one_call(cache_dtype) ->
         k, v = (torch.randn(meta.block_shape, generator=g) for _ in range(2))
         q = BlockData.from_float(k, v, torch.int8)
         scales = (q.k_scale, q.v_scale)
-        compress = j == 1
-        frames.append(encode_block(meta, tokens, q.k, q.v, "int8", parent, scales=scales, compress=compress))  # fmt: skip
+        zstd = j == 1
+        frame = encode_block(meta, tokens, q.k, q.v, "int8", parent, scales=scales, compress=zstd)
+        frames.append(frame)
         parent = chain_hash(parent, tokens)
         hashes.append(parent)
     direct = KVCache(CONFIG, 5, 4, cache_dtype, populate="lazy")
