@@ -33,7 +33,8 @@ def test_without_cuda_it_says_so_in_one_line(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.slow  # ~4 min: every step on the CPU (2-core AVX2 machine)
+@pytest.mark.slow  # ~4 min: every step on the CPU (2-core AVX2 machine); 5+ on slower ones
+@pytest.mark.timeout(1200)  # the check's own limit below, not the suite's 300 s default
 def test_smoke_runs_every_step(tmp_path: Path, tokenizer: KVTokenizer) -> None:
     model = tmp_path / "tiny"
     save_tiny_llama(model, tokenizer, num_kv_heads=2)
