@@ -12,7 +12,7 @@ from kvserve.shared.engine.kv.cache import KVCache
 from kvserve.shared.engine.kv.load import BatchLoader, LoadJob
 from kvserve.shared.store.codec import BlockMeta
 
-from tests.shared.engine.kv.test_cache import _encoded
+from tests.shared.engine.kv.test_cache import _encoded, assert_same_blocks
 from tests.shared.model_configs import model_config
 
 CONFIG = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -89,9 +89,4 @@ def test_compressed_and_plain_frames_of_one_batch_go_in_one_call(cache_dtype) ->
     assert loader.load(hashes, frames, [1, 2, 3]).written == 3 and calls == [3]
     staged = KVCache(CONFIG, 5, 4, cache_dtype, populate="lazy")
     assert _loader(staged, meta, root, one_call=False).load(hashes, frames, [1, 2, 3]).written == 3
-    raw = kv_cache.raw_view
-    for a, b in zip(direct.read_blocks(range(5)), staged.read_blocks(range(5)), strict=True):
-        assert torch.equal(raw(a.k), raw(b.k)) and torch.equal(raw(a.v), raw(b.v))
-        assert (a.k_scale is None) == (b.k_scale is None)
-        if a.k_scale is not None:
-            assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale)
+    assert_same_blocks(direct, staged)
