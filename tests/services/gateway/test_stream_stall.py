@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -27,6 +26,7 @@ from kvserve.shared.model.tokenizer import KVTokenizer
 from kvserve.shared.protocol import Cancel, TokenEvent
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.polling import until
 from tests.services.server_state import read_to_end
 
 STALL_S = 0.5
@@ -63,13 +63,6 @@ def connections(server: TestServer) -> int:
     """The connections the server holds open."""
     assert server.runner is not None and server.runner.server is not None
     return len(server.runner.server.connections)
-
-
-async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
-        await asyncio.sleep(0.02)
 
 
 def samples(metrics_text: str, name: str) -> list[Any]:

@@ -4,8 +4,7 @@ blocks, bad requests become error events."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -14,6 +13,8 @@ from kvserve.shared.bus.memory import InProcessBus
 from kvserve.shared.engine.async_engine import AsyncEngine
 from kvserve.shared.protocol import GenerateRequest, TokenEvent
 from kvserve.shared.sampling_params import SamplingParams
+
+from tests.polling import until
 
 NUM_BLOCKS = 64
 
@@ -39,13 +40,6 @@ async def setup(engine: Any) -> AsyncIterator[tuple[InProcessBus, EngineWorker]]
 
 async def collect(stream: Any) -> list[TokenEvent]:
     return [ev async for ev in stream]
-
-
-async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met"
-        await asyncio.sleep(0.01)
 
 
 async def test_worker_emits_the_engines_tokens(setup, engine, chat_prompt_ids) -> None:  # type: ignore[no-untyped-def]

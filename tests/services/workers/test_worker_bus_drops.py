@@ -6,9 +6,7 @@ cancel stream is dropped (a request acked and deleted), counted in the worker's 
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,6 +18,7 @@ from kvserve.shared.protocol import GenerateRequest
 from kvserve.shared.sampling_params import SamplingParams
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tests.polling import until
 from tests.shared.bus.test_bus import drop, make_redis_bus
 from tests.shared.bus.test_drops import BAD, MAX_BYTES, SAMPLES
 
@@ -41,13 +40,6 @@ async def bus() -> AsyncIterator[RedisBus]:
 def expected(services_engine: Any, chat_prompt_ids: list[list[int]]) -> list[int]:
     """The engine's greedy tokens for the valid request (before any worker thread runs it)."""
     return list(services_engine.generate([chat_prompt_ids[0]], SP)[0][0])
-
-
-async def until(check: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
 
 
 def metric_lines(worker: EngineWorker) -> list[str]:

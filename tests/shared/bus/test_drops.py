@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from kvserve.shared.protocol import (
 )
 from kvserve.shared.sampling_params import SamplingParams
 
+from tests.polling import until
 from tests.shared.bus.test_bus import drop, make_redis_bus, request
 
 pytestmark = pytest.mark.redis
@@ -110,14 +111,6 @@ async def started(bus: RedisBus, name: str = "w") -> WorkerPort:
     return port
 
 
-async def until(check: Callable[[], Awaitable[Any]], what: str) -> Any:
-    """Poll `check` (each call a Redis round trip) until it returns something truthy."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not (got := await check()):
-        assert time.monotonic() < deadline, what
-    return got
-
-
 # ---- one reader per stream kind: write the bad entry, then check the next valid one ----------
 
 
@@ -151,7 +144,7 @@ async def a_claimed_request(bus: RedisBus, entry: dict[bytes, bytes]) -> BusDrop
 
 
 async def _receive_only_good(bus: RedisBus, port: WorkerPort, key: str) -> None:
-    got = await until(lambda: port.receive(timeout=0.1), "the valid request never came")
+    got = await until(lambda: port.receive(timeout=0.1), "the valid request never came", DEADLINE_S)
     assert [d.request.request_id for d in got] == ["good"]
     await port.ack(got[0])
     assert (await bus.redis.xpending(key, bus.config.group))["pending"] == 0
@@ -162,7 +155,7 @@ async def the_cancel_stream(bus: RedisBus, entry: dict[bytes, bytes]) -> BusDrop
     port = await started(bus)
     await bus.redis.xadd(bus.keys.cancel_key, entry)
     await bus.cancel("good", "client")
-    got = await until(lambda: port.cancels(timeout=0.1), "the valid cancel never came")
+    got = await until(lambda: port.cancels(timeout=0.1), "the valid cancel never came", DEADLINE_S)
     assert got == [Cancel("good", "client")]
     return bus.drops
 
@@ -176,7 +169,7 @@ async def a_requests_events_at_the_gateway(bus: RedisBus, entry: dict[bytes, byt
         await bus.redis.ping()  # a round trip, not a sleep: the reader reads meanwhile
         return bool(bus.dropped())
 
-    await until(counted, "the bad event was never counted")
+    await until(counted, "the bad event was never counted", DEADLINE_S)
     task = bus.reader._task
     assert task is not None and not task.done()  # the one reader of every request goes on
     await port.emit(TokenEvent("r1", 0, 0, [7], "ok", finish_reason="stop"))
@@ -198,7 +191,9 @@ async def the_kv_events_stream(bus: RedisBus, entry: dict[bytes, bytes]) -> BusD
     port = await started(bus)
     await bus.redis.xadd(bus.keys.kv_events_key, entry)
     await port.publish_kv_events([kv_event(1)])
-    got = await until(lambda: bus.kv_events(block_ms=100), "the valid KV event never came")
+    got = await until(
+        lambda: bus.kv_events(block_ms=100), "the valid KV event never came", DEADLINE_S
+    )
     assert got == [kv_event(1)]
     return bus.drops
 
