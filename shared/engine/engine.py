@@ -130,7 +130,8 @@ class Engine:
         backend = get_backend(config.attention_backend, config.device)
         self.on_cpu = on_cpu = torch.device(config.device).type == "cpu"
         self.step_threads = StepThreads(torch.get_num_threads(), enabled=on_cpu)
-        self.runner = ModelRunner(loaded.model, self.kv.cache, backend)
+        head_threads = self.step_threads.max_threads if on_cpu else None
+        self.runner = ModelRunner(loaded.model, self.kv.cache, backend, head_threads)
 
     def _load_simulated(self, config: EngineConfig, tokenizer: KVTokenizer | None) -> None:
         """A simulated engine: the profile's engine settings, a KV cache of its payload, the

@@ -15,6 +15,7 @@ from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.engine.kv.cache import KVCache
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
 from kvserve.shared.engine.sequence import Sequence
+from kvserve.shared.engine.step_threads import threads
 from kvserve.shared.model.attention import AttentionMetadata, OutputRows
 from kvserve.shared.model.llama import LlamaModel
 
@@ -71,10 +72,20 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        backend: AttentionBackend,
+        head_threads: int | None = None,
+    ) -> None:
+        """`head_threads`: the LM head's thread count whatever the step's (the CPU engine's
+        every thread: a few rows of it read ~30 MB of weights, which one thread streams ~1.5x
+        slower than two, where the layers of a one-token step may be faster on one)."""
         self.model = model
         self.cache = cache
         self.backend = backend
+        self.head_threads = head_threads
         self.block_size = cache.block_size
         self.device = model.device
 
@@ -88,7 +99,7 @@ class ModelRunner:
     def run(self, batch: Batch, launched: Callable[[], None] | None = None) -> StepOutput:
         """Logits of the sequences that sample: the model computes its last layer only for
         their rows (the last token of each sampling chunk, every decode row). `launched` is
-        called once the step's inputs are built, as the model call begins."""
+        called as the model's layers begin (LlamaModel.forward)."""
         prefills, decodes = self._split(batch)
         ordered = prefills + decodes
         sampling = [s for s in ordered if s.samples]
@@ -99,9 +110,15 @@ class ModelRunner:
         drafts = tuple(s.num_drafts for s in sampling)
         return StepOutput(
             [s.seq for s in sampling],
-            self.model.compute_logits(hidden),
+            self._logits(hidden),
             num_drafts=drafts if any(drafts) else None,
         )
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_threads is None:
+            return self.model.compute_logits(hidden)
+        with threads(self.head_threads):  # each logit by one thread: the same on any count
+            return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[list[ScheduledSeq], torch.Tensor]:
@@ -185,9 +202,7 @@ class ModelRunner:
                 max_seq_len=max_seq_len,
             )
             out = OutputRows(t["rows"], sub)
-        if launched is not None:
-            launched()
-        return self.model(t["ids"], t["pos"], meta, self.cache, self.backend, out)
+        return self.model(t["ids"], t["pos"], meta, self.cache, self.backend, out, launched)
 
     def _output_rows(
         self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]

@@ -8,7 +8,8 @@ depends on the machine and on what else runs on it, so small steps measure both:
 class (1, 2, 3-4, 5-8 tokens), each thread count is tried `WARMUP` times, then the faster one
 (by a moving average of step time) runs, and every `EXPLORE`-th step of the class runs the other
 to keep its figure current. Larger steps always use every thread. A step's results do not depend
-on its thread count (each output is computed by one thread), only its time does.
+on its thread count (each output is computed by one thread), only its time does. Whatever the
+count, the step's LM head runs on every thread (ModelRunner.head_threads).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ A pure decode step runs its layers as one C++ call where the backend offers it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,16 +244,23 @@ class LlamaModel(nn.Module):
         cache: PagedKV,
         backend: AttentionBackend,
         out_rows: OutputRows | None = None,
+        launched: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], or only at `out_rows.rows`: the
         last layer then attends, projects and runs its MLP for those rows alone (every token's
-        K/V is still written)."""
+        K/V is still written). `launched` is called as the layers begin, after the Python
+        before them: work it hands another thread then finds the GIL free while the layers'
+        kernels run, instead of taking it from the embedding's and the norm's small ops."""
         x = self.embed_tokens(input_ids)  # the residual stream, added to in place
         rope = self.rope(positions, x.dtype, meta.max_seq_len)
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         h = layers[0].input_norm(x)
         if out_rows is None and self._decodes_in_cpp(x, meta, cache, backend):
+            if launched is not None:
+                launched()
             return self._decode_in_cpp(x, h, rope, meta, cache)
+        if launched is not None:
+            launched()
         for i, layer in enumerate(layers):
             last = i + 1 == len(layers)
             if last and out_rows is not None:

@@ -160,6 +160,42 @@ def test_outputs_are_made_while_the_next_model_call_runs(
     assert threads[-1] == threading.current_thread().name
 
 
+def test_the_emission_starts_as_the_layers_begin(
+    make_engine: MakeEngine, mixed: Requests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The emitter is handed its work after the embedding and the first norm, as the layers
+    begin: it then finds the GIL free while their kernels run, instead of taking it from the
+    embedding's small ops (every step, the C++ decode step's and the Python layers' alike)."""
+    engine = make_engine()
+    model = engine.runner.model
+    order: list[str] = []
+
+    def noted(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            order.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(model, "embed_tokens", noted("embed", model.embed_tokens))
+    first = model.layers[0]
+    monkeypatch.setattr(first.input_norm, "forward", noted("norm", first.input_norm.forward))
+    monkeypatch.setattr(first.attn, "forward", noted("layers", first.attn.forward))
+    monkeypatch.setattr(model, "_decode_in_cpp", noted("layers", model._decode_in_cpp))
+    run_model = engine.runner.run
+
+    def run_noted(batch, launched):  # type: ignore[no-untyped-def]
+        return run_model(batch, noted("launched", launched))
+
+    monkeypatch.setattr(engine.runner, "run", run_noted)
+    rid, prompt, params = mixed[0]
+    got = run(engine, [(rid, prompt, params)])
+    assert len(got[rid].tokens[0]) == params.max_tokens
+    steps = [order[i : i + 4] for i in range(0, len(order), 4)]
+    assert len(steps) == params.max_tokens  # the prefill, then a decode step per token
+    assert all(s == ["embed", "norm", "launched", "layers"] for s in steps)
+
+
 def test_outputs_are_made_before_a_call_on_every_core(
     make_engine: MakeEngine, mixed: Requests, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -181,9 +181,9 @@ def test_the_step_metadata_carries_its_sizes_on_the_host(make_engine, monkeypatc
     seen = []
     forward = runner.model.forward
 
-    def spy(ids, positions, meta, cache, backend, out=None):  # type: ignore[no-untyped-def]
+    def spy(ids, positions, meta, cache, backend, out=None, launched=None):  # type: ignore[no-untyped-def]
         seen.append((positions, meta, out))
-        return forward(ids, positions, meta, cache, backend, out)
+        return forward(ids, positions, meta, cache, backend, out, launched)
 
     monkeypatch.setattr(runner.model, "forward", spy)
     runner.run(batch)

@@ -109,3 +109,29 @@ def test_a_steps_numbers_do_not_depend_on_its_thread_count(
     prompts = chat_prompt_ids[:3]  # decode steps of 3 sequences and of 1 (alone, below)
     assert run_with_threads(engine, 1, prompts) == run_with_threads(engine, 2, prompts)
     assert run_with_threads(engine, 1, prompts[:1]) == run_with_threads(engine, 2, prompts[:1])
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: nothing to compare")
+def test_the_lm_head_runs_on_every_thread_whatever_the_step_runs_on(
+    make_engine: Callable[..., Engine],
+    chat_prompt_ids: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A one-thread step's LM head still streams its weights on every thread, and its
+    logits, tokens and logprobs are those of the head on the step's one thread."""
+    engine = make_engine(enable_prefix_caching=False)
+    model = engine.model_runner.model
+    head, seen = model.compute_logits, []
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return head(hidden)
+
+    monkeypatch.setattr(model, "compute_logits", counted)
+    prompts = chat_prompt_ids[:2]
+    on_every_thread = run_with_threads(engine, 1, prompts)
+    assert seen and set(seen) == {engine.step_threads.max_threads}
+    seen.clear()
+    engine.model_runner.head_threads = None  # the head on the step's own thread count
+    assert run_with_threads(engine, 1, prompts) == on_every_thread
+    assert set(seen) == {1}
