@@ -1,7 +1,8 @@
 """Fused elementwise kernels for the CPU forward pass, fp32: RMSNorm (with the residual add
 folded in), RoPE applied in place, and SiLU(gate) * up, as vLLM's CPU backend fuses them; the
 K/V write into the paged cache in one call (quantizing for an int8 or fp8 cache); a store load's
-blocks into their cache blocks in one call; and the sampler's argmax + logsumexp.
+blocks into their cache blocks in one call; a quantized embedding's rows; and the sampler's
+argmax + logsumexp.
 
 Each replaces several torch ops (and their temporaries) with one pass over the rows, which
 matters both at batch 1, where a decode step is ~25 small ops per layer, and in prefill, where
@@ -181,6 +182,19 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes as a flat buffer (a copy only where it is not contiguous)."""
     flat: Any = t.contiguous().view(torch.uint8).reshape(-1).numpy()
     return memoryview(flat)
+
+
+def embed_rows(
+    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, ids: torch.Tensor
+) -> torch.Tensor | None:
+    """The rows `ids` of a Q4_1 (with mins `m`) or Q8_0 embedding as BlockRows splits it
+    (shared/model/quantized.py), dequantized to fp32 [len(ids), in_features] bit for bit as its
+    torch ops do, in one call; or None. An id outside the table raises."""
+    ext = _extension() if ids.is_cpu and d.is_cpu else None
+    if ext is None or ids.dtype != torch.long or ids.dim() != 1:
+        return None
+    out: torch.Tensor = ext.embed_rows(q, d, m, ids.contiguous())
+    return out
 
 
 def argmax_logsumexp(

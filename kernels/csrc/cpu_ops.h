@@ -252,4 +252,44 @@ std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
   return {ids, lse, top};
 }
 
+// The embedding rows `ids` [T] (int64) of a Q4_1 or Q8_0 weight split as BlockRows holds it:
+// quants q [V, nb, 16] (uint8, two 4-bit quants a byte: low nibbles are a block's first 16) or
+// [V, nb, 32] (int8), scales d and, for Q4_1, mins m [V, nb, 1] (fp32). fp32 [T, nb * 32]:
+// d q + m, or q d, rounded after the product and after the sum as torch's ops round them (the
+// fence keeps -ffast-math from fusing them).
+torch::Tensor embed_rows(torch::Tensor q, torch::Tensor d, std::optional<torch::Tensor> m,
+                         torch::Tensor ids) {
+  const int64_t V = q.size(0), nb = q.size(1), T = ids.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < V, "embed_rows: token id ", id[t], " out of range");
+  auto out = torch::empty({T, nb * 32}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m ? m->data_ptr<float>() : nullptr;
+  const uint8_t* q4 = mp ? q.data_ptr<uint8_t>() : nullptr;
+  const int8_t* q8 = mp ? nullptr : q.data_ptr<int8_t>();
+  at::parallel_for(0, T, grain(nb * 32), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t at = id[t] * nb + b;
+        const float db = dp[at];
+        float* ob = o + (t * nb + b) * 32;
+        if (q4 == nullptr) {
+          for (int j = 0; j < 32; ++j) ob[j] = static_cast<float>(q8[at * 32 + j]) * db;
+          continue;
+        }
+        const float mb = mp[at];
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t byte = q4[at * 16 + j];
+          float lo = db * static_cast<float>(byte & 15), hi = db * static_cast<float>(byte >> 4);
+          asm("" : "+x"(lo), "+x"(hi));
+          ob[j] = lo + mb;
+          ob[16 + j] = hi + mb;
+        }
+      }
+  });
+  return out;
+}
+
 }  // namespace cpu_ops

@@ -20,6 +20,7 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
   m.def("rope_", &cpu_ops::rope_, no_gil());
   m.def("silu_mul", &cpu_ops::silu_mul, no_gil());
   m.def("argmax_logsumexp", &cpu_ops::argmax_logsumexp, no_gil());
+  m.def("embed_rows", &cpu_ops::embed_rows, no_gil());
   m.def("store_kv", &cpu_ops::store_kv, no_gil(), pybind11::arg("key"), pybind11::arg("value"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());

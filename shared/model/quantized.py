@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvserve.kernels import cpu_ops
 from kvserve.kernels.cpu_qlinear import FORMATS
 
 
@@ -80,7 +81,9 @@ class BlockRows:
     """A weight's rows for lookups (an embedding). Q8_0 and Q4_1 blocks are split once into
     their fp32 scales (and Q4_1's mins) and their quants, so that a lookup gathers the rows and
     does `dequantize`'s arithmetic on them alone, bit-identical to it, without its per-call
-    setup (~0.15 ms a decode step). Other formats: `QuantizedWeight.rows(...).dequantize()`."""
+    setup (~0.15 ms a decode step): in one C++ call where the kernels are built
+    (cpu_ops.embed_rows; ~10 torch ops otherwise, ~0.08 ms in a decode step on an EPYC Zen 4).
+    Other formats: `QuantizedWeight.rows(...).dequantize()`."""
 
     def __init__(self, weight: QuantizedWeight) -> None:
         self.weight: QuantizedWeight | None = None
@@ -101,6 +104,9 @@ class BlockRows:
         """fp32 [len(index), in_features]: the rows at `index`, dequantized."""
         if self.weight is not None:
             return self.weight.rows(index).dequantize()
+        out = cpu_ops.embed_rows(self.q, self.d, self.m, index)  # one call, the same bits
+        if out is not None:
+            return out
         d = self.d[index]
         if self.m is None:
             out = self.q[index].float() * d
