@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 from kvserve.kernels.backend import get_backend
@@ -30,11 +31,12 @@ from kvserve.shared.engine.failure import (
     describe,
     inject_step_faults,
 )
-from kvserve.shared.engine.model_runner import ModelRunner
+from kvserve.shared.engine.model_runner import ModelRunner, StepOutput
 from kvserve.shared.engine.ngram_proposer import NgramProposer
 from kvserve.shared.engine.output_processor import OutputProcessor
 from kvserve.shared.engine.outputs import Emitted, RequestOutput
 from kvserve.shared.engine.request import Request, SequenceFactory
+from kvserve.shared.engine.run_ahead import steady_decodes
 from kvserve.shared.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from kvserve.shared.engine.sequence import FinishReason, SeqId, Sequence, SequenceStatus
 from kvserve.shared.engine.sim.model import SimulatedModel, fill_like_kv, load_simulated
@@ -105,6 +107,10 @@ class Engine:
         # (where that call leaves a core).
         self.overlap = config.async_scheduling and config.simulate is None
         self._emitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-emit")
+        # A model call that ran ahead of its step's outputs (`_run_ahead`): its batch, its
+        # logits and its seconds, for the next step() to finish.
+        self._ahead: tuple[Batch, StepOutput, float] | None = None
+        self.num_steps_ahead = 0  # model calls that ran ahead
         self.faults = faults
         self.step_failures = StepFailures(faults.max_step_failures, faults.window_s)
         self.num_step_failures = 0  # steps that failed as a whole
@@ -359,6 +365,10 @@ class Engine:
         call leaves a core (`_spare_core`), and returned by that step (or by the next step()
         that has nothing to run, at once)."""
         started = time.perf_counter()
+        if self._ahead is not None:  # a model call ran ahead: its step ends here
+            batch, out, seconds = self._ahead
+            self._ahead = None
+            return self._end_step(batch, out, seconds, started)
         self.runner.begin_step()
         try:
             batch = self.scheduler.schedule()
@@ -388,18 +398,80 @@ class Engine:
             emitted += emitting[0].result() if emitting else []
             return emitted + self._step_failed(batch, e)
         emitted += emitting[0].result() if emitting else []
+        outputs = self._end_step(batch, out, seconds, started)
+        if self.on_step is not None and shape is not None:
+            self.on_step(shape, time.perf_counter() - started)
+        return emitted + outputs
+
+    def _end_step(
+        self, batch: Batch, out: StepOutput, seconds: float, started: float
+    ) -> list[RequestOutput]:
+        """The model call ran: advance the batch and make its outputs, or, for a step of
+        plain decodes, draw its tokens and run the next model call with them first."""
         failed = self._take_failed()  # requests that failed while they were emitted
-        if failed:
+        if failed or any(s.seq.is_finished for s in batch.scheduled):  # or finished, ahead
             batch, out = batch.without_finished(), out.without_finished()
+        if self._may_run_ahead() and steady_decodes(
+            batch, out, self.scheduler, self._requests, self.block_size, self.max_model_len
+        ):
+            self._deliver(failed)
+            return failed + self._run_ahead(batch, out, seconds)
         self.scheduler.advance(batch, seconds)
         self.num_steps += 1
         outputs = self.outputs.process(out, self.overlap) if out.sampling_seqs else []
         outputs += failed + self._take_failed()
         self._deliver(outputs)
         self.runner.end_step()
-        if self.on_step is not None and shape is not None:
-            self.on_step(shape, time.perf_counter() - started)
-        return emitted + outputs
+        return outputs
+
+    def _may_run_ahead(self) -> bool:
+        """Overlapped steps, not timed shape by shape (calibration), no faults injected."""
+        return self.overlap and self.on_step is None and not self.faults.injection
+
+    def _run_ahead(self, batch: Batch, out: StepOutput, seconds: float) -> list[RequestOutput]:
+        """vLLM's async scheduling for a step of plain decodes: draw its tokens, then run the
+        next step's model call with them at once; the step's own outputs (the batch advanced,
+        the tokens appended, stops, text, deltas) are made while that call runs, on the
+        emitter where it leaves a core. The call's logits wait for the next step(), which
+        drops the rows of sequences that stopped meanwhile. Returns this step's outputs."""
+        drawn = self.outputs.draw(out)
+        ahead = Batch([ScheduledSeq(s.seq, 1) for s in batch.scheduled])
+        tokens = [d[0] if d is not None else 0 for d in drawn]  # 0: a failed row, dropped
+        done: dict[str, Any] = {}  # where `finish` ran: "future" (the emitter) or "outputs"
+
+        def finish() -> list[RequestOutput]:
+            self.scheduler.advance(batch, seconds)
+            self.num_steps += 1
+            outputs = self.outputs.apply(out, drawn)
+            self._deliver(outputs)
+            self.model_runner.prebuild_ahead(ahead)  # the step after next, if it runs ahead
+            return outputs
+
+        def launched() -> None:
+            if self._spare_core():
+                done["future"] = self._emitter.submit(finish)
+            else:
+                done["outputs"] = finish()
+
+        def finished() -> list[RequestOutput]:
+            """This step's outputs, wherever they were made (now, if the call failed first)."""
+            if "future" in done:
+                made: list[RequestOutput] = done["future"].result()
+                return made
+            return done["outputs"] if "outputs" in done else finish()
+
+        self.runner.end_step()
+        self.runner.begin_step()
+        try:
+            next_out, next_seconds = self.step_threads.run(
+                ahead.num_tokens, lambda: self.model_runner.run_ahead(ahead, tokens, launched)
+            )
+        except Exception as e:
+            return finished() + self._deliver_failed() + self._step_failed(ahead, e)
+        outputs = finished() + self._deliver_failed()
+        self.num_steps_ahead += 1
+        self._ahead = (ahead, next_out, next_seconds)
+        return outputs
 
     def _spare_core(self) -> bool:
         """Whether the model call now starting leaves the emitter a core of its own: on a GPU,
@@ -422,6 +494,12 @@ class Engine:
             log.error("request failed", request_id=rid, exc_info=error)
             outputs.append(self._fail_request(rid, "internal_error", error))
         return outputs
+
+    def _deliver_failed(self) -> list[RequestOutput]:
+        """`_take_failed`'s outputs, delivered."""
+        failed = self._take_failed()
+        self._deliver(failed)
+        return failed
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if self.on_outputs is not None and outputs:

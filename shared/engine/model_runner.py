@@ -71,6 +71,23 @@ class StepOutput:
         return out
 
 
+@dataclass(frozen=True)
+class Prebuilt:
+    """A run-ahead step's inputs made ahead (`ModelRunner.prebuild_ahead`), and what they hold
+    for each sequence: itself, its row's position, its table's length and last block."""
+
+    key: list[tuple[Sequence, int, int, int]]
+    pos: torch.Tensor
+    meta: AttentionMetadata
+
+
+def _ahead_key(decodes: list[ScheduledSeq]) -> list[tuple[Sequence, int, int, int]]:
+    return [
+        (s.seq, s.seq.num_computed_tokens + 1, len(s.seq.block_table), s.seq.block_table[-1])
+        for s in decodes
+    ]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -86,6 +103,7 @@ class ModelRunner:
         self.cache = cache
         self.backend = backend
         self.head_threads = head_threads
+        self._prebuilt: Prebuilt | None = None
         self.block_size = cache.block_size
         self.device = model.device
 
@@ -121,6 +139,65 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
+    def run_ahead(
+        self, batch: Batch, tokens: list[int], launched: Callable[[], None] | None = None
+    ) -> StepOutput:
+        """`run` for a step of single-token decodes made before the previous step's outputs:
+        each sequence's row is `tokens[i]`, drawn but not yet appended, at the position after
+        the previous step's row, which is not yet counted in `num_computed_tokens`."""
+        decodes = batch.scheduled
+        prebuilt, self._prebuilt = self._prebuilt, None
+        if prebuilt is not None and prebuilt.key == _ahead_key(decodes):
+            pos, meta = prebuilt.pos, prebuilt.meta
+        else:
+            pos, meta = self._ahead_inputs(decodes)
+        (ids,) = upload([(tokens, torch.long)], self.device)
+        hidden = self.model(ids, pos, meta, self.cache, self.backend, None, launched)
+        return StepOutput([s.seq for s in decodes], self._logits(hidden))
+
+    def prebuild_ahead(self, batch: Batch) -> None:
+        """The inputs of the next `run_ahead(batch, ...)` but its tokens, made while a model
+        call runs (the emitter's work): used if the batch's sequences are then where they are
+        now (the same positions and last blocks), dropped by any other step."""
+        decodes = batch.scheduled
+        bs = self.block_size
+        if any((s.seq.num_computed_tokens + 1) // bs >= len(s.seq.block_table) for s in decodes):
+            return  # a sequence needs a block first: not a step that runs ahead
+        pos, meta = self._ahead_inputs(decodes)
+        self._prebuilt = Prebuilt(_ahead_key(decodes), pos, meta)
+
+    def _ahead_inputs(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """A run-ahead step's positions and attention metadata: one decode row a sequence, one
+        position past its computed tokens."""
+        bs = self.block_size
+        pos = [s.seq.num_computed_tokens + 1 for s in decodes]
+        slots = [
+            s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, pos, strict=True)
+        ]
+        tables = _tables(decodes)
+        parts = [
+            (pos, torch.long),
+            (slots, torch.long),
+            ([0], torch.int32),
+            ([p + 1 for p in pos], torch.int32),
+            (_flat(tables), torch.int32),
+            ([], torch.int32),
+        ]
+        t_pos, t_slots, t_cu, t_ctx, t_tables, none = upload(parts, self.device)
+        meta = AttentionMetadata(
+            slot_mapping=t_slots,
+            num_prefill_tokens=0,
+            prefill_cu_query_lens=t_cu,
+            prefill_context_lens=none,
+            prefill_block_tables=none.view(0, 0),
+            decode_context_lens=t_ctx,
+            decode_block_tables=t_tables.view(len(tables), _width(tables)),
+            prefill_max_query_len=0,
+            max_seq_len=max(pos) + 1,
+        )
+        return t_pos, meta
+
+    @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """Run the model over the batch; returns the token order and hidden states [T, H]."""
         prefills, decodes = self._split(batch)
@@ -144,6 +221,7 @@ class ModelRunner:
         only_sampling: bool = False,
         launched: Callable[[], None] | None = None,
     ) -> torch.Tensor:
+        self._prebuilt = None  # a step not run ahead may change the tables
         for src, dst in batch.block_copies:
             self.cache.copy_block(src, dst)
         ids, pos, slots = self._flatten(prefills + decodes)

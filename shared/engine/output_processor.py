@@ -110,6 +110,37 @@ class OutputProcessor:
             return earlier
         return earlier + self._outputs(touched)
 
+    def draw(self, out: StepOutput) -> list[Draw | None]:
+        """Each sequence's token of a step of plain decodes (one row each: no beams, drafts or
+        forks), drawn as `process` draws it, nothing appended: the engine's next model call can
+        take them before `apply` makes the step's outputs. None: the row's request failed."""
+        seqs = out.sampling_seqs
+        kept: list[int] = []
+        rows: list[SampleRow] = []
+        for i, seq in enumerate(seqs):
+            with self._blame(seq.request_id):
+                rows.append(self._sample_row(seq, -1))
+                kept.append(i)
+        logits = out.logits if len(kept) == len(seqs) else out.logits[kept]
+        drawn: list[Draw | None] = [None] * len(seqs)
+        owners = [seqs[i].request_id for i in kept]
+        for i, d in zip(kept, self._draw(logits, rows, owners, out), strict=True):
+            drawn[i] = d
+        return drawn
+
+    def apply(self, out: StepOutput, drawn: list[Draw | None]) -> list[RequestOutput]:
+        """`process` for the tokens `draw` drew: appended (stops detected), then the outputs
+        of the requests they touched, after what an earlier deferred `process` left."""
+        earlier = self.emit() if self.has_unemitted else []
+        touched: dict[str, None] = {}
+        for seq, d in zip(out.sampling_seqs, drawn, strict=True):
+            if d is None or seq.request_id in self.failed:
+                continue
+            with self._blame(seq.request_id):
+                self._append(seq, *d)
+                touched[seq.request_id] = None
+        return earlier + self._outputs(list(touched))
+
     @property
     def has_unemitted(self) -> bool:
         """Whether a deferred `process` left text or outputs for `emit()`."""

@@ -95,6 +95,7 @@ def test_overlapped_steps_give_every_request_the_same_output(
     got = run(overlapped, mixed[:3], late=mixed[3:])
     assert_no_leak(overlapped)
     assert got == want
+    assert overlapped.num_steps_ahead > 0  # steps of decodes alone ran their next call ahead
     assert want["stop"].finish == {0: "stop"}  # the stop string did end it
     assert all(r.finished and not r.outputs_after_finish for r in got.values())
 
@@ -122,9 +123,11 @@ def test_outputs_are_made_while_the_next_model_call_runs(
     make_engine: MakeEngine, mixed: Requests, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The emission of step N waits for step N+1's model call to begin, and the call waits
-    for the emission to end: made one after the other on one thread, either would time out."""
+    for the emission to end: made one after the other on one thread, either would time out.
+    (Steps that do not run ahead; those that do: test_a_step_of_decodes_runs_the_next_call...)"""
     engine = make_engine()
     monkeypatch.setattr(engine, "_spare_core", lambda: True)  # the emitter has a core
+    monkeypatch.setattr(engine, "_may_run_ahead", lambda: False)
     running, emitted = threading.Event(), threading.Event()
     emit, model = engine.outputs.emit, engine.runner.run
     threads: list[str] = []
@@ -182,18 +185,64 @@ def test_the_emission_starts_as_the_layers_begin(
     monkeypatch.setattr(first.input_norm, "forward", noted("norm", first.input_norm.forward))
     monkeypatch.setattr(first.attn, "forward", noted("layers", first.attn.forward))
     monkeypatch.setattr(model, "_decode_in_cpp", noted("layers", model._decode_in_cpp))
-    run_model = engine.runner.run
+    run_model, run_ahead = engine.runner.run, engine.model_runner.run_ahead
 
     def run_noted(batch, launched):  # type: ignore[no-untyped-def]
         return run_model(batch, noted("launched", launched))
 
+    def run_ahead_noted(batch, tokens, launched):  # type: ignore[no-untyped-def]
+        return run_ahead(batch, tokens, noted("launched", launched))
+
     monkeypatch.setattr(engine.runner, "run", run_noted)
+    monkeypatch.setattr(engine.runner, "run_ahead", run_ahead_noted)
     rid, prompt, params = mixed[0]
     got = run(engine, [(rid, prompt, params)])
     assert len(got[rid].tokens[0]) == params.max_tokens
     steps = [order[i : i + 4] for i in range(0, len(order), 4)]
     assert len(steps) == params.max_tokens  # the prefill, then a decode step per token
     assert all(s == ["embed", "norm", "launched", "layers"] for s in steps)
+
+
+def test_a_step_of_decodes_runs_the_next_call_before_its_outputs(
+    make_engine: MakeEngine, mixed: Requests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run ahead (vLLM's async scheduling): a step of plain decodes draws its tokens and runs
+    the next model call with them; its outputs (tokens appended, stops, text) are made on the
+    emitter while that call runs. Same outputs as without overlap; the stop string ends its
+    request though the next call had already run for it (its row dropped)."""
+    sync = make_engine(async_scheduling=False)
+    want = run(sync, [mixed[0], mixed[3]])
+    engine = make_engine()
+    monkeypatch.setattr(engine, "_spare_core", lambda: True)  # the emitter has a core
+    in_call, applying = threading.Event(), threading.Event()
+    applied_in_call: list[tuple[str, bool]] = []
+    apply, run_ahead = engine.outputs.apply, engine.model_runner.run_ahead
+
+    def apply_noted(out, drawn):  # type: ignore[no-untyped-def]
+        applied_in_call.append((threading.current_thread().name, in_call.is_set()))
+        applying.set()
+        return apply(out, drawn)
+
+    def run_ahead_noted(batch, tokens, launched):  # type: ignore[no-untyped-def]
+        def launch() -> None:  # the call goes on once the outputs are being made
+            in_call.set()
+            launched()
+            assert applying.wait(10), "the step's outputs were not made during the next call"
+            applying.clear()
+
+        try:
+            return run_ahead(batch, tokens, launch)
+        finally:
+            in_call.clear()
+
+    monkeypatch.setattr(engine.outputs, "apply", apply_noted)
+    monkeypatch.setattr(engine.runner, "run_ahead", run_ahead_noted)
+    got = run(engine, [mixed[0], mixed[3]])
+    assert got == want
+    assert want["stop"].finish == {0: "stop"}
+    assert engine.num_steps_ahead > 0 and len(applied_in_call) == engine.num_steps_ahead
+    assert all(name.startswith("kvserve-emit") and during for name, during in applied_in_call)
+    assert_no_leak(engine)
 
 
 def test_outputs_are_made_before_a_call_on_every_core(
