@@ -4,7 +4,9 @@ A step: schedule (which also admits the requests whose store fetch has landed, a
 speculative decoding gives decoding sequences their draft tokens) -> run the model -> advance
 the scheduled sequences (computed tokens, newly full blocks published) -> process the outputs
 (sample or advance beam searches, verify drafts, append tokens, fork n > 1 siblings, detect
-stops) -> emit deltas (returned, and given to `on_outputs` when it is set).
+stops) -> emit deltas (returned, and given to `on_outputs` when it is set). A step of plain
+decodes draws its tokens and runs the next step's model call with them before the rest
+(`_run_ahead`, shared/engine/run_ahead.py).
 
 Owns the request table and the step loop. Blocks, in every tier, belong to the KVCacheManager
 (`kv`); the waiting and running queues to the Scheduler; what a step's logits become to the
@@ -363,19 +365,25 @@ class Engine:
         Overlapped (`async_scheduling`): the step's outputs (text, deltas, delivery) are made
         as the next step's model call begins, on the emitter thread while it runs where the
         call leaves a core (`_spare_core`), and returned by that step (or by the next step()
-        that has nothing to run, at once)."""
+        that has nothing to run, at once). A step of plain decodes goes further and runs the
+        next model call before its outputs are made (`_run_ahead`); that call's step ends in
+        the next step(), which runs a scheduled step after it unless it ran ahead again. Each
+        step() runs at most one model call, and one whenever a request can run."""
         started = time.perf_counter()
+        ended: list[RequestOutput] = []
         if self._ahead is not None:  # a model call ran ahead: its step ends here
             batch, out, seconds = self._ahead
             self._ahead = None
-            return self._end_step(batch, out, seconds, started)
+            ended = self._end_step(batch, out, seconds)
+            if self._ahead is not None:  # the next call ran ahead of its outputs
+                return ended
         self.runner.begin_step()
         try:
             batch = self.scheduler.schedule()
         except Exception as e:
-            return self._emit() + self._step_failed(Batch(), e)
+            return ended + self._emit() + self._step_failed(Batch(), e)
         if not batch:
-            return self._emit()
+            return ended + self._emit()
         shape = shape_of(batch) if self.on_step is not None else None
         emitted: list[RequestOutput] = []
         emitting: list[concurrent.futures.Future[list[RequestOutput]]] = []
@@ -396,18 +404,19 @@ class Engine:
             )
         except Exception as e:
             emitted += emitting[0].result() if emitting else []
-            return emitted + self._step_failed(batch, e)
+            return ended + emitted + self._step_failed(batch, e)
         emitted += emitting[0].result() if emitting else []
-        outputs = self._end_step(batch, out, seconds, started)
+        outputs = self._end_step(batch, out, seconds, may_run=False)
         if self.on_step is not None and shape is not None:
             self.on_step(shape, time.perf_counter() - started)
-        return emitted + outputs
+        return ended + emitted + outputs
 
     def _end_step(
-        self, batch: Batch, out: StepOutput, seconds: float, started: float
+        self, batch: Batch, out: StepOutput, seconds: float, may_run: bool = True
     ) -> list[RequestOutput]:
-        """The model call ran: advance the batch and make its outputs, or, for a step of
-        plain decodes, draw its tokens and run the next model call with them first."""
+        """The model call ran: advance the batch and make its outputs; or, for a step of
+        plain decodes, draw its tokens and run the next model call with them first, or
+        (not `may_run`: this step() has run its call) leave that to the next step()."""
         failed = self._take_failed()  # requests that failed while they were emitted
         if failed or any(s.seq.is_finished for s in batch.scheduled):  # or finished, ahead
             batch, out = batch.without_finished(), out.without_finished()
@@ -415,6 +424,9 @@ class Engine:
             batch, out, self.scheduler, self._requests, self.block_size, self.max_model_len
         ):
             self._deliver(failed)
+            if not may_run:
+                self._ahead = (batch, out, seconds)
+                return failed
             return failed + self._run_ahead(batch, out, seconds)
         self.scheduler.advance(batch, seconds)
         self.num_steps += 1

@@ -56,18 +56,25 @@ def synchronizer(device: str) -> Callable[[], None]:
 @contextlib.contextmanager
 def timed_steps(engine: Engine, sync: Callable[[], None] = _no_sync) -> Iterator[list[StepRecord]]:
     """Within the block every `engine.step()` is timed with perf_counter and recorded with the
-    Batch its scheduler produced (a step that scheduled nothing is not recorded); `sync` is
-    called before the clock is read at a step's end (`synchronizer`). Only the two bound
+    Batch its scheduler produced, or the batch of the model call it ran ahead of its outputs
+    (Engine._run_ahead: no schedule); a step that ran nothing is not recorded. `sync` is
+    called before the clock is read at a step's end (`synchronizer`). Only these bound
     methods are replaced, and put back after; the engine's code is untouched."""
     records: list[StepRecord] = []
-    scheduler = engine.scheduler
+    scheduler, runner = engine.scheduler, engine.runner
     schedule, step = scheduler.schedule, engine.step
+    run_ahead = getattr(runner, "run_ahead", None)  # a simulated runner has none
     last: list[Batch] = []
 
     def capture() -> Batch:
         batch = schedule()
         last.append(batch)
         return batch
+
+    def capture_ahead(batch: Batch, *args: Any) -> Any:
+        last.append(batch)
+        assert run_ahead is not None
+        return run_ahead(batch, *args)
 
     def timed() -> list[RequestOutput]:
         last.clear()
@@ -81,11 +88,15 @@ def timed_steps(engine: Engine, sync: Callable[[], None] = _no_sync) -> Iterator
 
     scheduler.schedule = capture  # type: ignore[method-assign]
     engine.step = timed  # type: ignore[method-assign]
+    if run_ahead is not None:
+        runner.run_ahead = capture_ahead  # type: ignore[method-assign,union-attr]
     try:
         yield records
     finally:
         scheduler.schedule = schedule  # type: ignore[method-assign]
         engine.step = step  # type: ignore[method-assign]
+        if run_ahead is not None:
+            runner.run_ahead = run_ahead  # type: ignore[method-assign,union-attr]
 
 
 def first_token_s(engine: Any, rid: str, ids: list[int]) -> float:
