@@ -21,7 +21,6 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
-from typing import Any
 
 import torch
 from kvserve.kernels.backend import get_backend
@@ -449,7 +448,8 @@ class Engine:
         drawn = self.outputs.draw(out)
         ahead = Batch([ScheduledSeq(s.seq, 1) for s in batch.scheduled])
         tokens = [d[0] if d is not None else 0 for d in drawn]  # 0: a failed row, dropped
-        done: dict[str, Any] = {}  # where `finish` ran: "future" (the emitter) or "outputs"
+        emitting: concurrent.futures.Future[list[RequestOutput]] | None = None
+        made: list[RequestOutput] | None = None  # made on this thread, as the call began
 
         def finish() -> list[RequestOutput]:
             self.scheduler.advance(batch, seconds)
@@ -460,17 +460,17 @@ class Engine:
             return outputs
 
         def launched() -> None:
+            nonlocal emitting, made
             if self._spare_core():
-                done["future"] = self._emitter.submit(finish)
+                emitting = self._emitter.submit(finish)
             else:
-                done["outputs"] = finish()
+                made = finish()
 
         def finished() -> list[RequestOutput]:
             """This step's outputs, wherever they were made (now, if the call failed first)."""
-            if "future" in done:
-                made: list[RequestOutput] = done["future"].result()
-                return made
-            return done["outputs"] if "outputs" in done else finish()
+            if emitting is not None:
+                return emitting.result()
+            return made if made is not None else finish()
 
         self.runner.end_step()
         self.runner.begin_step()

@@ -255,12 +255,11 @@ class LlamaModel(nn.Module):
         rope = self.rope(positions, x.dtype, meta.max_seq_len)
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         h = layers[0].input_norm(x)
-        if out_rows is None and self._decodes_in_cpp(x, meta, cache, backend):
-            if launched is not None:
-                launched()
-            return self._decode_in_cpp(x, h, rope, meta, cache)
+        in_cpp = out_rows is None and self._decodes_in_cpp(x, meta, cache, backend)
         if launched is not None:
             launched()
+        if in_cpp:
+            return self._decode_in_cpp(x, h, rope, meta, cache)
         for i, layer in enumerate(layers):
             last = i + 1 == len(layers)
             if last and out_rows is not None:
