@@ -48,6 +48,36 @@ def decode_layers(x: torch.Tensor, h: torch.Tensor, weights: Any, *args: Any) ->
     return out
 
 
+def token_weights(
+    embed: torch.Tensor,
+    embed_scales: torch.Tensor | None,
+    embed_mins: torch.Tensor | None,
+    first_norm: torch.Tensor,
+    head: torch.Tensor,
+    vocab: int,
+) -> Any | None:
+    """The weights at a decode step's ends as one C++ object (TokenWeights in the C++ source:
+    the embedding, fp32 or as cpu_ops.embed_rows takes it; the first input norm; the LM head's
+    panels of either kind), for `decode_tokens`; None where the kernels are not built."""
+    ext = _extension()
+    if ext is None:
+        return None
+    return ext.TokenWeights(embed, embed_scales, embed_mins, first_norm, head, vocab)
+
+
+def decode_tokens(
+    ids: list[int], ends: Any, weights: Any, *args: Any
+) -> tuple[torch.Tensor, list[int], list[float]]:
+    """A whole decode step in one call, from the rows' token ids to their logits, and with
+    `argmax` (the last argument) each row's argmax and its logprob: `decode_layers` between
+    the embedding and the LM head (`ends`: `token_weights`'). See the C++ source for the
+    arguments; `applies` must hold."""
+    ext = _extension()
+    assert ext is not None
+    logits, tokens, logprobs = ext.decode_tokens(ids, ends, weights, *args)
+    return logits, tokens, logprobs
+
+
 class LayerSeconds(NamedTuple):
     """Seconds decode_layers spent in the layers' linear projections, attention and the rest
     (RoPE, KV writes, norms, activations)."""
@@ -57,11 +87,20 @@ class LayerSeconds(NamedTuple):
     other: float
 
 
-def timing(on: bool) -> LayerSeconds | None:
-    """The decode_layers seconds summed since the last call (then zeroed), and timing turned on
-    or off from now (off by default: no clock is read). None where the kernels are not built.
-    For measurements (`kvserve bench engine`): one engine's steps at a time."""
+class StepSeconds(NamedTuple):
+    """The layers' seconds, and those of decode_tokens' LM head matmul."""
+
+    layers: LayerSeconds
+    lm_head: float
+
+
+def timing(on: bool) -> StepSeconds | None:
+    """The decode_layers and decode_tokens seconds summed since the last call (then zeroed),
+    and timing turned on or off from now (off by default: no clock is read). None where the
+    kernels are not built. For measurements (`kvserve bench engine`): one engine's steps at a
+    time."""
     ext = _extension()
     if ext is None:
         return None
-    return LayerSeconds(*ext.decode_timing(on))
+    linear, attention, other, lm_head = ext.decode_timing(on)
+    return StepSeconds(LayerSeconds(linear, attention, other), lm_head)

@@ -21,21 +21,27 @@
 namespace cpu_decode_step {
 
 // Seconds decode_layers spent in the layers' linear projections, in attention and in the rest
-// (RoPE, KV writes, norms, activations), summed over calls while `on` (`timing` below; off, no
-// clock is read). One engine's steps at a time: the totals are not split by caller.
+// (RoPE, KV writes, norms, activations), and decode_tokens in its LM head's matmul, summed over
+// calls while `on` (`timing` below; off, no clock is read). One engine's steps at a time: the
+// totals are not split by caller.
 struct StepClock {
   std::atomic<bool> on{false};
-  double linear = 0, attention = 0, other = 0;
+  double linear = 0, attention = 0, other = 0, head = 0;
 };
 inline StepClock step_clock;
 
 // The totals since the last call (then zeroed), and timing turned on or off from now.
 inline std::vector<double> timing(bool on) {
   StepClock& c = step_clock;
-  std::vector<double> totals{c.linear, c.attention, c.other};
-  c.linear = c.attention = c.other = 0;
+  std::vector<double> totals{c.linear, c.attention, c.other, c.head};
+  c.linear = c.attention = c.other = c.head = 0;
   c.on.store(on);
   return totals;
+}
+
+inline double clock_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 // x times panel matrices side by side (part j gives sizes[j] output features), the parts'
@@ -61,6 +67,17 @@ struct DecoderWeights {
   std::vector<torch::Tensor> down, post_norm, next_norm;
 };
 
+// The caches, positions and step metadata of decode_layers and decode_tokens.
+struct StepArgs {
+  const std::vector<torch::Tensor>& k_cache;
+  const std::vector<torch::Tensor>& v_cache;
+  const std::vector<torch::Tensor>& k_scale;
+  const std::vector<torch::Tensor>& v_scale;
+  torch::Tensor pos, cos_t, sin_t, slots, tables, lens;
+  int64_t heads, kv_heads, head_dim, intermediate;
+  double scale, eps;
+};
+
 // Every layer of the model for B decode tokens. x [B, H] is the residual stream, updated in
 // place; h [B, H] the first layer's input norm of it. Per layer i: the fused QKV (and gate/up)
 // weights as one or more panel matrices side by side (blocks of different formats) with their
@@ -69,18 +86,15 @@ struct DecoderWeights {
 // layer's input norm, the final norm after the last), the layer's K and V caches
 // [NB, BS, KVH, D], fp32, or int8 / fp8 with their scales [NB, BS, KVH] (none for fp32).
 // Returns the final norm of x. The weights come as one DecoderWeights, built once.
-torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, const DecoderWeights& w,
-                            std::vector<torch::Tensor> k_cache,
-                            std::vector<torch::Tensor> v_cache,
-                            std::vector<torch::Tensor> k_scale,
-                            std::vector<torch::Tensor> v_scale, torch::Tensor pos,
-                            torch::Tensor cos_t, torch::Tensor sin_t, torch::Tensor slots,
-                            torch::Tensor tables, torch::Tensor lens, int64_t heads,
-                            int64_t kv_heads, int64_t head_dim, int64_t intermediate,
-                            double scale, double eps) {
-  // The engine runs steps in a thread beside the server's event loop, which must not wait for
-  // a whole step. Nothing below touches a Python object.
-  pybind11::gil_scoped_release no_gil;
+static torch::Tensor layers(torch::Tensor x, torch::Tensor h, const DecoderWeights& w,
+                            const StepArgs& a) {
+  const auto &k_cache = a.k_cache, &v_cache = a.v_cache, &k_scale = a.k_scale,
+             &v_scale = a.v_scale;
+  const auto &pos = a.pos, &cos_t = a.cos_t, &sin_t = a.sin_t, &slots = a.slots,
+             &tables = a.tables, &lens = a.lens;
+  const int64_t heads = a.heads, kv_heads = a.kv_heads, head_dim = a.head_dim,
+                intermediate = a.intermediate;
+  const double scale = a.scale, eps = a.eps;
   const auto& qkv = w.qkv;
   const auto& qkv_sizes = w.qkv_sizes;
   const auto& o = w.o;
@@ -111,12 +125,10 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, const DecoderWeigh
                 "decode_layers: the parts' sizes do not add up to the projections'");
   StepClock& clock = step_clock;
   const bool timed = clock.on.load();
-  auto now = [] { return std::chrono::duration<double>(
-                      std::chrono::steady_clock::now().time_since_epoch()).count(); };
-  double last = timed ? now() : 0.0;
+  double last = timed ? clock_now() : 0.0;
   auto lap = [&](double& total) {  // the time since the last lap, added to `total`
     if (!timed) return;
-    const double t = now();
+    const double t = clock_now();
     total += t - last;
     last = t;
   };
@@ -145,6 +157,78 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, const DecoderWeigh
     lap(clock.other);
   }
   return h;
+}
+
+// `layers` as Python calls it.
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, const DecoderWeights& w,
+                            std::vector<torch::Tensor> k_cache,
+                            std::vector<torch::Tensor> v_cache,
+                            std::vector<torch::Tensor> k_scale,
+                            std::vector<torch::Tensor> v_scale, torch::Tensor pos,
+                            torch::Tensor cos_t, torch::Tensor sin_t, torch::Tensor slots,
+                            torch::Tensor tables, torch::Tensor lens, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+                            double scale, double eps) {
+  // The engine runs steps in a thread beside the server's event loop, which must not wait for
+  // a whole step. Nothing below touches a Python object.
+  pybind11::gil_scoped_release no_gil;
+  return layers(x, h, w,
+                {k_cache, v_cache, k_scale, v_scale, pos, cos_t, sin_t, slots, tables, lens,
+                 heads, kv_heads, head_dim, intermediate, scale, eps});
+}
+
+// The ends of a decode step around its layers, for decode_tokens: the embedding (an fp32 table
+// [V, H], or Q4_1 / Q8_0 rows as cpu_ops::embed_rows takes them: quants, scales and, for Q4_1,
+// mins), the first layer's input norm, and the LM head (panels of either kind, `vocab` rows).
+struct TokenWeights {
+  torch::Tensor embed;
+  std::optional<torch::Tensor> embed_d, embed_m;
+  torch::Tensor first_norm, head;
+  int64_t vocab;
+};
+
+// A whole decode step from token ids to logits: the embedding of `ids` (one a row), the first
+// input norm, decode_layers, and the LM head on `head_threads` threads (each logit is one
+// thread's: the same on any count). With `argmax`, each row's argmax and its logprob as well
+// (cpu_ops::argmax_logsumexp's, the logprob rounded to fp32 as top - lse is), else two empty
+// lists. The same kernels in the same order as LlamaModel.forward, compute_logits and the
+// sampler's greedy draw, so the same bits; the GIL released throughout.
+std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<double>> decode_tokens(
+    std::vector<int64_t> ids, const TokenWeights& t, const DecoderWeights& w,
+    std::vector<torch::Tensor> k_cache, std::vector<torch::Tensor> v_cache,
+    std::vector<torch::Tensor> k_scale, std::vector<torch::Tensor> v_scale, torch::Tensor pos,
+    torch::Tensor cos_t, torch::Tensor sin_t, torch::Tensor slots, torch::Tensor tables,
+    torch::Tensor lens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+    double scale, double eps, int64_t head_threads, bool argmax) {
+  pybind11::gil_scoped_release no_gil;
+  const auto index = torch::tensor(ids, torch::kLong);
+  auto x = t.embed_d ? cpu_ops::embed_rows(t.embed, *t.embed_d, t.embed_m, index)
+                     : t.embed.index_select(0, index);
+  auto h = cpu_ops::rms_norm(x, t.first_norm, eps);
+  h = layers(x, h, w,
+             {k_cache, v_cache, k_scale, v_scale, pos, cos_t, sin_t, slots, tables, lens, heads,
+              kv_heads, head_dim, intermediate, scale, eps});
+  StepClock& clock = step_clock;
+  const bool timed = clock.on.load();
+  const double t0 = timed ? clock_now() : 0.0;
+  const int before = at::get_num_threads();
+  if (head_threads > 0 && head_threads != before) at::set_num_threads(head_threads);
+  auto logits = cpu_qlinear::any_linear(h, t.head, t.vocab);
+  if (head_threads > 0 && head_threads != before) at::set_num_threads(before);
+  if (timed) clock.head += clock_now() - t0;
+  std::vector<int64_t> tokens;
+  std::vector<double> logprobs;
+  if (argmax) {
+    const auto drawn = cpu_ops::argmax_logsumexp(logits);
+    const int64_t* id = drawn[0].data_ptr<int64_t>();
+    const float* lse = drawn[1].data_ptr<float>();
+    const float* top = drawn[2].data_ptr<float>();
+    for (int64_t r = 0; r < logits.size(0); ++r) {
+      tokens.push_back(id[r]);
+      logprobs.push_back(static_cast<double>(top[r] - lse[r]));
+    }
+  }
+  return {logits, tokens, logprobs};
 }
 
 }  // namespace cpu_decode_step

@@ -48,6 +48,14 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
                                   next_norm};
           }));
   m.def("decode_layers", &cpu_decode_step::decode_layers);
+  using cpu_decode_step::TokenWeights;
+  pybind11::class_<TokenWeights>(m, "TokenWeights")
+      .def(pybind11::init([](torch::Tensor embed, std::optional<torch::Tensor> embed_d,
+                             std::optional<torch::Tensor> embed_m, torch::Tensor first_norm,
+                             torch::Tensor head, int64_t vocab) {
+        return TokenWeights{embed, embed_d, embed_m, first_norm, head, vocab};
+      }));
+  m.def("decode_tokens", &cpu_decode_step::decode_tokens);
   m.def("decode_timing", &cpu_decode_step::timing);
   m.def("write_frames", &cpu_load::write_frames);
 }

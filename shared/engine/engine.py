@@ -448,6 +448,7 @@ class Engine:
         drawn = self.outputs.draw(out)
         ahead = Batch([ScheduledSeq(s.seq, 1) for s in batch.scheduled])
         tokens = [d[0] if d is not None else 0 for d in drawn]  # 0: a failed row, dropped
+        argmax = all(s.seq.params.greedy and not s.seq.params.top_logprobs for s in ahead.scheduled)
         emitting: concurrent.futures.Future[list[RequestOutput]] | None = None
         made: list[RequestOutput] | None = None  # made on this thread, as the call began
 
@@ -476,7 +477,8 @@ class Engine:
         self.runner.begin_step()
         try:
             next_out, next_seconds = self.step_threads.run(
-                ahead.num_tokens, lambda: self.model_runner.run_ahead(ahead, tokens, launched)
+                ahead.num_tokens,
+                lambda: self.model_runner.run_ahead(ahead, tokens, launched, argmax),
             )
         except Exception as e:
             return finished() + self._deliver_failed() + self._step_failed(ahead, e)

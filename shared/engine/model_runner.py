@@ -32,6 +32,9 @@ class StepOutput:
     logits: torch.Tensor
     columns: tuple[int, ...] | None = None
     num_drafts: tuple[int, ...] | None = None  # None: no sequence has drafts
+    # Each row's argmax and its logprob where the model call drew them (a run-ahead step of
+    # greedy rows, `ModelRunner.run_ahead`): the sampler's greedy draw from `logits`, made.
+    argmax: tuple[list[int], list[float]] | None = None
 
     def token_id(self, column: int) -> int:
         return column if self.columns is None else self.columns[column]
@@ -54,11 +57,13 @@ class StepOutput:
         spans = self.row_spans()
         rows = [r for i in keep for r in range(*spans[i])]
         drafts = self.num_drafts
+        drawn = self.argmax
         return StepOutput(
             [self.sampling_seqs[i] for i in keep],
             self.logits[rows],
             self.columns,
             None if drafts is None else tuple(drafts[i] for i in keep),
+            None if drawn is None else ([drawn[0][r] for r in rows], [drawn[1][r] for r in rows]),
         )
 
     def by_token_id(self) -> torch.Tensor:
@@ -140,20 +145,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_ahead(
-        self, batch: Batch, tokens: list[int], launched: Callable[[], None] | None = None
+        self,
+        batch: Batch,
+        tokens: list[int],
+        launched: Callable[[], None] | None = None,
+        argmax: bool = False,
     ) -> StepOutput:
         """`run` for a step of single-token decodes made before the previous step's outputs:
         each sequence's row is `tokens[i]`, drawn but not yet appended, at the position after
-        the previous step's row, which is not yet counted in `num_computed_tokens`."""
+        the previous step's row, which is not yet counted in `num_computed_tokens`. On the CPU
+        the whole step is one C++ call where the model can make it (LlamaModel.decode_tokens),
+        and with `argmax` (every row greedy) that call draws the rows' tokens as well."""
         decodes = batch.scheduled
+        seqs = [s.seq for s in decodes]
         prebuilt, self._prebuilt = self._prebuilt, None
         if prebuilt is not None and prebuilt.key == _ahead_key(decodes):
             pos, meta = prebuilt.pos, prebuilt.meta
         else:
             pos, meta = self._ahead_inputs(decodes)
+        whole = self.model.decode_tokens(
+            tokens, pos, meta, self.cache, self.backend, launched, self.head_threads, argmax
+        )
+        if whole is not None:
+            logits, drawn, logprobs = whole
+            return StepOutput(seqs, logits, argmax=(drawn, logprobs) if argmax else None)
         (ids,) = upload([(tokens, torch.long)], self.device)
         hidden = self.model(ids, pos, meta, self.cache, self.backend, None, launched)
-        return StepOutput([s.seq for s in decodes], self._logits(hidden))
+        return StepOutput(seqs, self._logits(hidden))
 
     def prebuild_ahead(self, batch: Batch) -> None:
         """The inputs of the next `run_ahead(batch, ...)` but its tokens, made while a model

@@ -115,6 +115,8 @@ class OutputProcessor:
         forks), drawn as `process` draws it, nothing appended: the engine's next model call can
         take them before `apply` makes the step's outputs. None: the row's request failed."""
         seqs = out.sampling_seqs
+        if out.argmax is not None and all(self._plain_greedy(seq) for seq in seqs):
+            return [(t, lp, None) for t, lp in zip(*out.argmax, strict=True)]
         kept: list[int] = []
         rows: list[SampleRow] = []
         for i, seq in enumerate(seqs):
@@ -127,6 +129,12 @@ class OutputProcessor:
         for i, d in zip(kept, self._draw(logits, rows, owners, out), strict=True):
             drawn[i] = d
         return drawn
+
+    def _plain_greedy(self, seq: Sequence) -> bool:
+        """Whether the sequence's next token is its logits' argmax, with no top logprobs and
+        nothing suppressed: what a model call that drew the argmax (`StepOutput.argmax`) made."""
+        p = seq.params
+        return p.greedy and not p.top_logprobs and not self._suppressed(seq)
 
     def apply(self, out: StepOutput, drawn: list[Draw | None]) -> list[RequestOutput]:
         """`process` for the tokens `draw` drew: appended (stops detected), then the outputs

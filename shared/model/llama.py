@@ -192,6 +192,7 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(lm_head, matmul_dtype)
         self.rope = RotaryEmbedding(config)
         self.decoder_weights = self._decoder_weights()
+        self.token_weights = self._token_weights()
         self.decode_in_cpp = True  # False: every step's layers from Python (profiling, tests)
 
     @property
@@ -220,6 +221,30 @@ class LlamaModel(nn.Module):
             return [[[t for t, _ in p] for p in parts], [[n for _, n in p] for p in parts]]
 
         return cpu_decode_step.decoder_weights(*split(qkv), o, *split(gate_up), down, posts, nexts)
+
+    def _token_weights(self) -> Any | None:
+        """The embedding, the first input norm and the LM head as kernels.cpu_decode_step's
+        `decode_tokens` takes them, or None where it cannot take one of them (or the layers)."""
+        first = self.layers[0]
+        head = self.lm_head.cpp_weight
+        if self.decoder_weights is None or head is None or not isinstance(first, DecoderLayer):
+            return None
+        norm = first.input_norm.weight.data
+        if self.embed is not None:
+            embed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] = (
+                self.embed.data,
+                None,
+                None,
+            )
+        elif self.embed_blocks is not None and self.embed_blocks.weight is None:
+            embed = (self.embed_blocks.q, self.embed_blocks.d, self.embed_blocks.m)
+        else:
+            return None
+        if embed[0].dtype not in (torch.float32, torch.int8, torch.uint8) or norm.dtype != (
+            torch.float32
+        ):
+            return None
+        return cpu_decode_step.token_weights(*embed, norm, head, self.lm_head.out_features)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] in the model's dtype."""
@@ -255,7 +280,9 @@ class LlamaModel(nn.Module):
         rope = self.rope(positions, x.dtype, meta.max_seq_len)
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         h = layers[0].input_norm(x)
-        in_cpp = out_rows is None and self._decodes_in_cpp(x, meta, cache, backend)
+        in_cpp = out_rows is None and self._decodes_in_cpp(
+            x.shape[0], x.dtype, meta, cache, backend
+        )
         if launched is not None:
             launched()
         if in_cpp:
@@ -272,17 +299,23 @@ class LlamaModel(nn.Module):
         return h
 
     def _decodes_in_cpp(
-        self, x: torch.Tensor, meta: AttentionMetadata, cache: PagedKV, backend: AttentionBackend
+        self,
+        rows: int,
+        dtype: torch.dtype,
+        meta: AttentionMetadata,
+        cache: PagedKV,
+        backend: AttentionBackend,
     ) -> bool:
-        """A pure decode step whose every kernel is the C++ one the Python path would call."""
+        """A pure decode step of `rows` rows whose every kernel is the C++ one the Python path
+        would call."""
         return (
             self.decode_in_cpp
             and self.decoder_weights is not None
             and meta.num_prefill_tokens == 0
             and backend.cpp_decode_step
-            and x.dtype == torch.float32
+            and dtype == torch.float32
             and cpu_ops.takes_cache(cache.k[0], cache.v[0], cache.k_scale[0])
-            and cpu_decode_step.applies(x.shape[0], self.config.head_dim)
+            and cpu_decode_step.applies(rows, self.config.head_dim)
         )
 
     def _decode_in_cpp(
@@ -312,6 +345,54 @@ class LlamaModel(nn.Module):
             c.intermediate_size,
             first.attn.scale,
             c.rms_norm_eps,
+        )
+
+    def decode_tokens(
+        self,
+        tokens: list[int],
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKV,
+        backend: AttentionBackend,
+        launched: Callable[[], None] | None = None,
+        head_threads: int | None = None,
+        argmax: bool = False,
+    ) -> tuple[torch.Tensor, list[int], list[float]] | None:
+        """A step of single-token decodes `tokens` as one C++ call, from the ids to the logits
+        [B, vocab] (forward's, then compute_logits' bits; the LM head on `head_threads`), with
+        `argmax` each row's argmax and its logprob as well (the sampler's greedy draw), else two
+        empty lists; None where the call cannot run it (the caller runs forward instead).
+        `launched` is called just before the call."""
+        ends = self.token_weights
+        if ends is None or not self._decodes_in_cpp(len(tokens), self.dtype, meta, cache, backend):
+            return None
+        rope = self.rope(positions, torch.float32, meta.max_seq_len)
+        c = self.config
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
+        if launched is not None:
+            launched()
+        return cpu_decode_step.decode_tokens(
+            tokens,
+            ends,
+            self.decoder_weights,
+            cache.k,
+            cache.v,
+            *((cache.k_scale, cache.v_scale) if cache.k_scale[0] is not None else ([], [])),
+            rope.positions,
+            rope.cos_table,
+            rope.sin_table,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            first.attn.scale,
+            c.rms_norm_eps,
+            head_threads or 0,
+            argmax,
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -109,11 +109,11 @@ def decode_step(
         cpu_decode_step.timing(True)
     with _timed_lm_head(engine) as head_s:
         records, contexts, times = _timed_decode(engine, emitted, context, steps, paired or {})
-    layers = cpu_decode_step.timing(False) if on_cpu else None
+    timed = cpu_decode_step.timing(False) if on_cpu else None
     layers_ms = head_ms = host_ms = None
-    if layers is not None and sum(layers) > 0:
-        layers_ms = cpu_decode_step.LayerSeconds(*(t * 1e3 / len(records) for t in layers))
-        head_ms = sum(head_s) * 1e3 / len(records)
+    if timed is not None and sum(timed.layers) > 0:
+        layers_ms = cpu_decode_step.LayerSeconds(*(t * 1e3 / len(records) for t in timed.layers))
+        head_ms = (sum(head_s) + timed.lm_head) * 1e3 / len(records)
         host_ms = _host_work(engine, emitted, steps)
     for rid in emitted:
         engine.abort_request(rid)
@@ -126,8 +126,8 @@ def decode_step(
 def _host_work(engine: Engine, emitted: dict[str, int], steps: int) -> float | None:
     """The median host work of `steps` more decode steps, one after the other with nothing
     measured between them (the paired measurements leave the caches cold): each step's wall
-    time less its layers' time by the C++ call's own clock and its LM head's. None where a
-    step did not take the C++ call."""
+    time less its layers' time by the C++ call's own clock and its LM head's (the call's
+    clock where the whole step was one call). None where a step did not take the C++ call."""
     host = []
     try:
         with _timed_lm_head(engine) as head_s:
@@ -138,10 +138,10 @@ def _host_work(engine: Engine, emitted: dict[str, int], steps: int) -> float | N
                 _count_tokens(engine.step(), emitted)
                 wall = time.perf_counter() - t0
                 timed = cpu_decode_step.timing(True)
-                layers = sum(timed) if timed is not None else 0.0
-                if layers <= 0:
+                layers = sum(timed.layers) if timed is not None else 0.0
+                if timed is None or layers <= 0:
                     return None
-                host.append(wall - layers - sum(head_s[before:]))
+                host.append(wall - layers - timed.lm_head - sum(head_s[before:]))
     finally:
         cpu_decode_step.timing(False)
     return statistics.median(host) * 1e3

@@ -168,7 +168,11 @@ def test_the_emission_starts_as_the_layers_begin(
 ) -> None:
     """The emitter is handed its work after the embedding and the first norm, as the layers
     begin: it then finds the GIL free while their kernels run, instead of taking it from the
-    embedding's small ops (every step, the C++ decode step's and the Python layers' alike)."""
+    embedding's small ops (every step, the C++ decode step's and the Python layers' alike); a
+    run-ahead step that is one C++ call from the token ids on (LlamaModel.decode_tokens)
+    hands it over just before that call."""
+    from kvserve.kernels import cpu_decode_step
+
     engine = make_engine()
     model = engine.runner.model
     order: list[str] = []
@@ -185,22 +189,30 @@ def test_the_emission_starts_as_the_layers_begin(
     monkeypatch.setattr(first.input_norm, "forward", noted("norm", first.input_norm.forward))
     monkeypatch.setattr(first.attn, "forward", noted("layers", first.attn.forward))
     monkeypatch.setattr(model, "_decode_in_cpp", noted("layers", model._decode_in_cpp))
+    whole = noted("whole", cpu_decode_step.decode_tokens)
+    monkeypatch.setattr(cpu_decode_step, "decode_tokens", whole)
     run_model, run_ahead = engine.runner.run, engine.model_runner.run_ahead
 
     def run_noted(batch, launched):  # type: ignore[no-untyped-def]
         return run_model(batch, noted("launched", launched))
 
-    def run_ahead_noted(batch, tokens, launched):  # type: ignore[no-untyped-def]
-        return run_ahead(batch, tokens, noted("launched", launched))
+    def run_ahead_noted(batch, tokens, launched, argmax=False):  # type: ignore[no-untyped-def]
+        return run_ahead(batch, tokens, noted("launched", launched), argmax)
 
     monkeypatch.setattr(engine.runner, "run", run_noted)
     monkeypatch.setattr(engine.runner, "run_ahead", run_ahead_noted)
     rid, prompt, params = mixed[0]
     got = run(engine, [(rid, prompt, params)])
     assert len(got[rid].tokens[0]) == params.max_tokens
-    steps = [order[i : i + 4] for i in range(0, len(order), 4)]
+    steps: list[list[str]] = [[]]
+    for name in order:
+        steps[-1].append(name)
+        if name in ("layers", "whole"):
+            steps.append([])
+    assert steps.pop() == []
     assert len(steps) == params.max_tokens  # the prefill, then a decode step per token
-    assert all(s == ["embed", "norm", "launched", "layers"] for s in steps)
+    assert all(s in (["embed", "norm", "launched", "layers"], ["launched", "whole"]) for s in steps)
+    assert steps.count(["launched", "whole"]) >= params.max_tokens // 2  # steps run ahead
 
 
 def test_a_step_of_decodes_runs_the_next_call_before_its_outputs(
@@ -223,7 +235,7 @@ def test_a_step_of_decodes_runs_the_next_call_before_its_outputs(
         applying.set()
         return apply(out, drawn)
 
-    def run_ahead_noted(batch, tokens, launched):  # type: ignore[no-untyped-def]
+    def run_ahead_noted(batch, tokens, launched, argmax=False):  # type: ignore[no-untyped-def]
         def launch() -> None:  # the call goes on once the outputs are being made
             in_call.set()
             launched()
@@ -231,7 +243,7 @@ def test_a_step_of_decodes_runs_the_next_call_before_its_outputs(
             applying.clear()
 
         try:
-            return run_ahead(batch, tokens, launch)
+            return run_ahead(batch, tokens, launch, argmax)
         finally:
             in_call.clear()
 
@@ -242,6 +254,50 @@ def test_a_step_of_decodes_runs_the_next_call_before_its_outputs(
     assert want["stop"].finish == {0: "stop"}
     assert engine.num_steps_ahead > 0 and len(applied_in_call) == engine.num_steps_ahead
     assert all(name.startswith("kvserve-emit") and during for name, during in applied_in_call)
+    assert_no_leak(engine)
+
+
+def test_a_run_ahead_call_of_greedy_rows_draws_their_tokens_itself(
+    make_engine: MakeEngine, tokenizer: KVTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run-ahead step whose rows are all plain greedy (no top logprobs, nothing suppressed)
+    takes the tokens its one C++ call drew (StepOutput.argmax): the sampler runs only for the
+    steps that did not run ahead, or whose rows have min_tokens to keep; the same outputs as
+    without overlap."""
+    p = [long_ids(tokenizer, i)[: 30 + 5 * i] for i in range(3)]
+    plain = [
+        ("a", p[0], SamplingParams(max_tokens=12, ignore_eos=True)),
+        ("b", p[1], SamplingParams(max_tokens=9, stop=(" the",))),
+    ]
+    held = ("min", p[2], SamplingParams(max_tokens=10, min_tokens=8))
+    sync = make_engine(async_scheduling=False)
+    want = run(sync, [*plain, held])
+    engine = make_engine()
+    if engine.runner.model.token_weights is None:
+        pytest.skip("no C++ kernels on this machine")
+    sampled = [0]
+    draws: list[tuple[bool, int]] = []  # per draw: whether the call drew, the sampler's runs
+    real_sample, draw = engine.outputs.sampler.sample, engine.outputs.draw
+
+    def sample(*args):  # type: ignore[no-untyped-def]
+        sampled[0] += 1
+        return real_sample(*args)
+
+    def noted_draw(out):  # type: ignore[no-untyped-def]
+        before = sampled[0]
+        drawn = draw(out)
+        draws.append((out.argmax is not None, sampled[0] - before))
+        return drawn
+
+    monkeypatch.setattr(engine.outputs.sampler, "sample", sample)
+    monkeypatch.setattr(engine.outputs, "draw", noted_draw)
+    assert run(engine, plain) == {rid: want[rid] for rid, _, _ in plain}
+    by_call = [n for drew, n in draws if drew]
+    assert len(by_call) >= 5 and not any(by_call)  # the call's draws taken, the sampler idle
+    draws.clear()
+    assert run(engine, [held])["min"] == want["min"]
+    by_call = [n for drew, n in draws if drew]
+    assert by_call and all(by_call)  # EOS suppressed (min_tokens): the sampler drew
     assert_no_leak(engine)
 
 

@@ -144,14 +144,15 @@ def test_the_cpp_decode_step_times_its_parts_only_when_asked(make_engine) -> Non
     decode = Batch(scheduled=[ScheduledSeq(s, 1) for s in seqs])
     assert cpu_decode_step.timing(False) is not None  # zeroes whatever came before
     runner.forward(decode)
-    assert cpu_decode_step.timing(True) == (0.0, 0.0, 0.0)
+    assert cpu_decode_step.timing(True) == ((0.0, 0.0, 0.0), 0.0)
     t0 = time.perf_counter()
     runner.forward(decode)
     wall = time.perf_counter() - t0
-    parts = cpu_decode_step.timing(False)
-    assert parts is not None and min(parts) > 0
-    assert sum(parts) <= wall
-    assert cpu_decode_step.timing(False) == (0.0, 0.0, 0.0)
+    timed = cpu_decode_step.timing(False)
+    assert timed is not None and min(timed.layers) > 0
+    assert timed.lm_head == 0.0  # forward's head is not the C++ call's
+    assert sum(timed.layers) <= wall
+    assert cpu_decode_step.timing(False) == ((0.0, 0.0, 0.0), 0.0)
 
 
 # (sequence, tokens cached, new tokens this step): a final chunk after 30 cached, a first chunk
@@ -246,3 +247,66 @@ def test_a_cuda_step_never_waits_for_the_device(make_engine) -> None:  # type: i
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.logits.is_cuda and out.logits.isfinite().all()
+
+
+@pytest.mark.parametrize(
+    ("kind", "kv_dtype"), [("fp32", "auto"), ("fp32", "int8"), ("file", "auto")]
+)
+def test_a_run_ahead_step_is_one_cpp_call_with_the_python_paths_bits(  # type: ignore[no-untyped-def]
+    make_engine, model_path, kind: str, kv_dtype: str
+) -> None:
+    """LlamaModel.decode_tokens (a run-ahead step's whole model call in C++: the embedding, an
+    fp32 table or the file's rows, the layers, the LM head and the greedy draw) gives forward's
+    K/V and compute_logits' logits bit for bit, and the argmax and logprob the sampler draws
+    from them; the LM head's thread count changes nothing."""
+    import dataclasses
+
+    from kvserve.kernels import cpu_qlinear
+    from kvserve.shared.engine.engine import Engine
+    from kvserve.shared.engine.sampler import Sampler, SampleRow
+    from kvserve.shared.model.loader import load_weights
+    from kvserve.shared.sampling_params import SamplingParams
+
+    engine = make_engine(num_blocks=64, enable_prefix_caching=False, kv_dtype=kv_dtype)
+    if kind == "file":
+        loaded = load_weights(model_path, torch.float32, keep=frozenset(cpu_qlinear.FORMATS))
+        config = dataclasses.replace(engine.config, weights="file")
+        engine = Engine(config, tokenizer=engine.tokenizer, weights=loaded)
+    runner, model = engine.runner, engine.runner.model
+    if model.token_weights is None:
+        pytest.skip("no C++ kernels on this machine")
+    assert (model.embed is None) == (kind == "file")  # the file's Q8_0 / Q4_1 rows, or fp32
+    g = torch.Generator().manual_seed(3)
+    toks = [torch.randint(20, 40000, (n,), generator=g).tolist() for n in (40, 17, 33)]
+    seqs = [_seq(engine, i, t, 0) for i, t in enumerate(toks)]
+    for s in seqs:  # every prompt but its last token cached
+        runner.forward(Batch(scheduled=[ScheduledSeq(s, len(s.token_ids) - 1)]))
+        s.num_computed_tokens = len(s.token_ids) - 2  # a run-ahead row: one past the computed
+    decodes = [ScheduledSeq(s, 1) for s in seqs]
+    pos, meta = runner._ahead_inputs(decodes)
+    tokens = [s.token_ids[-1] for s in seqs]
+    c = runner.cache
+    bs = engine.block_size
+    slots = torch.tensor(
+        [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos.tolist(), strict=True)]
+    )
+
+    def step_kv() -> list[torch.Tensor]:
+        scales = [s for s in c.k_scale + c.v_scale if s is not None]
+        return [k.view(-1, *k.shape[2:])[slots].clone() for k in c.k + c.v + scales]
+
+    whole = model.decode_tokens(tokens, pos, meta, c, runner.backend, head_threads=1, argmax=True)
+    assert whole is not None
+    logits, drawn, logprobs = whole
+    cpp_kv = step_kv()
+    on_two = model.decode_tokens(tokens, pos, meta, c, runner.backend, head_threads=2)
+    assert on_two is not None and on_two[1:] == ([], [])  # no argmax asked, none drawn
+    assert torch.equal(on_two[0], logits)
+    hidden = model(torch.tensor(tokens), pos, meta, c, runner.backend)
+    want = model.compute_logits(hidden)
+    assert torch.equal(logits, want)
+    for a, b in zip(cpp_kv, step_kv(), strict=True):
+        assert torch.equal(a, b)
+    greedy = SampleRow(SamplingParams(temperature=0.0), None)
+    ids, lps, _ = Sampler().sample(want, [greedy] * len(seqs))
+    assert (drawn, logprobs) == (ids, lps)
