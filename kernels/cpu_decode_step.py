@@ -48,33 +48,25 @@ def decode_layers(x: torch.Tensor, h: torch.Tensor, weights: Any, *args: Any) ->
     return out
 
 
-def token_weights(
-    embed: torch.Tensor,
-    embed_scales: torch.Tensor | None,
-    embed_mins: torch.Tensor | None,
-    first_norm: torch.Tensor,
-    head: torch.Tensor,
-    vocab: int,
-) -> Any | None:
-    """The weights at a decode step's ends as one C++ object (TokenWeights in the C++ source:
-    the embedding, fp32 or as cpu_ops.embed_rows takes it; the first input norm; the LM head's
-    panels of either kind), for `decode_tokens`; None where the kernels are not built."""
+def decode_model(*bound: Any) -> Any | None:
+    """A model's whole decode step bound once, for `decode_tokens` (DecodeModel in the C++
+    source, which lists its parts: the embedding, the first input norm, the LM head, the
+    layers' `decoder_weights`, the KV cache's tensors and the shapes); None where the kernels
+    are not built."""
     ext = _extension()
-    if ext is None:
-        return None
-    return ext.TokenWeights(embed, embed_scales, embed_mins, first_norm, head, vocab)
+    return None if ext is None else ext.DecodeModel(*bound)
 
 
 def decode_tokens(
-    ids: list[int], ends: Any, weights: Any, *args: Any
+    model: Any, ids: list[int], *step: Any
 ) -> tuple[torch.Tensor, list[int], list[float]]:
     """A whole decode step in one call, from the rows' token ids to their logits, and with
     `argmax` (the last argument) each row's argmax and its logprob: `decode_layers` between
-    the embedding and the LM head (`ends`: `token_weights`'). See the C++ source for the
-    arguments; `applies` must hold."""
+    the embedding and the LM head (`model`: `decode_model`'s). See the C++ source for the
+    step's arguments; `applies` must hold."""
     ext = _extension()
     assert ext is not None
-    logits, tokens, logprobs = ext.decode_tokens(ids, ends, weights, *args)
+    logits, tokens, logprobs = ext.decode_tokens(model, ids, *step)
     return logits, tokens, logprobs
 
 

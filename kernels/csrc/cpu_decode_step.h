@@ -177,43 +177,48 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, const DecoderWeigh
                  heads, kv_heads, head_dim, intermediate, scale, eps});
 }
 
-// The ends of a decode step around its layers, for decode_tokens: the embedding (an fp32 table
+// A model's whole decode step bound once, for decode_tokens: the embedding (an fp32 table
 // [V, H], or Q4_1 / Q8_0 rows as cpu_ops::embed_rows takes them: quants, scales and, for Q4_1,
-// mins), the first layer's input norm, and the LM head (panels of either kind, `vocab` rows).
-struct TokenWeights {
+// mins), the first layer's input norm, the layers, the LM head (panels of either kind, `vocab`
+// rows), the KV cache's tensors (as decode_layers takes them) and the model's shapes. pybind11
+// converts every tensor of a call's lists on each call (~120 for a cache's), so a step's call
+// passes its own tensors alone.
+struct DecodeModel {
   torch::Tensor embed;
   std::optional<torch::Tensor> embed_d, embed_m;
   torch::Tensor first_norm, head;
   int64_t vocab;
+  DecoderWeights layers;
+  std::vector<torch::Tensor> k_cache, v_cache, k_scale, v_scale;
+  int64_t heads, kv_heads, head_dim, intermediate;
+  double scale, eps;
 };
 
 // A whole decode step from token ids to logits: the embedding of `ids` (one a row), the first
-// input norm, decode_layers, and the LM head on `head_threads` threads (each logit is one
-// thread's: the same on any count). With `argmax`, each row's argmax and its logprob as well
+// input norm, `layers`, and the LM head on `head_threads` threads (each logit is one thread's:
+// the same on any count). With `argmax`, each row's argmax and its logprob as well
 // (cpu_ops::argmax_logsumexp's, the logprob rounded to fp32 as top - lse is), else two empty
 // lists. The same kernels in the same order as LlamaModel.forward, compute_logits and the
-// sampler's greedy draw, so the same bits; the GIL released throughout.
+// sampler's greedy draw, so the same bits; the GIL released throughout. The step's own
+// tensors are decode_layers'.
 std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<double>> decode_tokens(
-    std::vector<int64_t> ids, const TokenWeights& t, const DecoderWeights& w,
-    std::vector<torch::Tensor> k_cache, std::vector<torch::Tensor> v_cache,
-    std::vector<torch::Tensor> k_scale, std::vector<torch::Tensor> v_scale, torch::Tensor pos,
-    torch::Tensor cos_t, torch::Tensor sin_t, torch::Tensor slots, torch::Tensor tables,
-    torch::Tensor lens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
-    double scale, double eps, int64_t head_threads, bool argmax) {
+    const DecodeModel& m, std::vector<int64_t> ids, torch::Tensor pos, torch::Tensor cos_t,
+    torch::Tensor sin_t, torch::Tensor slots, torch::Tensor tables, torch::Tensor lens,
+    int64_t head_threads, bool argmax) {
   pybind11::gil_scoped_release no_gil;
   const auto index = torch::tensor(ids, torch::kLong);
-  auto x = t.embed_d ? cpu_ops::embed_rows(t.embed, *t.embed_d, t.embed_m, index)
-                     : t.embed.index_select(0, index);
-  auto h = cpu_ops::rms_norm(x, t.first_norm, eps);
-  h = layers(x, h, w,
-             {k_cache, v_cache, k_scale, v_scale, pos, cos_t, sin_t, slots, tables, lens, heads,
-              kv_heads, head_dim, intermediate, scale, eps});
+  auto x = m.embed_d ? cpu_ops::embed_rows(m.embed, *m.embed_d, m.embed_m, index)
+                     : m.embed.index_select(0, index);
+  auto h = cpu_ops::rms_norm(x, m.first_norm, m.eps);
+  h = layers(x, h, m.layers,
+             {m.k_cache, m.v_cache, m.k_scale, m.v_scale, pos, cos_t, sin_t, slots, tables, lens,
+              m.heads, m.kv_heads, m.head_dim, m.intermediate, m.scale, m.eps});
   StepClock& clock = step_clock;
   const bool timed = clock.on.load();
   const double t0 = timed ? clock_now() : 0.0;
   const int before = at::get_num_threads();
   if (head_threads > 0 && head_threads != before) at::set_num_threads(head_threads);
-  auto logits = cpu_qlinear::any_linear(h, t.head, t.vocab);
+  auto logits = cpu_qlinear::any_linear(h, m.head, m.vocab);
   if (head_threads > 0 && head_threads != before) at::set_num_threads(before);
   if (timed) clock.head += clock_now() - t0;
   std::vector<int64_t> tokens;

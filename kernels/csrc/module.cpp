@@ -48,13 +48,19 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
                                   next_norm};
           }));
   m.def("decode_layers", &cpu_decode_step::decode_layers);
-  using cpu_decode_step::TokenWeights;
-  pybind11::class_<TokenWeights>(m, "TokenWeights")
-      .def(pybind11::init([](torch::Tensor embed, std::optional<torch::Tensor> embed_d,
-                             std::optional<torch::Tensor> embed_m, torch::Tensor first_norm,
-                             torch::Tensor head, int64_t vocab) {
-        return TokenWeights{embed, embed_d, embed_m, first_norm, head, vocab};
-      }));
+  using cpu_decode_step::DecodeModel;
+  pybind11::class_<DecodeModel>(m, "DecodeModel")
+      .def(pybind11::init(
+          [](torch::Tensor embed, std::optional<torch::Tensor> embed_d,
+             std::optional<torch::Tensor> embed_m, torch::Tensor first_norm, torch::Tensor head,
+             int64_t vocab, const DecoderWeights& layers, std::vector<torch::Tensor> k_cache,
+             std::vector<torch::Tensor> v_cache, std::vector<torch::Tensor> k_scale,
+             std::vector<torch::Tensor> v_scale, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, int64_t intermediate, double scale, double eps) {
+            return DecodeModel{embed,   embed_d, embed_m,  first_norm, head,     vocab,
+                               layers,  k_cache, v_cache,  k_scale,    v_scale,  heads,
+                               kv_heads, head_dim, intermediate, scale,  eps};
+          }));
   m.def("decode_tokens", &cpu_decode_step::decode_tokens);
   m.def("decode_timing", &cpu_decode_step::timing);
   m.def("write_frames", &cpu_load::write_frames);

@@ -16,7 +16,6 @@ drives it (see AsyncEngine for the async API).
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -32,6 +31,7 @@ from kvserve.shared.engine.failure import (
     describe,
     inject_step_faults,
 )
+from kvserve.shared.engine.helper_thread import HelperThread, Pending
 from kvserve.shared.engine.model_runner import ModelRunner, StepOutput
 from kvserve.shared.engine.ngram_proposer import NgramProposer
 from kvserve.shared.engine.output_processor import OutputProcessor
@@ -107,7 +107,7 @@ class Engine:
         # Overlapped steps: a step's outputs are made on this thread during the next model call
         # (where that call leaves a core).
         self.overlap = config.async_scheduling and config.simulate is None
-        self._emitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-emit")
+        self._emitter = HelperThread("kvserve-emit")
         # A model call that ran ahead of its step's outputs (`_run_ahead`): its batch, its
         # logits and its seconds, for the next step() to finish.
         self._ahead: tuple[Batch, StepOutput, float] | None = None
@@ -385,7 +385,7 @@ class Engine:
             return ended + self._emit()
         shape = shape_of(batch) if self.on_step is not None else None
         emitted: list[RequestOutput] = []
-        emitting: list[concurrent.futures.Future[list[RequestOutput]]] = []
+        emitting: list[Pending[list[RequestOutput]]] = []
 
         def launched() -> None:  # the model call begins: the last step's outputs meanwhile
             if not self.outputs.has_unemitted:
@@ -449,7 +449,7 @@ class Engine:
         ahead = Batch([ScheduledSeq(s.seq, 1) for s in batch.scheduled])
         tokens = [d[0] if d is not None else 0 for d in drawn]  # 0: a failed row, dropped
         argmax = all(s.seq.params.greedy and not s.seq.params.top_logprobs for s in ahead.scheduled)
-        emitting: concurrent.futures.Future[list[RequestOutput]] | None = None
+        emitting: Pending[list[RequestOutput]] | None = None
         made: list[RequestOutput] | None = None  # made on this thread, as the call began
 
         def finish() -> list[RequestOutput]:

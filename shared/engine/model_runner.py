@@ -17,7 +17,7 @@ from kvserve.shared.engine.scheduler import Batch, ScheduledSeq
 from kvserve.shared.engine.sequence import Sequence
 from kvserve.shared.engine.step_threads import threads
 from kvserve.shared.model.attention import AttentionMetadata, OutputRows
-from kvserve.shared.model.llama import LlamaModel
+from kvserve.shared.model.llama import LlamaModel, WholeStep
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class Prebuilt:
     key: list[tuple[Sequence, int, int, int]]
     pos: torch.Tensor
     meta: AttentionMetadata
+    whole: WholeStep | None  # the step as one C++ call (LlamaModel.whole_step), if it can be
 
 
 def _ahead_key(decodes: list[ScheduledSeq]) -> list[tuple[Sequence, int, int, int]]:
@@ -159,18 +160,17 @@ class ModelRunner:
         decodes = batch.scheduled
         seqs = [s.seq for s in decodes]
         prebuilt, self._prebuilt = self._prebuilt, None
-        if prebuilt is not None and prebuilt.key == _ahead_key(decodes):
-            pos, meta = prebuilt.pos, prebuilt.meta
-        else:
-            pos, meta = self._ahead_inputs(decodes)
-        whole = self.model.decode_tokens(
-            tokens, pos, meta, self.cache, self.backend, launched, self.head_threads, argmax
-        )
-        if whole is not None:
-            logits, drawn, logprobs = whole
+        if prebuilt is None or prebuilt.key != _ahead_key(decodes):
+            prebuilt = self._prebuild(decodes)
+        if prebuilt.whole is not None:
+            logits, drawn, logprobs = self.model.decode_tokens(
+                tokens, prebuilt.whole, launched, self.head_threads, argmax
+            )
             return StepOutput(seqs, logits, argmax=(drawn, logprobs) if argmax else None)
         (ids,) = upload([(tokens, torch.long)], self.device)
-        hidden = self.model(ids, pos, meta, self.cache, self.backend, None, launched)
+        hidden = self.model(
+            ids, prebuilt.pos, prebuilt.meta, self.cache, self.backend, None, launched
+        )
         return StepOutput(seqs, self._logits(hidden))
 
     def prebuild_ahead(self, batch: Batch) -> None:
@@ -181,8 +181,12 @@ class ModelRunner:
         bs = self.block_size
         if any((s.seq.num_computed_tokens + 1) // bs >= len(s.seq.block_table) for s in decodes):
             return  # a sequence needs a block first: not a step that runs ahead
+        self._prebuilt = self._prebuild(decodes)
+
+    def _prebuild(self, decodes: list[ScheduledSeq]) -> Prebuilt:
         pos, meta = self._ahead_inputs(decodes)
-        self._prebuilt = Prebuilt(_ahead_key(decodes), pos, meta)
+        whole = self.model.whole_step(pos, meta, self.cache, self.backend)
+        return Prebuilt(_ahead_key(decodes), pos, meta, whole)
 
     def _ahead_inputs(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, AttentionMetadata]:
         """A run-ahead step's positions and attention metadata: one decode row a sequence, one

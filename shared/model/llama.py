@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +161,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(w)
 
 
+class WholeStep(NamedTuple):
+    """A step of single-token decodes as LlamaModel.decode_tokens takes it: the model's
+    decode_model object and the step's tensors (positions, RoPE tables, slots, block tables,
+    context lengths)."""
+
+    model: Any
+    tensors: tuple[torch.Tensor, ...]
+
+
 class LlamaModel(nn.Module):
     """Weights are taken (not copied) from `weights` under Hugging Face names, as tensors or in
     their GGUF file's blocks (QuantizedWeight: the linear layers and the embedding; a lookup
@@ -193,6 +202,7 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(config)
         self.decoder_weights = self._decoder_weights()
         self.token_weights = self._token_weights()
+        self._bound: tuple[PagedKV, Any] | None = None  # (the cache, its decode_model object)
         self.decode_in_cpp = True  # False: every step's layers from Python (profiling, tests)
 
     @property
@@ -222,15 +232,17 @@ class LlamaModel(nn.Module):
 
         return cpu_decode_step.decoder_weights(*split(qkv), o, *split(gate_up), down, posts, nexts)
 
-    def _token_weights(self) -> Any | None:
-        """The embedding, the first input norm and the LM head as kernels.cpu_decode_step's
-        `decode_tokens` takes them, or None where it cannot take one of them (or the layers)."""
+    def _token_weights(self) -> tuple[Any, ...] | None:
+        """The embedding (an fp32 table, or the file's Q8_0 / Q4_1 rows as quants, scales and
+        mins), the first input norm and the LM head (its panels, its rows) as
+        kernels.cpu_decode_step's `decode_model` takes them, or None where it cannot take one
+        of them (or the layers)."""
         first = self.layers[0]
         head = self.lm_head.cpp_weight
         if self.decoder_weights is None or head is None or not isinstance(first, DecoderLayer):
             return None
         norm = first.input_norm.weight.data
-        if self.embed is not None:
+        if self.embed is not None and self.embed.dtype == torch.float32:
             embed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] = (
                 self.embed.data,
                 None,
@@ -240,11 +252,33 @@ class LlamaModel(nn.Module):
             embed = (self.embed_blocks.q, self.embed_blocks.d, self.embed_blocks.m)
         else:
             return None
-        if embed[0].dtype not in (torch.float32, torch.int8, torch.uint8) or norm.dtype != (
-            torch.float32
-        ):
+        if norm.dtype != torch.float32:
             return None
-        return cpu_decode_step.token_weights(*embed, norm, head, self.lm_head.out_features)
+        return (*embed, norm, head, self.lm_head.out_features)
+
+    def _decode_model(self, cache: PagedKV) -> Any:
+        """decode_model's object for `cache` (made once for the cache the steps use)."""
+        if self._bound is None or self._bound[0] is not cache:
+            assert self.token_weights is not None
+            c = self.config
+            first = self.layers[0]
+            assert isinstance(first, DecoderLayer)
+            scales = (cache.k_scale, cache.v_scale) if cache.k_scale[0] is not None else ([], [])
+            bound = cpu_decode_step.decode_model(
+                *self.token_weights,
+                self.decoder_weights,
+                cache.k,
+                cache.v,
+                *scales,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                c.intermediate_size,
+                first.attn.scale,
+                c.rms_norm_eps,
+            )
+            self._bound = (cache, bound)
+        return self._bound[1]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] in the model's dtype."""
@@ -347,52 +381,42 @@ class LlamaModel(nn.Module):
             c.rms_norm_eps,
         )
 
-    def decode_tokens(
+    def whole_step(
         self,
-        tokens: list[int],
         positions: torch.Tensor,
         meta: AttentionMetadata,
         cache: PagedKV,
         backend: AttentionBackend,
+    ) -> WholeStep | None:
+        """What `decode_tokens` needs for a step of single-token decodes at `positions` but
+        their tokens, or None where the one C++ call cannot run it (the caller runs forward
+        instead)."""
+        if self.token_weights is None or not self._decodes_in_cpp(
+            positions.shape[0], self.dtype, meta, cache, backend
+        ):
+            return None
+        rope = self.rope(positions, torch.float32, meta.max_seq_len)
+        step = (rope.positions, rope.cos_table, rope.sin_table, meta.slot_mapping)
+        tables = (meta.decode_block_tables, meta.decode_context_lens)
+        return WholeStep(self._decode_model(cache), (*step, *tables))
+
+    def decode_tokens(
+        self,
+        tokens: list[int],
+        step: WholeStep,
         launched: Callable[[], None] | None = None,
         head_threads: int | None = None,
         argmax: bool = False,
-    ) -> tuple[torch.Tensor, list[int], list[float]] | None:
-        """A step of single-token decodes `tokens` as one C++ call, from the ids to the logits
-        [B, vocab] (forward's, then compute_logits' bits; the LM head on `head_threads`), with
-        `argmax` each row's argmax and its logprob as well (the sampler's greedy draw), else two
-        empty lists; None where the call cannot run it (the caller runs forward instead).
-        `launched` is called just before the call."""
-        ends = self.token_weights
-        if ends is None or not self._decodes_in_cpp(len(tokens), self.dtype, meta, cache, backend):
-            return None
-        rope = self.rope(positions, torch.float32, meta.max_seq_len)
-        c = self.config
-        first = self.layers[0]
-        assert isinstance(first, DecoderLayer)
+    ) -> tuple[torch.Tensor, list[int], list[float]]:
+        """A step of single-token decodes `tokens` (`step`: `whole_step`'s) as one C++ call,
+        from the ids to the logits [B, vocab] (forward's, then compute_logits' bits; the LM
+        head on `head_threads`), with `argmax` each row's argmax and its logprob as well (the
+        sampler's greedy draw), else two empty lists. `launched` is called just before the
+        call."""
         if launched is not None:
             launched()
         return cpu_decode_step.decode_tokens(
-            tokens,
-            ends,
-            self.decoder_weights,
-            cache.k,
-            cache.v,
-            *((cache.k_scale, cache.v_scale) if cache.k_scale[0] is not None else ([], [])),
-            rope.positions,
-            rope.cos_table,
-            rope.sin_table,
-            meta.slot_mapping,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.intermediate_size,
-            first.attn.scale,
-            c.rms_norm_eps,
-            head_threads or 0,
-            argmax,
+            step.model, tokens, *step.tensors, head_threads or 0, argmax
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

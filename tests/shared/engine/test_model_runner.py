@@ -295,12 +295,12 @@ def test_a_run_ahead_step_is_one_cpp_call_with_the_python_paths_bits(  # type: i
         scales = [s for s in c.k_scale + c.v_scale if s is not None]
         return [k.view(-1, *k.shape[2:])[slots].clone() for k in c.k + c.v + scales]
 
-    whole = model.decode_tokens(tokens, pos, meta, c, runner.backend, head_threads=1, argmax=True)
-    assert whole is not None
-    logits, drawn, logprobs = whole
+    step = model.whole_step(pos, meta, c, runner.backend)
+    assert step is not None
+    logits, drawn, logprobs = model.decode_tokens(tokens, step, head_threads=1, argmax=True)
     cpp_kv = step_kv()
-    on_two = model.decode_tokens(tokens, pos, meta, c, runner.backend, head_threads=2)
-    assert on_two is not None and on_two[1:] == ([], [])  # no argmax asked, none drawn
+    on_two = model.decode_tokens(tokens, step, head_threads=2)
+    assert on_two[1:] == ([], [])  # no argmax asked, none drawn
     assert torch.equal(on_two[0], logits)
     hidden = model(torch.tensor(tokens), pos, meta, c, runner.backend)
     want = model.compute_logits(hidden)
