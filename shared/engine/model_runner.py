@@ -144,7 +144,6 @@ class ModelRunner:
         with threads(self.head_threads):  # each logit by one thread: the same on any count
             return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
     def run_ahead(
         self,
         batch: Batch,
@@ -156,7 +155,9 @@ class ModelRunner:
         each sequence's row is `tokens[i]`, drawn but not yet appended, at the position after
         the previous step's row, which is not yet counted in `num_computed_tokens`. On the CPU
         the whole step is one C++ call where the model can make it (LlamaModel.decode_tokens),
-        and with `argmax` (every row greedy) that call draws the rows' tokens as well."""
+        and with `argmax` (every row greedy) that call draws the rows' tokens as well; it
+        makes no tensor autograd could track, so it runs outside inference mode (whose entry
+        and exit cost ~30 us a step in caches the call has just swept)."""
         decodes = batch.scheduled
         seqs = [s.seq for s in decodes]
         prebuilt, self._prebuilt = self._prebuilt, None
@@ -167,11 +168,12 @@ class ModelRunner:
                 tokens, prebuilt.whole, launched, self.head_threads, argmax
             )
             return StepOutput(seqs, logits, argmax=(drawn, logprobs) if argmax else None)
-        (ids,) = upload([(tokens, torch.long)], self.device)
-        hidden = self.model(
-            ids, prebuilt.pos, prebuilt.meta, self.cache, self.backend, None, launched
-        )
-        return StepOutput(seqs, self._logits(hidden))
+        with torch.inference_mode():
+            (ids,) = upload([(tokens, torch.long)], self.device)
+            hidden = self.model(
+                ids, prebuilt.pos, prebuilt.meta, self.cache, self.backend, None, launched
+            )
+            return StepOutput(seqs, self._logits(hidden))
 
     def prebuild_ahead(self, batch: Batch) -> None:
         """The inputs of the next `run_ahead(batch, ...)` but its tokens, made while a model
