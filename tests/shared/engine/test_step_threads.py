@@ -47,6 +47,16 @@ def test_the_choice_follows_the_machine_when_it_changes() -> None:
     assert drive(chooser, 2, {1: 0.012, 2: 0.009}, EXPLORE).count(1) == 1  # the retry
 
 
+def test_a_preempted_step_does_not_hand_the_next_steps_to_the_slower_count() -> None:
+    """A step on every core that was preempted once (three times the usual time) leaves the
+    choice as it was: the median of the latest steps decides, not one step."""
+    chooser = StepThreads(2)
+    drive(chooser, 1, {1: 0.009, 2: 0.0065}, 2 * WARMUP + 3)
+    assert chooser.preferred() == {0: 2}
+    chooser.record(1, 2, 0.02)  # preempted: slower than one thread's steps
+    assert drive(chooser, 1, {1: 0.009, 2: 0.0065}, EXPLORE - 1).count(1) <= 1  # the retry
+
+
 def test_size_classes_are_apart_and_large_steps_use_every_thread() -> None:
     chooser = StepThreads(2)
     drive(chooser, 1, {1: 0.004, 2: 0.009}, 2 * WARMUP + 1)
