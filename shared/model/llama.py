@@ -242,12 +242,9 @@ class LlamaModel(nn.Module):
         if self.decoder_weights is None or head is None or not isinstance(first, DecoderLayer):
             return None
         norm = first.input_norm.weight.data
+        embed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
         if self.embed is not None and self.embed.dtype == torch.float32:
-            embed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] = (
-                self.embed.data,
-                None,
-                None,
-            )
+            embed = (self.embed.data, None, None)
         elif self.embed_blocks is not None and self.embed_blocks.weight is None:
             embed = (self.embed_blocks.q, self.embed_blocks.d, self.embed_blocks.m)
         else:
@@ -260,25 +257,26 @@ class LlamaModel(nn.Module):
         """decode_model's object for `cache` (made once for the cache the steps use)."""
         if self._bound is None or self._bound[0] is not cache:
             assert self.token_weights is not None
-            c = self.config
-            first = self.layers[0]
-            assert isinstance(first, DecoderLayer)
-            scales = (cache.k_scale, cache.v_scale) if cache.k_scale[0] is not None else ([], [])
             bound = cpu_decode_step.decode_model(
-                *self.token_weights,
-                self.decoder_weights,
-                cache.k,
-                cache.v,
-                *scales,
-                c.num_heads,
-                c.num_kv_heads,
-                c.head_dim,
-                c.intermediate_size,
-                first.attn.scale,
-                c.rms_norm_eps,
+                *self.token_weights, self.decoder_weights, *_cache_args(cache), *self._shapes()
             )
             self._bound = (cache, bound)
         return self._bound[1]
+
+    def _shapes(self) -> tuple[int, int, int, int, float, float]:
+        """The model's shapes as the C++ decode step takes them: heads, KV heads, head size,
+        MLP width, attention scale, norm epsilon."""
+        c = self.config
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
+        return (
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            first.attn.scale,
+            c.rms_norm_eps,
+        )
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] in the model's dtype."""
@@ -357,28 +355,18 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         weights = self.decoder_weights
         assert weights is not None
-        c = self.config
-        first = self.layers[0]
-        assert isinstance(first, DecoderLayer)
         return cpu_decode_step.decode_layers(
             x,
             h,
             weights,
-            cache.k,
-            cache.v,
-            *((cache.k_scale, cache.v_scale) if cache.k_scale[0] is not None else ([], [])),
+            *_cache_args(cache),
             rope.positions,
             rope.cos_table,
             rope.sin_table,
             meta.slot_mapping,
             meta.decode_block_tables,
             meta.decode_context_lens,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.intermediate_size,
-            first.attn.scale,
-            c.rms_norm_eps,
+            *self._shapes(),
         )
 
     def whole_step(
@@ -422,3 +410,11 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in float32."""
         return self.lm_head(hidden).float()
+
+
+def _cache_args(cache: PagedKV) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    """The KV cache as the C++ decode step takes it: every layer's K and V, and their scales
+    (empty lists for an fp32 cache)."""
+    if cache.k_scale[0] is None:
+        return cache.k, cache.v, [], []
+    return cache.k, cache.v, cache.k_scale, cache.v_scale
