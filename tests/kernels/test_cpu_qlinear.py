@@ -241,3 +241,28 @@ def test_the_float_path_gives_the_integer_kernels_results(fmt: str, shape: tuple
 def test_other_inputs_are_not_for_the_kernel() -> None:
     packed = cpu_qlinear.pack(random_blocks("q8_0", 16, 32, seed=4), "q8_0")
     assert cpu_qlinear.linear(torch.randn(2, 32, dtype=torch.bfloat16), packed, 16) is None
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_every_panel_is_computed_on_any_thread_count(fmt: str) -> None:
+    """Threads stream ranges of panels and take what is left of the others'; on any count,
+    fewer panels than threads included, every output column is the one-thread result."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    try:
+        for n in (7, 48 * 3 + 5, 48 * 13):  # from less than one panel to many
+            packed = cpu_qlinear.pack(random_blocks(fmt, n, 256, seed=n), fmt)
+            x = torch.randn(3, 256)
+            torch.set_num_threads(1)
+            want = cpu_qlinear.linear(x, packed, n)
+            for threads in (2, 3, 5):
+                torch.set_num_threads(threads)
+                for _ in range(3):
+                    # a freed block of NaN for the output: a column no thread wrote shows
+                    del_me = torch.full((3, n), float("nan"))
+                    del del_me
+                    got = cpu_qlinear.linear(x, packed, n)
+                    assert got is not None and want is not None
+                    assert torch.equal(got, want), (n, threads)
+    finally:
+        torch.set_num_threads(before)
