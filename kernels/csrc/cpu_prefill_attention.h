@@ -55,6 +55,55 @@ struct Cache {
   }
 };
 
+// VW rows of VW floats (row j at src + j * ld) transposed: column c to dst + c * ldd. Three
+// rounds of shuffles (32-bit pairs, 64-bit pairs, 128-bit lanes), no scalar moves.
+static inline __attribute__((always_inline)) void transpose_block(const float* src, int64_t ld,
+                                                                  float* dst, int64_t ldd) {
+#if VW == 16
+  __m512 r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(src + j * ld);
+  for (int i = 0; i < 8; ++i) {  // t[2i] lane L: r2i[4L], r2i+1[4L], r2i[4L+1], r2i+1[4L+1]
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 4; ++i) {  // r[4i + k] lane L: column 4L + k of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+    const __m512 x = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);  // lanes 0, 2 of each
+    const __m512 y = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);  // lanes 1, 3
+    const __m512 x2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+    const __m512 y2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+    _mm512_storeu_ps(dst + k * ldd, _mm512_shuffle_f32x4(x, x2, 0x88));
+    _mm512_storeu_ps(dst + (4 + k) * ldd, _mm512_shuffle_f32x4(y, y2, 0x88));
+    _mm512_storeu_ps(dst + (8 + k) * ldd, _mm512_shuffle_f32x4(x, x2, 0xDD));
+    _mm512_storeu_ps(dst + (12 + k) * ldd, _mm512_shuffle_f32x4(y, y2, 0xDD));
+  }
+#else
+  __m256 r[8], t[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src + j * ld);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m256 x) { return _mm256_castps_pd(x); };
+  for (int i = 0; i < 2; ++i) {
+    r[4 * i] = _mm256_castpd_ps(_mm256_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of r[k], r[4 + k]
+    _mm256_storeu_ps(dst + k * ldd, _mm256_permute2f128_ps(r[k], r[4 + k], 0x20));
+    _mm256_storeu_ps(dst + (4 + k) * ldd, _mm256_permute2f128_ps(r[k], r[4 + k], 0x31));
+  }
+#endif
+}
+
 // The keys t0 .. (at most KT of them, up to `last`) of KV head `kh`, possibly from two blocks,
 // into kt [D][KT] (transposed, zero past the last key) and vt [KT][D]; returns their number.
 template <int D, class T>
@@ -70,9 +119,15 @@ static inline __attribute__((always_inline)) int64_t gather_keys(
     const int64_t slot = static_cast<int64_t>(table[t / BS]) * BS + off;
     const T* kb = cache.k + slot * stride + kh * D;
     const T* vb = cache.v + slot * stride + kh * D;
+    int64_t done = 0;  // keys transposed VW at a time (fp32)
+    if constexpr (std::is_same_v<T, float>)
+      for (; done + VW <= run; done += VW)
+        for (int64_t c0 = 0; c0 < D; c0 += VW)
+          transpose_block(kb + done * stride + c0, stride, kt + c0 * KT + nt + done, KT);
     for (int64_t i = 0; i < run; ++i) {
       if constexpr (std::is_same_v<T, float>) {
-        for (int64_t c = 0; c < D; ++c) kt[c * KT + nt + i] = kb[i * stride + c];
+        if (i >= done)
+          for (int64_t c = 0; c < D; ++c) kt[c * KT + nt + i] = kb[i * stride + c];
         std::memcpy(vt + (nt + i) * D, vb + i * stride, D * sizeof(float));
       } else {
         const float sk = cache.ks[(slot + i) * KVH + kh], sv = cache.vs[(slot + i) * KVH + kh];
