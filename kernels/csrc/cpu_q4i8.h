@@ -94,9 +94,9 @@ typedef __m256i vq;
 constexpr int TR = 2;
 #endif
 // The weights stream from memory once a step: each block asks for the block PREFETCH blocks on
-// into L2 (prefetcht1). Into L1 and 8 blocks on (the hardware's prefetcher alone left one-row
-// calls at ~60% of that speed), a step's 121 one-row calls ran ~25% slower: L1's misses in
-// flight are too few to cover memory's latency that far ahead.
+// into L2 (prefetcht1). With the hardware's prefetcher alone one-row calls ran at ~60% of the
+// speed of asking 8 blocks on into L1, and that at ~80% of this: L1 holds too few misses in
+// flight to cover memory's latency that far ahead.
 constexpr int64_t PREFETCH = 16;
 static inline __attribute__((always_inline)) void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
@@ -404,7 +404,7 @@ static inline int64_t take_panel(PanelRange& r) {
 
 // fn(p) for every panel p < P. Each thread streams one contiguous range of panels, so that the
 // weights come from memory as one sequential run per thread (where threads took runs of two
-// panels in turn, a decode step's one-row calls took ~25% longer); a thread done with its own
+// panels in turn, a decode step's one-row calls took 25-30% longer); a thread done with its own
 // takes panels from the back of the others' (a thread that loses its core leaves the rest).
 template <class F>
 static void each_panel(int64_t P, F&& fn) {
