@@ -119,11 +119,22 @@ static inline __attribute__((always_inline)) int64_t gather_keys(
     const int64_t slot = static_cast<int64_t>(table[t / BS]) * BS + off;
     const T* kb = cache.k + slot * stride + kh * D;
     const T* vb = cache.v + slot * stride + kh * D;
-    int64_t done = 0;  // keys transposed VW at a time (fp32)
-    if constexpr (std::is_same_v<T, float>)
-      for (; done + VW <= run; done += VW)
+    int64_t done = 0;  // keys transposed VW at a time; the rest one by one
+    for (; done + VW <= run; done += VW) {
+      if constexpr (std::is_same_v<T, float>) {
         for (int64_t c0 = 0; c0 < D; c0 += VW)
           transpose_block(kb + done * stride + c0, stride, kt + c0 * KT + nt + done, KT);
+      } else {  // dequantized row by row as below, then transposed
+        alignas(64) float rows[VW * D];
+        for (int64_t i = 0; i < VW; ++i) {
+          const float sk = cache.ks[(slot + done + i) * KVH + kh];
+          for (int64_t c = 0; c < D; ++c)
+            rows[i * D + c] = cache.value(kb[(done + i) * stride + c]) * sk;
+        }
+        for (int64_t c0 = 0; c0 < D; c0 += VW)
+          transpose_block(rows + c0, D, kt + c0 * KT + nt + done, KT);
+      }
+    }
     for (int64_t i = 0; i < run; ++i) {
       if constexpr (std::is_same_v<T, float>) {
         if (i >= done)
@@ -131,7 +142,9 @@ static inline __attribute__((always_inline)) int64_t gather_keys(
         std::memcpy(vt + (nt + i) * D, vb + i * stride, D * sizeof(float));
       } else {
         const float sk = cache.ks[(slot + i) * KVH + kh], sv = cache.vs[(slot + i) * KVH + kh];
-        for (int64_t c = 0; c < D; ++c) kt[c * KT + nt + i] = cache.value(kb[i * stride + c]) * sk;
+        if (i >= done)
+          for (int64_t c = 0; c < D; ++c)
+            kt[c * KT + nt + i] = cache.value(kb[i * stride + c]) * sk;
         for (int64_t c = 0; c < D; ++c) vt[(nt + i) * D + c] = cache.value(vb[i * stride + c]) * sv;
       }
     }
