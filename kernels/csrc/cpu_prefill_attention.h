@@ -120,20 +120,22 @@ static inline __attribute__((always_inline)) int64_t gather_keys(
     const T* kb = cache.k + slot * stride + kh * D;
     const T* vb = cache.v + slot * stride + kh * D;
     int64_t done = 0;  // keys transposed VW at a time; the rest one by one
+    alignas(64) float rows[VW * D];  // VW keys dequantized row by row as below (int8, fp8)
     for (; done + VW <= run; done += VW) {
+      const float* src = rows;  // the VW keys as fp32 rows, `ld` apart
+      int64_t ld = D;
       if constexpr (std::is_same_v<T, float>) {
-        for (int64_t c0 = 0; c0 < D; c0 += VW)
-          transpose_block(kb + done * stride + c0, stride, kt + c0 * KT + nt + done, KT);
-      } else {  // dequantized row by row as below, then transposed
-        alignas(64) float rows[VW * D];
+        src = kb + done * stride;
+        ld = stride;
+      } else {
         for (int64_t i = 0; i < VW; ++i) {
           const float sk = cache.ks[(slot + done + i) * KVH + kh];
           for (int64_t c = 0; c < D; ++c)
             rows[i * D + c] = cache.value(kb[(done + i) * stride + c]) * sk;
         }
-        for (int64_t c0 = 0; c0 < D; c0 += VW)
-          transpose_block(rows + c0, D, kt + c0 * KT + nt + done, KT);
       }
+      for (int64_t c0 = 0; c0 < D; c0 += VW)
+        transpose_block(src + c0, ld, kt + c0 * KT + nt + done, KT);
     }
     for (int64_t i = 0; i < run; ++i) {
       if constexpr (std::is_same_v<T, float>) {
