@@ -3,9 +3,12 @@ fastest kernel for it reads (see `Linear`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from kvserve.kernels import cpu_linear, cpu_qlinear
+from kvserve.shared.model import huge_pages
 from kvserve.shared.model.quantized import LinearWeight, QuantizedWeight, StackedBlocks
 from torch import nn
 
@@ -95,6 +98,20 @@ class Linear(nn.Module):
             return self.qparts
         return None if self.panels is None else [(self.panels, self.out_features)]
 
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        """The tensors this machine's kernels read for a matmul (the quantized parts' panels,
+        or the fp32 panels; none where oneDNN or F.linear computes it), in the order read."""
+        if self.qparts:
+            return [p for p, _ in self.qparts]
+        return [] if self.panels is None else [self.panels]
+
+    def use_copies(self, copies: Sequence[torch.Tensor]) -> None:
+        """Read `copies` of `kernel_tensors()` (the same values) in their place from now."""
+        if self.qparts:
+            self.qparts = [(c, n) for c, (_, n) in zip(copies, self.qparts, strict=True)]
+        elif self.panels is not None:
+            (self.panels,) = copies
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != self.compute_dtype:
@@ -117,3 +134,24 @@ class Linear(nn.Module):
             assert self.weight is not None, "no matmul path for this input"
             y = F.linear(x, self.weight)
         return y if y.dtype == dtype else y.to(dtype)
+
+
+def gather_on_huge_pages(layers: Sequence[Linear]) -> None:
+    """Every layer's kernel tensors moved into one huge_pages mapping, in the order given (a
+    decode step's, so that a step walks the mapping front to back), layer by layer (each
+    layer's old tensors are freed as it takes its copies); nothing where some are not on the
+    CPU."""
+    tensors = [t for layer in layers for t in layer.kernel_tensors()]
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return
+    memory = huge_pages.mapping(
+        sum(huge_pages.aligned(t.numel() * t.element_size()) for t in tensors)
+    )
+    del tensors
+    offset = 0
+    for layer in layers:
+        copies = []
+        for t in layer.kernel_tensors():
+            copies.append(huge_pages.place(memory, offset, t))
+            offset += huge_pages.aligned(t.numel() * t.element_size())
+        layer.use_copies(copies)

@@ -19,7 +19,7 @@ from kvserve.kernels import cpu_decode_step, cpu_ops
 from kvserve.kernels.backend import AttentionBackend
 from kvserve.shared.config import ModelConfig
 from kvserve.shared.model.attention import AttentionMetadata, OutputRows, PagedKV
-from kvserve.shared.model.linear import Linear
+from kvserve.shared.model.linear import Linear, gather_on_huge_pages
 from kvserve.shared.model.quantized import BlockRows, QuantizedWeight, Weight, expand, fuse
 from kvserve.shared.model.rope import Rope, RotaryEmbedding
 from torch import nn
@@ -200,6 +200,7 @@ class LlamaModel(nn.Module):
             lm_head = embed
         self.lm_head = Linear(lm_head, matmul_dtype)
         self.rope = RotaryEmbedding(config)
+        gather_on_huge_pages([*self._linears(), self.lm_head])
         self.decoder_weights = self._decoder_weights()
         self.token_weights = self._token_weights()
         self._bound: tuple[PagedKV, Any] | None = None  # (the cache, its decode_model object)
@@ -210,6 +211,15 @@ class LlamaModel(nn.Module):
         """Whether some linear layer computes on int8 activations (its K/V then differ from
         the fp32 expansion's)."""
         return any(m.int8_activations for m in self.modules() if isinstance(m, Linear))
+
+    def _linears(self) -> list[Linear]:
+        """The layers' linear layers in the order a forward pass runs them."""
+        return [
+            linear
+            for layer in self.layers
+            if isinstance(layer, DecoderLayer)
+            for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
+        ]
 
     def _decoder_weights(self) -> Any | None:
         """Each layer's weights as kernels.cpu_decode_step takes them (the fused QKV and gate/up

@@ -14,7 +14,6 @@ import errno
 import functools
 import logging
 import math
-import mmap
 import os
 import sys
 import threading
@@ -25,6 +24,7 @@ from typing import cast
 import torch
 from kvserve.kernels import cpu_ops
 from kvserve.shared.config import POPULATE_MODES, ModelConfig
+from kvserve.shared.model import huge_pages
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
 
 log = logging.getLogger(__name__)
@@ -55,21 +55,13 @@ _POPULATE_CHUNK = 64 << 20
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """torch.zeros, except that on the CPU the memory is a fresh private anonymous mapping on
-    transparent huge pages (where the kernel offers them), not yet resident: `make_resident` makes
-    it so. A cache populated ahead of use reserves its memory as a GPU server reserves its KV
-    memory, and no step waits for the kernel to fault in the pages of the blocks it writes."""
+    """torch.zeros, except that on the CPU the memory is a fresh mapping on transparent huge
+    pages (huge_pages.mapping), not yet resident: `make_resident` makes it so. A cache populated
+    ahead of use reserves its memory as a GPU server reserves its KV memory, and no step waits
+    for the kernel to fault in the pages of the blocks it writes."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # Private (not mmap's default shared mapping, which a forked child would share). The tensor
-    # holds a reference to the mapping: it is unmapped when the tensor is freed.
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+    return huge_pages.mapping(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 @functools.cache
