@@ -183,6 +183,7 @@ static inline __attribute__((always_inline)) vq combine(vq q, vq r) {
 // and the float kernels round the same way whatever -ffast-math would do with the expression.
 static inline __attribute__((always_inline)) vf flush(vf acc, vf sum, vf dw, vf m, float dx,
                                                       float sx) {
+  asm("" : "+v"(dw));  // a product itself (a super-block's d sc): not reassociated with dx
   vf f = dw * dx;
   asm("" : "+v"(f), "+v"(sum), "+v"(acc));
 #if VW == 16
@@ -219,6 +220,20 @@ static inline __attribute__((always_inline)) void store_words(int16_t* p, vi v) 
 #endif
 }
 
+// The sum of v's lanes (exact: integers).
+static inline __attribute__((always_inline)) int hsum_int(vi v) {
+#if VW == 16
+  const __m256i a = _mm256_add_epi32(_mm512_castsi512_si256((__m512i)v),
+                                     _mm512_extracti64x4_epi64((__m512i)v, 1));
+#else
+  const __m256i a = (__m256i)v;
+#endif
+  __m128i b = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  b = _mm_add_epi32(b, _mm_shuffle_epi32(b, _MM_SHUFFLE(1, 0, 3, 2)));
+  b = _mm_add_epi32(b, _mm_shuffle_epi32(b, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(b);
+}
+
 static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out,
                           bool floats, bool words = false) {
   constexpr int BV = QK / VW;  // vectors per block
@@ -237,8 +252,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
         const vf a = (vf)((vi)xv[v] & 0x7fffffff);
         amax = amax > a ? amax : a;
       }
-      float am = 0.f;
-      for (int l = 0; l < VW; ++l) am = std::max(am, amax[l]);
+      const float am = hmax(amax);
       const float d = am / 127.f, id = d > 0.f ? 1.f / d : 0.f;
       vi sum{};
       for (int v = 0; v < BV; ++v) {
@@ -253,10 +267,8 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
         if (floats) storev(out.X.data() + i + v * VW, 256.f * q + res);
         if (words) store_words(out.X16.data() + i + v * VW, 256 * qi + ri);
       }
-      int total = 0;
-      for (int l = 0; l < VW; ++l) total += sum[l];
       out.dx[i / QK] = d / 256.f;
-      out.s[i / QK] = d / 256.f * static_cast<float>(total);
+      out.s[i / QK] = d / 256.f * static_cast<float>(hsum_int(sum));
     }
   });
 }
@@ -409,7 +421,10 @@ static inline int64_t take_panel(PanelRange& r) {
 template <class F>
 static void each_panel(int64_t P, F&& fn) {
   const int64_t T = std::min<int64_t>(at::get_num_threads(), P);
-  std::vector<PanelRange> ranges(T);
+  constexpr int64_t ON_STACK = 16;  // a call's range words: on the stack for up to 16 threads
+  PanelRange stack[ON_STACK];
+  std::vector<PanelRange> heap(T > ON_STACK ? T : 0);
+  PanelRange* ranges = T > ON_STACK ? heap.data() : stack;
   for (int64_t t = 0; t < T; ++t) ranges[t].ends.store(range_of(t * P / T, (t + 1) * P / T));
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -428,7 +443,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t f
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const bool floats = float_rows >= 0 && M >= float_rows;
-  QuantizedRows xq;
+  // The calling thread's buffers, reused (no allocation a call), named by a reference: the
+  // parallel region's threads must read the caller's, not their own thread_local ones.
+  thread_local QuantizedRows buffers;
+  QuantizedRows& xq = buffers;
   quantize_rows(x.data_ptr<float>(), M, K, xq, floats);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
