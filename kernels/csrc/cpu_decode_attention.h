@@ -28,16 +28,6 @@ struct Rows {
       : H(h), G(g), h0(first), q(rows), acc(rows * d, 0.f), m(rows, -FLT_MAX), l(rows, 0.f) {}
 };
 
-// Share `it` of `iters` of the next block's `nlines` 64-byte lines of K and V, towards L2.
-static inline __attribute__((always_inline)) void prefetch_share(const void* nk, const void* nv,
-                                                                 int64_t it, int64_t iters,
-                                                                 int64_t nlines) {
-  for (int64_t i = it * nlines / iters; i < (it + 1) * nlines / iters; ++i) {
-    __builtin_prefetch(static_cast<const char*>(nk) + 64 * i, 0, 2);
-    __builtin_prefetch(static_cast<const char*>(nv) + 64 * i, 0, 2);
-  }
-}
-
 // VW cached values as floats: fp32 as they are, int8 widened (their row's scale applies after).
 static inline __attribute__((always_inline)) vf load_kv(const float* p) { return loadv(p); }
 static inline __attribute__((always_inline)) vf load_kv(const int8_t* p) {
@@ -77,71 +67,102 @@ static inline __attribute__((always_inline)) vf load_kv(const E4M3* p) {
 #endif
 }
 
+// Prefetches of the lines [next, next + per) of a block's `nlines`, K's and V's, towards L2;
+// `next` moves on.
+static inline __attribute__((always_inline)) void prefetch_next(const void* nk, const void* nv,
+                                                                int64_t& next, int64_t per,
+                                                                int64_t nlines) {
+  const int64_t end = std::min(next + per, nlines);
+  for (int64_t i = next; i < end; ++i) {
+    __builtin_prefetch(static_cast<const char*>(nk) + 64 * i, 0, 2);
+    __builtin_prefetch(static_cast<const char*>(nv) + 64 * i, 0, 2);
+  }
+  next = end;
+}
+
+// Row r of st attends to the chunk's nt tokens from t0 (kc, vc: their K and V, all KV heads):
+// its VW scores as one vector, the online-softmax update, then the VW V rows added into the
+// row's accumulator, all in registers. FULL: nt == VW, the loops' bounds known to the compiler
+// (unrolled, the scores' vectors in registers); the same operations either way.
+template <int D, class T, bool FULL>
+static inline __attribute__((always_inline)) void attend_row(Rows& st, int64_t r, const T* kc,
+                                                             const T* vc, const float* ksb,
+                                                             const float* vsb, int64_t t0,
+                                                             int64_t nt_, int64_t stride,
+                                                             int64_t KVH, float sc, vf lane) {
+  constexpr int NC = D / VW;
+  constexpr bool SCALED = !std::is_same_v<T, float>;
+  const int64_t nt = FULL ? VW : nt_;
+  const int64_t kvh = (st.h0 + r % st.H) / st.G, off = kvh * D;
+  const float* qr = st.q[r];
+  vf a[VW];
+#pragma GCC unroll 16
+  for (int t = 0; t < VW; ++t) {
+    a[t] = vf{};
+    if (t < nt) {
+      const T* kt = kc + t * stride + off;
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) a[t] = fmadd(loadv(qr + VW * c), load_kv(kt + VW * c), a[t]);
+    }
+  }
+  vf s = reducev(a) * sc;
+  vf vscale{};
+  if constexpr (SCALED) {
+    vf kscale{};
+    for (int t = 0; t < nt; ++t) {
+      kscale[t] = ksb[(t0 + t) * KVH + kvh];
+      vscale[t] = vsb[(t0 + t) * KVH + kvh];
+    }
+    s *= kscale;
+  }
+  if constexpr (!FULL) s = lane < static_cast<float>(nt) ? s : vf{} - FLT_MAX;  // no infinities
+  const float mx = std::max(st.m[r], hmax(s));
+  const float alpha = std::exp(st.m[r] - mx);
+  const vf p = vexp_neg(s - mx);
+  st.l[r] = st.l[r] * alpha + hsum(p);
+  st.m[r] = mx;
+  const vf pv = SCALED ? p * vscale : p;
+  float* ar = st.acc.data() + r * D;
+  vf o[NC];
+  for (int c = 0; c < NC; ++c) o[c] = loadv(ar + VW * c) * alpha;
+#pragma GCC unroll 16
+  for (int t = 0; t < nt; ++t) {
+    const T* vt = vc + t * stride + off;
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) o[c] = fmadd(vf{} + pv[t], load_kv(vt + VW * c), o[c]);
+  }
+  for (int c = 0; c < NC; ++c) storev(ar + VW * c, o[c]);
+}
+
 // The rows of sequences [j0, j1) attend to the n tokens of one block (K and V of token t at
 // kb + t * stride, all KV heads; an int8 cache's scales of token t at ksb + t * KVH, one per KV
-// head, fp32 caches none), VW tokens at a time: each row's VW scores as one vector, the
-// online-softmax update, then the VW V rows added into the row's accumulator, all in
-// registers. D floats per head. An int8 row's dot products are scaled by its K scale, and its
-// softmax weights by the V scales before V is added: the reference's dequantized products,
-// factored. Not inlined: every row is computed by the same instructions wherever it is called
-// from and whatever rows share the call (batch independence); rows never interact. One loop
-// nest rather than steps, so that a row's scores, softmax state and output vectors stay in
-// registers through it.
+// head, fp32 caches none), VW tokens at a time (attend_row), while the next block (nk, nv:
+// nlines 64-byte lines each, none for nullptr) is prefetched a share per row. An int8 row's
+// dot products are scaled by its K scale, and its softmax weights by the V scales before V is
+// added: the reference's dequantized products, factored. Not inlined: every row is computed by
+// the same instructions wherever it is called from and whatever rows share the call (batch
+// independence); rows never interact.
 template <int D, class T>
 static __attribute__((noinline)) void attend_block(Rows& st, int64_t j0, int64_t j1,
                                                    const T* kb, const T* vb, const float* ksb,
                                                    const float* vsb, int64_t n, int64_t stride,
                                                    int64_t KVH, float sc, const T* nk,
                                                    const T* nv, int64_t nlines) {
-  constexpr int NC = D / VW;
-  constexpr bool SCALED = !std::is_same_v<T, float>;
-  const int64_t H = st.H, G = st.G, h0 = st.h0;
+  const int64_t H = st.H;
   const int64_t iters = (n + VW - 1) / VW * (j1 - j0) * H;
-  int64_t it = 0;
+  const int64_t per = (nlines + iters - 1) / iters;  // lines to prefetch a row
+  int64_t next = 0;
   const vf lane = lanes();
   for (int64_t t0 = 0; t0 < n; t0 += VW) {
     const int64_t nt = std::min<int64_t>(VW, n - t0);
     const T* kc = kb + t0 * stride;
     const T* vc = vb + t0 * stride;
-    for (int64_t j = j0; j < j1; ++j) {
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t r = j * H + h, kvh = (h0 + h) / G, off = kvh * D;
-        if (nk != nullptr) prefetch_share(nk, nv, it++, iters, nlines);
-        const float* qr = st.q[r];
-        vf a[VW];
-        for (int t = 0; t < VW; ++t) {
-          a[t] = vf{};
-          if (t < nt) {
-            const T* kt = kc + t * stride + off;
-            for (int c = 0; c < NC; ++c) a[t] += loadv(qr + VW * c) * load_kv(kt + VW * c);
-          }
-        }
-        vf s = reducev(a) * sc;
-        vf vscale{};
-        if constexpr (SCALED) {
-          vf kscale{};
-          for (int t = 0; t < nt; ++t) {
-            kscale[t] = ksb[(t0 + t) * KVH + kvh];
-            vscale[t] = vsb[(t0 + t) * KVH + kvh];
-          }
-          s *= kscale;
-        }
-        s = lane < static_cast<float>(nt) ? s : vf{} - FLT_MAX;  // -ffast-math: no infinities
-        const float mx = std::max(st.m[r], hmax(s));
-        const float alpha = std::exp(st.m[r] - mx);
-        const vf p = vexp_neg(s - mx);
-        st.l[r] = st.l[r] * alpha + hsum(p);
-        st.m[r] = mx;
-        const vf pv = SCALED ? p * vscale : p;
-        float* ar = st.acc.data() + r * D;
-        vf o[NC];
-        for (int c = 0; c < NC; ++c) o[c] = loadv(ar + VW * c) * alpha;
-        for (int t = 0; t < nt; ++t) {
-          const T* vt = vc + t * stride + off;
-          for (int c = 0; c < NC; ++c) o[c] += pv[t] * load_kv(vt + VW * c);
-        }
-        for (int c = 0; c < NC; ++c) storev(ar + VW * c, o[c]);
-      }
+    for (int64_t r = j0 * H; r < j1 * H; ++r) {
+      if (nk != nullptr) prefetch_next(nk, nv, next, per, nlines);
+      if (nt == VW)
+        attend_row<D, T, true>(st, r, kc, vc, ksb, vsb, t0, nt, stride, KVH, sc, lane);
+      else
+        attend_row<D, T, false>(st, r, kc, vc, ksb, vsb, t0, nt, stride, KVH, sc, lane);
     }
   }
 }

@@ -109,6 +109,16 @@ static inline __attribute__((always_inline)) vf reducev(vf* a) {
 #endif
 }
 
+// a * b + c rounded once: an explicit FMA, which -ffast-math cannot reassociate, so that loops
+// whose trip counts the compiler does or does not know compute the same bits.
+static inline __attribute__((always_inline)) vf fmadd(vf a, vf b, vf c) {
+#if VW == 16
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+}
+
 static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 // Each lane rounded to the nearest integer, ties to even (exact, whatever -ffast-math does).
