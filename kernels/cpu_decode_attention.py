@@ -11,8 +11,8 @@ Each query row takes a block VW tokens at a time (the machine's vector width, cs
 16 with AVX-512, 8 with AVX2) with everything in registers: VW dot products reduced together
 into one vector of scores (a transpose-reduce, not VW horizontal sums), a vectorized exp for
 the online softmax, then the VW V rows accumulated; a full chunk of VW tokens runs with its loops
-unrolled, and every product is an explicit FMA, so that a block's last, partial chunk rounds as
-a full one would. While it works on one block it prefetches
+unrolled, and every product is an explicit FMA, which -ffast-math cannot reassociate differently
+in the unrolled and the general version. While it works on one block it prefetches
 the sequence's next block (whose address the hardware prefetcher cannot guess: blocks are
 scattered), a slice per query row. Figures: docs/benchmarks.md (CPU kernels).
 

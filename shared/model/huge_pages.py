@@ -5,7 +5,7 @@ A batch-1 decode step reads every weight once (96 MB for the default model) in ~
 of 0.2-1 MB. On 4 KiB pages each 4 KiB of them is a TLB miss and a page walk, and the
 hardware prefetcher stops at every page's end; on 2 MiB pages neither happens. The model's
 linear layers chained at one row read their weights ~11% faster from one huge-page mapping
-than from torch's allocations (docs/benchmarks.md, "Huge pages").
+than from torch's allocations (docs/benchmarks.md, "Huge pages and a call's fixed cost").
 
 Where the kernel offers no transparent huge pages (disabled, or not Linux) the memory is the
 same mapping on ordinary pages: nothing else changes.
