@@ -13,13 +13,24 @@ same mapping on ordinary pages: nothing else changes.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import mmap
-from collections.abc import Sequence
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 ALIGN = 64  # each gathered tensor starts on a cache line
+# Linux's madvise(2) advice "fault every page in, writable, now" (5.14+; Python 3.11's mmap
+# module predates its constant).
+MADV_POPULATE_WRITE = 23
+_POPULATE_CHUNK = 64 << 20
 
 
 def mapping(nbytes: int) -> torch.Tensor:
@@ -50,6 +61,49 @@ def advise_huge_pages(region: mmap.mmap) -> bool:
     return True
 
 
+@functools.cache
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """madvise(2) through ctypes, which releases the GIL for the call (mmap.madvise holds it,
+    and populating gigabytes takes seconds)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int], int], fn)
+
+
+def make_resident(tensors: Sequence[torch.Tensor], stop: threading.Event | None = None) -> bool:
+    """Fault in the CPU tensors' pages, writable, 64 MiB per call (`stop` ends it between
+    calls), never changing what they hold. False where the kernel lacks MADV_POPULATE_WRITE;
+    MemoryError where the memory is not there."""
+    madvise = _libc_madvise()
+    if madvise is None:
+        return False
+    for t in tensors:
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        flat = t.view(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), _POPULATE_CHUNK):
+            if stop is not None and stop.is_set():
+                return True
+            chunk = flat[start : start + _POPULATE_CHUNK]
+            if madvise(chunk.data_ptr(), chunk.numel(), MADV_POPULATE_WRITE):
+                err = ctypes.get_errno()
+                if err == errno.EINVAL:  # an older kernel
+                    return False
+                raise MemoryError(f"cannot reserve memory: {os.strerror(err)}")
+    return True
+
+
+def resident(memory: torch.Tensor) -> torch.Tensor:
+    """`memory` (a `mapping`) made resident in one call where the kernel can, before it is
+    written: faulted in while being copied into, a 96 MB mapping took ~150 ms on huge pages,
+    populated first 12 ms plus 8 ms of copy (`xeon-167`)."""
+    make_resident([memory])
+    return memory
+
+
 def aligned(nbytes: int) -> int:
     """`nbytes` rounded up to whole cache lines: the room a tensor takes in a gathered mapping."""
     return -(-nbytes // ALIGN) * ALIGN
@@ -68,7 +122,7 @@ def place(memory: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
 def gather(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of the contiguous CPU `tensors` in one `mapping`, each starting on a cache line,
     in order (a step that reads them in this order walks the mapping front to back)."""
-    memory = mapping(sum(aligned(t.numel() * t.element_size()) for t in tensors))
+    memory = resident(mapping(sum(aligned(t.numel() * t.element_size()) for t in tensors)))
     copies, offset = [], 0
     for t in tensors:
         copies.append(place(memory, offset, t))

@@ -144,9 +144,8 @@ def gather_on_huge_pages(layers: Sequence[Linear]) -> None:
     tensors = [t for layer in layers for t in layer.kernel_tensors()]
     if not tensors or any(t.device.type != "cpu" for t in tensors):
         return
-    memory = huge_pages.mapping(
-        sum(huge_pages.aligned(t.numel() * t.element_size()) for t in tensors)
-    )
+    nbytes = sum(huge_pages.aligned(t.numel() * t.element_size()) for t in tensors)
+    memory = huge_pages.resident(huge_pages.mapping(nbytes))
     del tensors
     offset = 0
     for layer in layers:

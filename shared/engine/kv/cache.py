@@ -9,22 +9,18 @@ dtype; for int8 / fp8 also per-(token, head) float32 scales [num_blocks, block_s
 from __future__ import annotations
 
 import atexit
-import ctypes
-import errno
-import functools
 import logging
 import math
 import os
-import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
-from typing import cast
+from collections.abc import Sequence
 
 import torch
 from kvserve.kernels import cpu_ops
 from kvserve.shared.config import POPULATE_MODES, ModelConfig
 from kvserve.shared.model import huge_pages
+from kvserve.shared.model.huge_pages import make_resident
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
 
 log = logging.getLogger(__name__)
@@ -48,12 +44,6 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return per_layer * config.num_layers
 
 
-# Linux's madvise(2) advice "fault every page in, writable, now" (5.14+; Python 3.11's mmap
-# module predates its constant).
-MADV_POPULATE_WRITE = 23
-_POPULATE_CHUNK = 64 << 20
-
-
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """torch.zeros, except that on the CPU the memory is a fresh mapping on transparent huge
     pages (huge_pages.mapping), not yet resident: `make_resident` makes it so. A cache populated
@@ -62,41 +52,6 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     return huge_pages.mapping(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
-
-
-@functools.cache
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    """madvise(2) through ctypes, which releases the GIL for the call (mmap.madvise holds it,
-    and populating gigabytes takes seconds)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    fn = ctypes.CDLL(None, use_errno=True).madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return cast(Callable[[int, int, int], int], fn)
-
-
-def make_resident(tensors: Sequence[torch.Tensor], stop: threading.Event | None = None) -> bool:
-    """Fault in the CPU tensors' pages, writable, 64 MiB per call (`stop` ends it between
-    calls), never changing what they hold. False where the kernel lacks MADV_POPULATE_WRITE;
-    MemoryError where the memory is not there."""
-    madvise = _libc_madvise()
-    if madvise is None:
-        return False
-    for t in tensors:
-        if t.device.type != "cpu" or t.numel() == 0:
-            continue
-        flat = t.view(-1).view(torch.uint8)
-        for start in range(0, flat.numel(), _POPULATE_CHUNK):
-            if stop is not None and stop.is_set():
-                return True
-            chunk = flat[start : start + _POPULATE_CHUNK]
-            if madvise(chunk.data_ptr(), chunk.numel(), MADV_POPULATE_WRITE):
-                err = ctypes.get_errno()
-                if err == errno.EINVAL:  # an older kernel
-                    return False
-                raise MemoryError(f"cannot reserve KV cache memory: {os.strerror(err)}")
-    return True
 
 
 def idle_priority() -> bool:
