@@ -21,11 +21,14 @@ namespace cpu_decode_attention {
 // Online-softmax state of the query rows of M sequences x H heads h0 .. h0 + H - 1 (row
 // j * H + h for head h0 + h).
 struct Rows {
-  int64_t H, G, h0;
+  int64_t H;
   std::vector<const float*> q;  // each row's query
+  std::vector<int64_t> kvh;     // each row's KV head (G query heads share one)
   std::vector<float> acc, m, l;
   Rows(int64_t rows, int64_t h, int64_t g, int64_t d, int64_t first)
-      : H(h), G(g), h0(first), q(rows), acc(rows * d, 0.f), m(rows, -FLT_MAX), l(rows, 0.f) {}
+      : H(h), q(rows), kvh(rows), acc(rows * d, 0.f), m(rows, -FLT_MAX), l(rows, 0.f) {
+    for (int64_t r = 0; r < rows; ++r) kvh[r] = (first + r % h) / g;
+  }
 };
 
 // VW cached values as floats: fp32 as they are, int8 widened (their row's scale applies after).
@@ -93,7 +96,7 @@ static inline __attribute__((always_inline)) void attend_row(Rows& st, int64_t r
   constexpr int NC = D / VW;
   constexpr bool SCALED = !std::is_same_v<T, float>;
   const int64_t nt = FULL ? VW : nt_;
-  const int64_t kvh = (st.h0 + r % st.H) / st.G, off = kvh * D;
+  const int64_t kvh = st.kvh[r], off = kvh * D;
   const float* qr = st.q[r];
   vf a[VW];
 #pragma GCC unroll 16

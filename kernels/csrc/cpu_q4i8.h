@@ -209,6 +209,14 @@ struct QuantizedRows {
   std::vector<int16_t> X16;  // [M, K]: 256 q + r, for 8-bit weights only
 };
 
+// The calling thread's QuantizedRows, reused by its every call (no allocation a call; a call
+// never nests in another on one thread). Taken as a reference before a parallel region: its
+// threads must read the caller's, not their own thread_local ones.
+static inline QuantizedRows& callers_rows() {
+  thread_local QuantizedRows rows;
+  return rows;
+}
+
 // VW int32 lanes, each within int16's range, as VW int16.
 static inline __attribute__((always_inline)) void store_words(int16_t* p, vi v) {
 #if VW == 16
@@ -443,10 +451,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t f
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const bool floats = float_rows >= 0 && M >= float_rows;
-  // The calling thread's buffers, reused (no allocation a call), named by a reference: the
-  // parallel region's threads must read the caller's, not their own thread_local ones.
-  thread_local QuantizedRows buffers;
-  QuantizedRows& xq = buffers;
+  QuantizedRows& xq = callers_rows();
   quantize_rows(x.data_ptr<float>(), M, K, xq, floats);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();

@@ -116,10 +116,7 @@ static __attribute__((noinline)) void q8_tile(const QuantizedRows& xq, int64_t r
 template <class L>
 static void run(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t N, int64_t K,
                 int64_t P) {
-  // The calling thread's buffers, reused (no allocation a call), named by a reference: the
-  // parallel region's threads must read the caller's, not their own thread_local ones.
-  thread_local QuantizedRows buffers;
-  QuantizedRows& xq = buffers;
+  QuantizedRows& xq = cpu_q4i8::callers_rows();
   cpu_q4i8::quantize_rows(xp, M, K, xq, false, true);
   const int64_t panel_bytes = K / L::K * L::BYTES * NR;
   cpu_q4i8::each_panel(P, [&](int64_t p) {

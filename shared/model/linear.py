@@ -144,13 +144,7 @@ def gather_on_huge_pages(layers: Sequence[Linear]) -> None:
     tensors = [t for layer in layers for t in layer.kernel_tensors()]
     if not tensors or any(t.device.type != "cpu" for t in tensors):
         return
-    nbytes = sum(huge_pages.aligned(t.numel() * t.element_size()) for t in tensors)
-    memory = huge_pages.resident(huge_pages.mapping(nbytes))
+    arena = huge_pages.Arena(tensors)
     del tensors
-    offset = 0
     for layer in layers:
-        copies = []
-        for t in layer.kernel_tensors():
-            copies.append(huge_pages.place(memory, offset, t))
-            offset += huge_pages.aligned(t.numel() * t.element_size())
-        layer.use_copies(copies)
+        layer.use_copies([arena.place(t) for t in layer.kernel_tensors()])

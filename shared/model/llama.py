@@ -200,7 +200,7 @@ class LlamaModel(nn.Module):
             lm_head = embed
         self.lm_head = Linear(lm_head, matmul_dtype)
         self.rope = RotaryEmbedding(config)
-        gather_on_huge_pages([*self._linears(), self.lm_head])
+        gather_on_huge_pages([*self.linears(), self.lm_head])
         self.decoder_weights = self._decoder_weights()
         self.token_weights = self._token_weights()
         self._bound: tuple[PagedKV, Any] | None = None  # (the cache, its decode_model object)
@@ -212,7 +212,7 @@ class LlamaModel(nn.Module):
         the fp32 expansion's)."""
         return any(m.int8_activations for m in self.modules() if isinstance(m, Linear))
 
-    def _linears(self) -> list[Linear]:
+    def linears(self) -> list[Linear]:
         """The layers' linear layers in the order a forward pass runs them."""
         return [
             linear

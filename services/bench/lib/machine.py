@@ -115,12 +115,7 @@ class KernelChain:
 
     @classmethod
     def of_model(cls, model: Any) -> KernelChain:
-        layers = [
-            linear
-            for layer in model.layers
-            for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
-        ]
-        return cls([*layers, model.lm_head])
+        return cls([*model.linears(), model.lm_head])
 
     @property
     def weight_bytes(self) -> int:

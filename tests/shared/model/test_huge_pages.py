@@ -84,7 +84,7 @@ def test_the_models_linear_weights_lie_in_one_mapping_in_forward_order(
     """One decode step reads them front to back (kernel tensors of the default model: the fp32
     panels, or the file's blocks where those are kept)."""
     model = LlamaModel(weights.config, weights.weights)
-    tensors = [t for linear in model._linears() for t in linear.kernel_tensors()]
+    tensors = [t for linear in model.linears() for t in linear.kernel_tensors()]
     tensors += model.lm_head.kernel_tensors()
     if not tensors:
         pytest.skip("no C++ kernels: the matmuls read oneDNN's or torch's copies")
