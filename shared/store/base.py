@@ -76,9 +76,14 @@ class BlockStore(ABC):
     async def get_many(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
         """The stored value of each hash, or None (missing, evicted, or store unavailable)."""
 
-    async def connect(self) -> None:  # noqa: B027 - most stores have nothing to open
-        """Open what the first call would otherwise open (connections), so that the first
-        lookup does not pay for it; never raises (a store that is down is found out later)."""
+    async def connect(self, read_bytes: int = 0) -> None:  # noqa: B027 - most have nothing to open
+        """Open what the first call would otherwise open (connections, and buffers for reads
+        of `read_bytes`: a chunk of `stream_views`), so that the first lookup does not pay for
+        it; never raises (a store that is down is found out later)."""
+
+    def recycle(self, values: Sequence[bytes | memoryview | None]) -> None:  # noqa: B027
+        """Hand back a chunk of `stream_views` that the caller is done with (it must not read
+        those values afterwards): a store that reads into buffers of its own reuses theirs."""
 
     async def get_views(self, hashes: Sequence[BlockHash]) -> Sequence[bytes | memoryview | None]:
         """As `get_many`, the values possibly as read-only-by-convention memoryviews of the

@@ -14,6 +14,12 @@ nothing but MGET, pipelined (`mget_chunks`); everything else, and TLS, stays wit
 a time and closed when a call on it fails or is cancelled: its stream may then be anywhere
 inside a reply. Errors: a transport failure raises redis's ConnectionError (or OSError); an
 error reply, redis's ResponseError (the connection stays usable).
+
+The replies are read into buffers the reader keeps: values a caller is done with go back with
+`recycle`, and their buffer takes a later reply. `open` can make them resident beforehand. A
+fresh buffer per reply had its pages faulted in, and zero-filled, while the reply waited: in a
+fresh engine's first load, ~2,300-3,900 faults, and 13-17 ms of the store thread's CPU per
+2,048-token load against 6-9 ms with kept buffers (docs/benchmarks.md, "Prefix store").
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 MAX_LINE = 64  # longest header line a reply to MGET may have (a bulk's "$<length>")
 MAX_VALUE_BYTES = 512 << 20  # Redis's own limit on a string value
+MAX_KEPT_BYTES = 32 << 20  # reply buffers kept for reuse, in all
 
 
 @dataclass(frozen=True)
@@ -99,12 +106,20 @@ class _Connection:
 
 
 class _Reply:
-    """One reply read into `buf` (grown, by copying, when it outruns the size hint), starting
-    with `head`: what the read of the reply before it received past its end."""
+    """One reply read into `buf` (a new one of the size hint unless given; grown, by copying,
+    when the reply outruns it), starting with `head`: what the read of the reply before it
+    received past its end."""
 
-    def __init__(self, conn: _Connection, size_hint: int, head: bytes | bytearray = b"") -> None:
+    def __init__(
+        self,
+        conn: _Connection,
+        size_hint: int,
+        head: bytes | bytearray = b"",
+        buf: bytearray | None = None,
+    ) -> None:
         self.conn = conn
-        self.buf = bytearray(max(size_hint, len(head), 256))
+        need = max(size_hint, len(head), 256)
+        self.buf = buf if buf is not None and len(buf) >= len(head) else bytearray(need)
         self.buf[: len(head)] = head
         self.filled = len(head)  # bytes received into buf
         self.pos = 0  # bytes parsed
@@ -158,10 +173,15 @@ def _error(line: bytes | bytearray) -> RedisError:
 class BulkReader:
     """MGET over connections of its own to one server (a few, kept while idle)."""
 
-    def __init__(self, endpoint: Endpoint, max_idle: int = 4) -> None:
+    def __init__(self, endpoint: Endpoint, max_idle: int = 4, max_buffers: int = 8) -> None:
+        """`max_buffers`: reply buffers kept for reuse, MAX_KEPT_BYTES at most (a pipelined
+        stream's `ahead` + 1 in reading, the rest with callers that have not recycled them
+        yet)."""
         self.endpoint = endpoint
         self.max_idle = max_idle
+        self.max_buffers = max_buffers
         self._idle: list[_Connection] = []
+        self._buffers: list[bytearray] = []
         self._bytes_per_key = 0  # the last reply's, to size the next one's buffer
 
     async def mget(self, keys: Sequence[str]) -> list[memoryview | None]:
@@ -177,13 +197,15 @@ class BulkReader:
         """One MGET per chunk, pipelined on one connection, `ahead` of them asked before their
         replies are read (the server answers them in order, one after the other, and holds at
         most `ahead` + 1 replies for this client, whose output buffers count against `maxmemory`);
-        each chunk's values as soon as its reply is in,
-        views of a buffer of its own. An error reply raises after the chunks before it were
-        yielded (the connection is kept once the rest of the replies are read); a generator
-        left before its end, or any other failure, closes the connection."""
+        each chunk's values as soon as its reply is in, views of a buffer of its own (a kept
+        one, where there is one: `recycle`). An error reply raises after the chunks before it
+        were yielded (the connection is kept once the rest of the replies are read); a
+        generator left before its last reply was read, or any other failure, closes the
+        connection."""
         conn = self._idle.pop() if self._idle else await self._connect()
         error: ResponseError | None = None
         commands = [command("MGET", *c) for c in chunks]
+        kept = False
         try:
             await conn.loop.sock_sendall(conn.sock, b"".join(commands[:ahead]))
             rest = bytearray()
@@ -191,32 +213,68 @@ class BulkReader:
                 if i + ahead < len(commands):
                     await conn.loop.sock_sendall(conn.sock, commands[i + ahead])
                 hint = (self._bytes_per_key + 16) * len(keys) + 16
-                reply = _Reply(conn, hint, rest)
+                reply = _Reply(conn, hint, rest, self._buffer(hint))
+                values: list[memoryview | None] | None = None
                 try:
                     values = await conn.read_mget(keys, reply)
                 except ResponseError as e:  # the server answered: the stream is intact
                     error = error or e
-                    rest = reply.rest()
-                    continue
                 rest = reply.rest()
-                sizes = [len(v) for v in values if v is not None]
+                sizes = [len(v) for v in values or () if v is not None]
                 if sizes:
                     self._bytes_per_key = max(sizes)
-                if error is None:
+                if i == len(chunks) - 1:  # every reply read: kept even if the caller stops here
+                    if rest:
+                        raise RedisConnectionError("data after the replies")
+                    self._keep(conn)
+                    kept = True
+                if error is None and values is not None:
                     yield values
-            if rest:
-                raise RedisConnectionError("data after the replies")
+                else:
+                    self._give(reply.buf)
         except BaseException:
-            conn.close()
+            if not kept:
+                conn.close()
             raise
-        self._keep(conn)
+        if not kept:  # no chunks
+            self._keep(conn)
         if error is not None:
             raise error
 
-    async def open(self) -> None:
-        """One connection opened now and kept idle for the next call."""
+    def recycle(self, values: Sequence[memoryview | bytes | None]) -> None:
+        """Take back the buffer of a chunk's `values` (as `mget_chunks` yielded them), for a
+        later reply to be read into: the caller must not read them afterwards."""
+        for v in values:
+            if isinstance(v, memoryview) and isinstance(v.obj, bytearray):
+                self._give(v.obj)
+                return
+
+    def _buffer(self, size: int) -> bytearray | None:
+        """A kept buffer for a reply of about `size` bytes (the largest where none holds it:
+        the reply grows it), or None."""
+        if not self._buffers:
+            return None
+        fits = [b for b in self._buffers if len(b) >= size]
+        buf = min(fits, key=len) if fits else max(self._buffers, key=len)
+        self._buffers.remove(buf)
+        return buf
+
+    def _give(self, buf: bytearray) -> None:
+        if self._room_for(len(buf)) and all(b is not buf for b in self._buffers):
+            self._buffers.append(buf)
+
+    def _room_for(self, size: int) -> bool:
+        kept = sum(len(b) for b in self._buffers)
+        return len(self._buffers) < self.max_buffers and kept + size <= MAX_KEPT_BYTES
+
+    async def open(self, reply_bytes: int = 0) -> None:
+        """One connection opened now and kept idle for the next call; with `reply_bytes`, the
+        reply buffers too, resident (their pages written once here rather than during a
+        load)."""
         if not self._idle:
             self._keep(await self._connect())
+        while reply_bytes > 0 and self._room_for(reply_bytes):
+            self._buffers.append(bytearray(reply_bytes))
 
     def _keep(self, conn: _Connection) -> None:
         if len(self._idle) < self.max_idle:

@@ -276,6 +276,15 @@ def _sizes(fmt: str, native: torch.dtype, shape: tuple[int, int, int, int]) -> t
     return scales_len, 2 * numel * _element_size(fmt, native)
 
 
+def frame_bytes(meta: BlockMeta, fmt: str) -> int:
+    """At least the size of an uncompressed frame of `fmt` for `meta` (its scales and payload,
+    with room for its other fields; a native frame's elements of the dtype `meta` names, fp32
+    for a quantized cache): what a reader sizes its buffers by."""
+    native = NATIVE_DTYPES.get(meta.kv_format, torch.float32)
+    scales, payload = _sizes(fmt, native, meta.block_shape)
+    return scales + payload + len(_frame_head(meta)) + 5 * meta.block_size + 256
+
+
 def encode_block(
     meta: BlockMeta,
     token_ids: list[int],

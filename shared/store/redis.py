@@ -176,15 +176,20 @@ class RedisStore(RedisShards, BlockStore):
         await asyncio.gather(*(read(s, idx) for s, idx in self._route(keys).items()))
         return result
 
-    async def connect(self) -> None:
+    async def connect(self, read_bytes: int = 0) -> None:
         """A pooled connection for presence and writes (connect, SELECT, the client's SETINFO:
-        ~1.5 ms on the first lookup otherwise) and one for the bulk reader's loads."""
+        ~1.5 ms on the first lookup otherwise) and one for the bulk reader's loads, with its
+        reply buffers for chunks of `read_bytes`."""
         try:
             await asyncio.wait_for(self._client.ping(), self.timeout_s)
             if self.bulk is not None:
-                await asyncio.wait_for(self.bulk.open(), self.timeout_s)
+                await asyncio.wait_for(self.bulk.open(read_bytes), self.timeout_s)
         except Exception:  # the first real call finds out that the store is down
             pass
+
+    def recycle(self, values: Sequence[bytes | memoryview | None]) -> None:
+        if self.bulk is not None:
+            self.bulk.recycle(values)
 
     async def get_views(self, hashes: Sequence[BlockHash]) -> Sequence[bytes | memoryview | None]:
         """As get_many, through the bulk reader when there is one: each value a view of its
@@ -236,9 +241,10 @@ class RedisStore(RedisShards, BlockStore):
         served = 0
         stream = self.bulk.mget_chunks(chunks)
         try:
-            while True:  # to the generator's end: there it keeps its connection
+            while True:
                 try:
-                    values = await asyncio.wait_for(anext(stream), self.timeout_s)
+                    async with asyncio.timeout(self.timeout_s):  # no task per chunk (wait_for)
+                        values = await anext(stream)
                 except StopAsyncIteration:
                     break
                 hits = sum(v is not None for v in values)

@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +62,7 @@ from kvserve.shared.engine.kv.load import (
 )
 from kvserve.shared.store.base import BlockStore
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData, KVTail
-from kvserve.shared.store.codec import BlockMeta, Miss, decode_block, encode_block
+from kvserve.shared.store.codec import BlockMeta, Miss, decode_block, encode_block, frame_bytes
 from kvserve.shared.store.hashing import BlockHash, padded_tail, tail_hash, tail_parent
 
 log = logging.getLogger("kvserve.store")
@@ -70,6 +71,9 @@ WRITE_BATCH = 32
 # Blocks per get of a load: 8 against 16 brings the first batch in sooner and the verification
 # and writes start earlier (a 2,048-token load ~20% shorter on `epyc-zen4`).
 FETCH_BATCH = 8
+# Batches of a load received but not yet written: the next is read once one is done (the store
+# reads into buffers the writes hand back: beyond them, each batch's pages are new ones).
+LOAD_WINDOW = 4
 # Threads that verify and write a load's batches: one. On two cores the store's server and this
 # process's reads take most of one core while a load runs; a second loader thread only contends
 # for the other (and for the GIL) and made loads slower (docs/architecture.md).
@@ -150,8 +154,12 @@ class StoreConnector:
         self._thread.start()
         self._wake = asyncio.Event()
         self._writer = asyncio.run_coroutine_threadsafe(self._write_loop(), self._loop)
-        # The store's connections opened before the first lookup needs them.
-        self.connected = asyncio.run_coroutine_threadsafe(self.store.connect(), self._loop)
+        # The store's connections, and its buffers for a load's batches, opened before the
+        # first lookup needs them.
+        batch_bytes = FETCH_BATCH * (frame_bytes(meta, fmt) + 16)  # + each value's RESP head
+        self.connected = asyncio.run_coroutine_threadsafe(
+            self.store.connect(batch_bytes), self._loop
+        )
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -417,6 +425,23 @@ class StoreConnector:
         self.counters["fetched_blocks"] += res.loaded
         return res
 
+    def _write_batch(
+        self,
+        frames: Sequence[bytes | memoryview | None],
+        fn: Callable[..., LoadedBatch],
+        *args: Any,
+    ) -> asyncio.Future[LoadedBatch]:
+        """`fn(*args)` on a loader thread; `frames`' buffer goes back to the store once that
+        thread is done with it (not when a cancelled wait gives up on it)."""
+
+        def recycle(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the connector closed meanwhile
+                self._loop.call_soon_threadsafe(self.store.recycle, frames)
+
+        done = self._decoders.submit(fn, *args)
+        done.add_done_callback(recycle)
+        return asyncio.wrap_future(done)
+
     async def _load(
         self,
         hashes: list[BlockHash],
@@ -440,24 +465,25 @@ class StoreConnector:
         slower (`bench store --parts load`)."""
 
         loader = BatchLoader(self.meta, self.cache_dtype, root, write, job, self.fmt, write_frames)
-        loop = asyncio.get_running_loop()
         writes: list[asyncio.Future[LoadedBatch]] = []
         stream = self.store.stream_views(hashes, FETCH_BATCH)
         try:
             at = 0
             while at < len(hashes):
+                pending = [w for w in writes if not w.done()]
+                if len(pending) >= LOAD_WINDOW:
+                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 with self.latency.time("get"):
                     frames = await anext(stream)
                 part, out = hashes[at : at + FETCH_BATCH], dst[at : at + FETCH_BATCH]
                 at += FETCH_BATCH
                 if self.verify_on_loop:
                     verified = loader.verify(part, frames)
-                    writes.append(loop.run_in_executor(self._decoders, loader.write, verified, out))
+                    writes.append(self._write_batch(frames, loader.write, verified, out))
                     if verified.got.miss is not None:
                         break
                 else:
-                    load = loader.load
-                    writes.append(loop.run_in_executor(self._decoders, load, part, frames, out))
+                    writes.append(self._write_batch(frames, loader.load, part, frames, out))
         finally:
             await stream.aclose()
         done = await asyncio.gather(*writes)

@@ -85,6 +85,83 @@ async def test_chunks_pipelined_on_one_connection(local: tuple[aioredis.Redis, s
         reader.drop_idle()
 
 
+async def test_a_stream_read_to_its_last_reply_keeps_its_connection(
+    local: tuple[aioredis.Redis, str],
+) -> None:
+    """A caller that takes every chunk and then closes the stream, as a load does, leaves the
+    connection for the next call; through RedisStore.stream_views too."""
+    client, prefix = local
+    values = {f"{prefix}:{i}": bytes([i]) * 50_000 for i in range(6)}
+    await client.mset(values)
+    keys = list(values)
+    reader = BulkReader(Endpoint(port=6379, db=15))
+    try:
+        stream = reader.mget_chunks([keys[:3], keys[3:]])
+        first = await anext(stream)
+        assert reader._idle == []  # the second reply is still being read
+        last = await anext(stream)
+        await stream.aclose()
+        assert [bytes(v or b"") for v in first + last] == list(values.values())
+        assert len(reader._idle) == 1
+        conn = reader._idle[0]
+        assert [bytes(v or b"") for v in await reader.mget(keys[:1])] == [values[keys[0]]]
+        assert reader._idle == [conn]
+    finally:
+        reader.drop_idle()
+
+    hashes = [BlockHash(hashlib.sha256(bytes([i])).digest()) for i in range(5)]
+    store = RedisStore.from_url(f"{LOCAL_REDIS}?namespace={prefix}&timeout=2")
+    try:
+        await store.put_many([(h, bytes([i]) * 1000) for i, h in enumerate(hashes)])
+        for _ in range(2):
+            stream2 = store.stream_views(hashes, 2)
+            got = [await anext(stream2) for _ in range(3)]
+            await stream2.aclose()
+            assert [bytes(v or b"") for c in got for v in c] == [
+                bytes([i]) * 1000 for i in range(5)
+            ]
+            assert store.bulk is not None and len(store.bulk._idle) == 1
+    finally:
+        await store.close()
+
+
+async def test_recycled_buffers_take_later_replies(local: tuple[aioredis.Redis, str]) -> None:
+    """`open(reply_bytes)` makes the buffers; a recycled chunk's buffer takes a later reply,
+    which reads correctly over the earlier one's bytes; a chunk not recycled keeps its values
+    while later replies are read."""
+    client, prefix = local
+    keys = [f"{prefix}:{i}" for i in range(8)]
+    chunks = [keys[:4], keys[4:]]
+    reader = BulkReader(Endpoint(port=6379, db=15), max_buffers=2)
+
+    async def read(rnd: int, recycle: bool, size: int = 25_000) -> list[list[memoryview | None]]:
+        want = {k: bytes([rnd * 16 + i]) * (size + 100 * i) for i, k in enumerate(keys)}
+        await client.mset(want)
+        got = []
+        async for chunk in reader.mget_chunks(chunks):
+            assert [bytes(v or b"") for v in chunk] == [want[k] for k in chunks[len(got)]]
+            got.append(chunk)
+            if recycle:
+                reader.recycle(chunk)
+        return got
+
+    try:
+        await reader.open(reply_bytes=4 * 30_000)
+        made = list(reader._buffers)
+        assert len(made) == 2 and all(len(b) == 120_000 for b in made)
+        for rnd in range(3):  # each round other values
+            for chunk in await read(rnd, recycle=True):
+                assert chunk[0] is not None and any(chunk[0].obj is m for m in made)
+        await read(3, recycle=True, size=40_000)  # longer than the buffers: grown
+        kept = await read(3, recycle=False)
+        before = [[bytes(v or b"") for v in c] for c in kept]
+        await read(4, recycle=True)
+        assert [[bytes(v or b"") for v in c] for c in kept] == before
+        assert len(reader._buffers) <= reader.max_buffers
+    finally:
+        reader.drop_idle()
+
+
 async def test_store_get_views_equals_get_many_in_chunks(local: tuple[aioredis.Redis, str]) -> None:
     """RedisStore's loads read through the bulk reader, one MGET per `batch` keys."""
     _, prefix = local

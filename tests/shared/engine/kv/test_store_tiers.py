@@ -12,6 +12,7 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -189,6 +190,74 @@ def test_open_breaker_is_a_lookup_outcome() -> None:
         assert (st["short_circuits"], st["get_errors"]) == (1, 0)
     finally:
         connector.close()
+
+
+@pytest.mark.redis
+def test_loads_from_redis_reuse_the_readers_buffers() -> None:
+    """The connector makes the bulk reader's buffers for its batches at start, and each batch's
+    buffer goes back once its write is done: a second load reads into the same buffers, and
+    both write exactly what a load straight from the frames writes."""
+    import uuid
+
+    from kvserve.kernels import cpu_ops
+    from kvserve.services.bench.lib.redis_server import redis_answers
+    from kvserve.shared.engine.kv.cache import KVCache
+    from kvserve.shared.engine.kv.connector import FETCH_BATCH, StoreConnector
+    from kvserve.shared.engine.kv.load import BatchLoader, LoadJob
+    from kvserve.shared.store.codec import frame_bytes
+    from kvserve.shared.store.redis import RedisStore
+
+    from tests.shared.engine.kv.test_cache import _encoded, assert_same_blocks
+    from tests.shared.model_configs import model_config
+
+    server = "redis://127.0.0.1:6379/15"
+    url = f"{server}?namespace=kvtest:reuse:{uuid.uuid4().hex}&timeout=2"
+    if not asyncio.run(redis_answers(server)):
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    config = model_config(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    meta = BlockMeta("m", "int8", 4, 2, config.num_kv_heads, config.head_dim)
+    n = 2 * FETCH_BATCH + 3  # three batches, the last a short one
+    root, frames, hashes = _encoded(n, meta, "int8", torch.int8)
+    want = KVCache(config, n + 1, 4, torch.int8, populate="lazy")
+    direct = BatchLoader(
+        meta, torch.int8, root, want.write_stacked, LoadJob(), "int8", want.write_frames
+    )
+    assert direct.load(hashes, frames, list(range(1, n + 1))).written == n
+
+    store = RedisStore.from_url(url)
+    connector = StoreConnector(store, meta, "int8", torch.int8)
+    try:
+        asyncio.run_coroutine_threadsafe(
+            store.put_many([(h, bytes(f)) for h, f in zip(hashes, frames, strict=True)]),
+            connector._loop,
+        ).result(timeout=5)
+        connector.connected.result(timeout=5)
+        bulk = store.bulk
+        assert bulk is not None and len(bulk._buffers) == bulk.max_buffers
+        assert all(len(b) >= FETCH_BATCH * frame_bytes(meta, "int8") for b in bulk._buffers)
+        made = {id(b) for b in bulk._buffers}
+        for _ in range(2):
+            cache = KVCache(config, n + 1, 4, torch.int8, populate="lazy")
+            got = connector.fetch(hashes, root, 1.0).result(timeout=5)
+            dst = list(range(1, n + 1))
+            res = connector.load(
+                got, hashes, root, dst, cache.write_stacked, LoadJob(), cache.write_frames
+            ).result(timeout=5)
+            assert (res.outcome, res.loaded) == ("hit", n)
+            assert_same_blocks(cache, want)
+            back = asyncio.run_coroutine_threadsafe(_buffer_ids(bulk), connector._loop)
+            assert back.result(timeout=5) == made
+    finally:
+        asyncio.run_coroutine_threadsafe(store.delete(hashes), connector._loop).result(timeout=5)
+        connector.close()
+
+
+async def _buffer_ids(bulk: Any) -> set[int]:
+    """The reader's kept buffers, read on its loop once the callbacks before it have run."""
+    await asyncio.sleep(0)
+    return {id(b) for b in bulk._buffers}
 
 
 def test_close_closes_the_store_threads_event_loop(tmp_path: Path) -> None:
