@@ -66,15 +66,34 @@ def idle_priority() -> bool:
     return True
 
 
-# Caches whose pages a thread is still faulting in. A process that exits meanwhile stops those
-# threads first: one that wakes up inside a call while the interpreter finalizes aborts it.
-_populating: weakref.WeakSet[KVCache] = weakref.WeakSet()
+# The threads still faulting in a cache's pages, each with the event that stops it. A process
+# that exits meanwhile stops them first: one that wakes up inside a call while the interpreter
+# finalizes aborts it.
+_populating: dict[threading.Thread, threading.Event] = {}
+_populating_lock = threading.Lock()
 
 
 @atexit.register
 def _stop_populating() -> None:
-    for cache in list(_populating):
-        cache.close()
+    with _populating_lock:
+        running = list(_populating.items())
+    for thread, stop in running:
+        stop.set()
+        thread.join()
+
+
+def _populate_in_background(tensors: list[torch.Tensor], stop: threading.Event) -> None:
+    """A background population's thread. It holds the tensors and not their cache, so that a
+    cache dropped meanwhile is freed at once (its finalizer stops this thread), however long a
+    busy machine keeps this idle-priority thread from running."""
+    idle_priority()
+    try:  # an older kernel: the pages are faulted in as blocks are written
+        make_resident(tensors, stop)
+    except MemoryError as e:
+        log.warning("%s; the cache's pages are faulted in as blocks are written", e)
+    finally:
+        with _populating_lock:
+            _populating.pop(threading.current_thread(), None)
 
 
 class KVCache:
@@ -118,17 +137,15 @@ class KVCache:
                 t.zero_()
         elif populate == "background":
             self._populating = threading.Thread(
-                target=self._populate_in_background, name="kv-populate", daemon=True
+                target=_populate_in_background,
+                args=(self.k + self.v, self._stop_populating),
+                name="kv-populate",
+                daemon=True,
             )
-            _populating.add(self)
+            with _populating_lock:
+                _populating[self._populating] = self._stop_populating
+            weakref.finalize(self, self._stop_populating.set)
             self._populating.start()
-
-    def _populate_in_background(self) -> None:
-        idle_priority()
-        try:  # an older kernel: the pages are faulted in as blocks are written
-            make_resident(self.k + self.v, self._stop_populating)
-        except MemoryError as e:
-            log.warning("%s; the cache's pages are faulted in as blocks are written", e)
 
     def close(self) -> None:
         """Stop a background population (the tensors stay valid)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
+import weakref
 
 import pytest
 import torch
@@ -117,13 +119,52 @@ def test_close_stops_a_background_population() -> None:
     assert bool((cache.k[0] == 2.0).all())
 
 
-def test_exit_stops_every_background_population() -> None:
+def test_exit_stops_every_background_population(monkeypatch: pytest.MonkeyPatch) -> None:
     """A thread still faulting pages in when the interpreter finalizes aborts the process
     (`terminate called without an active exception`): the exit hook stops and joins them."""
+
+    def until_stopped(tensors: object, stop: threading.Event) -> bool:
+        return stop.wait(10)
+
+    monkeypatch.setattr(kv_cache, "make_resident", until_stopped)
     caches = [cache_of("background") for _ in range(2)]
-    assert set(caches) <= set(kv_cache._populating)
+    threads = [c._populating for c in caches]
+    assert all(t is not None and t in kv_cache._populating for t in threads)
     kv_cache._stop_populating()
-    assert all(c._populating is not None and not c._populating.is_alive() for c in caches)
+    assert all(t is not None and not t.is_alive() for t in threads)
+    assert not set(threads) & set(kv_cache._populating)  # each took itself off the list
+
+
+def test_a_dropped_cache_is_freed_while_its_population_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The population thread does not keep its cache alive (it ran at idle priority, and a
+    busy machine kept a dropped engine's cache for as long as it waited): the cache is freed
+    at once, and its finalizer stops the thread."""
+    started, release = threading.Event(), threading.Event()
+    stopped: list[bool] = []
+
+    def slow(tensors: object, stop: threading.Event) -> bool:
+        started.set()
+        release.wait(10)
+        stopped.append(stop.is_set())
+        return True
+
+    monkeypatch.setattr(kv_cache, "make_resident", slow)
+    cache = cache_of("background")
+    thread = cache._populating
+    assert thread is not None and started.wait(10)
+    ref = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert ref() is None
+    finally:
+        gc.enable()
+    release.set()
+    thread.join(10)
+    assert not thread.is_alive() and thread not in kv_cache._populating
+    assert stopped == [True]  # set by the dropped cache's finalizer
 
 
 def test_an_unknown_populate_mode_is_refused() -> None:
