@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis.asyncio as aioredis
 from kvserve.shared.store.base import KEY_NAMESPACE, BlockStore, Presence, block_key
@@ -47,7 +47,10 @@ def split_store_query(url: str) -> tuple[dict[str, Any], dict[str, str], str]:
     q = parse_qsl(parts.query)
     mine = {k: v for k, v in q if k in STORE_QUERY_KEYS}
     rest = [(k, v) for k, v in q if k not in STORE_QUERY_KEYS]
-    clean = urlunsplit(parts._replace(query=urlencode(rest)))
+    # Everything before the query as written: urlunsplit turns unix:///run/r.sock (no host)
+    # into unix:/run/r.sock, which redis-py refuses.
+    base = url.split("#", 1)[0].split("?", 1)[0]
+    clean = f"{base}?{urlencode(rest)}" if rest else base
     kw: dict[str, Any] = {}
     if "ttl" in mine:
         kw["ttl_s"] = int(mine["ttl"])
