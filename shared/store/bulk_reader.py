@@ -185,7 +185,8 @@ class BulkReader:
         self._bytes_per_key = 0  # the last reply's, to size the next one's buffer
 
     async def mget(self, keys: Sequence[str]) -> list[memoryview | None]:
-        """The values of `keys` (None where a key holds none), views of one buffer."""
+        """The values of `keys` (None where a key holds none), views of one buffer (a kept
+        one, which `recycle` takes back)."""
         out: list[memoryview | None] = []
         async for values in self.mget_chunks([keys]):
             out = values
