@@ -114,19 +114,21 @@ def run(make: Make, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def save_plot(path: str | Path, rows: list[dict[str, Any]]) -> None:
-    """TTFT against cached-prefix length, per format: load, recompute, the rule."""
+    """TTFT against cached-prefix length (both axes logarithmic), per format: load, recompute,
+    the rule (dashed: it lies on whichever of the two it chose)."""
     formats = sorted({r["format"] for r in rows})
     fig, axes = pyplot().subplots(1, len(formats), figsize=(5.5 * len(formats), 4), squeeze=False)
     for ax, fmt in zip(axes[0], formats, strict=True):
         mine = [r for r in rows if r["format"] == fmt]
         x = [r["prefix_tokens"] for r in mine]
-        for key, label in (
-            ("ttft_load_s", "load from Redis"),
-            ("ttft_recompute_s", "recompute"),
-            ("ttft_rule_s", "cost rule"),
+        for key, label, style in (
+            ("ttft_load_s", "load from Redis", "-"),
+            ("ttft_recompute_s", "recompute", "-"),
+            ("ttft_rule_s", "cost rule", "--"),
         ):
-            ax.plot(x, [r[key] for r in mine], marker="o", label=label)  # fmt: skip
+            ax.plot(x, [r[key] for r in mine], marker="o", linestyle=style, label=label)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # 16 tokens' ~40 ms and 4,096's recompute of seconds, both legible
         ax.set_xlabel("cached prefix (tokens)")
         ax.set_ylabel("TTFT (s)")
         ax.set_title(f"store format {fmt}")
