@@ -535,6 +535,114 @@ def read_unchecked(
         return None
 
 
+@dataclass(frozen=True)
+class FrameTemplate:
+    """The bytes `encode_block` writes around one load's frames, all of one format and stored
+    dtype: given a block's tokens and parent, a frame is read by comparing its bytes with those
+    (no parsing, no hash of the tokens), its checksum left to the copy as `read_unchecked`
+    leaves it. Made from a frame `read_unchecked` took (`of`): a frame whose every byte
+    outside its scales, payload and digest is what the writer would put there for the block
+    the reader expects passes every identity check `read_unchecked` makes (its tokens and
+    parent are the reader's, which chain to the key's hash)."""
+
+    expected: BlockMeta
+    fmt: str
+    dtype: str
+    scales_len: int
+    payload_len: int
+
+    @staticmethod
+    def of(expected: BlockMeta, frame: UncheckedFrame) -> FrameTemplate | None:
+        """The template of `frame`'s format and dtype; None for a frame of an older version."""
+        if frame.fields["v"] != FRAME_VERSION:
+            return None
+        f = frame.fields
+        return FrameTemplate(expected, f["fmt"], f["dtype"], len(f["scales"]), len(f["payload"]))
+
+    def read(
+        self,
+        data: bytes | bytearray | memoryview,
+        tokens: list[int],
+        parent: BlockHash,
+        root: BlockHash,
+    ) -> UncheckedFrame | None:
+        """`data` as `read_unchecked` reads it, if it is laid out byte for byte as this
+        template's frame for the block of `tokens` after `parent` (scales finite) in the chain
+        of `root`; else None (`read_unchecked` then reads it). Never raises."""
+        try:
+            view = memoryview(data).cast("B")
+            before, middle, after, hashed = _template_parts(self)
+            packed_tokens = msgpack.packb(tokens)
+            head = b"".join((before[0], packed_tokens, before[1], parent, before[2]))
+            s, p = len(head), len(head) + self.scales_len + len(middle)
+            end = p + self.payload_len
+            if len(view) != end + len(after) + CHECKSUM_LEN or view[:s] != head:
+                return None
+            if view[s + self.scales_len : p] != middle or view[end : end + len(after)] != after:
+                return None
+            scales = bytes(view[s : s + self.scales_len])
+            if self.fmt in _QUANTIZED and not np.isfinite(np.frombuffer(scales, np.float32)).all():
+                return None
+            payload, digest = view[p:end], bytes(view[end + len(after) :])
+        except (TypeError, ValueError):
+            return None
+        fields = {
+            **_header(self.expected),
+            "token_ids": tokens,
+            "parent": bytes(parent),
+            "fmt": self.fmt,
+            "dtype": self.dtype,
+            "scales": scales,
+            "comp": "none",
+            "payload": payload,
+            "checksum": digest,
+        }
+        checksum_head = b"".join((hashed[0], packed_tokens, hashed[1], parent, hashed[2]))
+        checksum = Checksum(checksum_head, digest, scales, payload)
+        stored = NATIVE_DTYPES[self.dtype] if self.fmt == "native" else _FMT_DTYPES[self.fmt]
+        return UncheckedFrame(
+            self.fmt, stored, payload, scales, checksum, fields, self.expected.block_shape, root
+        )
+
+
+@functools.lru_cache(maxsize=32)
+def _template_parts(
+    t: FrameTemplate,
+) -> tuple[tuple[bytes, bytes, bytes], bytes, bytes, tuple[bytes, bytes, bytes]]:
+    """A template's constant bytes: the frame's up to its scales (around the tokens and the
+    parent), between the scales and the payload, after the payload (before the digest); and
+    the checksum head's around the tokens and the parent."""
+    pack = msgpack.packb
+    before = (
+        _frame_head(t.expected) + _TOKEN_KEY,
+        pack("parent") + _bin_head(32),
+        pack("fmt")
+        + pack(t.fmt)
+        + pack("dtype")
+        + pack(t.dtype)
+        + pack("scales")
+        + _bin_head(t.scales_len),
+    )
+    middle = pack("comp") + pack("none") + pack("payload") + _bin_head(t.payload_len)
+    hashed_names = [n for n in FRAME_FIELDS if n not in _UNHASHED]
+    header = _header(t.expected)
+    hashed = (
+        bytes([0x90 | len(hashed_names)]) + b"".join(pack(header[n]) for n in header),
+        _bin_head(32),
+        pack(t.fmt) + pack(t.dtype) + pack("none"),
+    )
+    return before, middle, _CHECKSUM_KEY, hashed
+
+
+def _bin_head(n: int) -> bytes:
+    """msgpack's header for a bin of `n` bytes (its shortest)."""
+    if n < 1 << 8:
+        return bytes([0xC4, n])
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
 def decode_unchecked(
     data: bytes | bytearray | memoryview, expected: BlockMeta, key_hash: BlockHash, root: BlockHash
 ) -> tuple[DecodedBlock, Checksum] | None:

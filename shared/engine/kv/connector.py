@@ -53,6 +53,7 @@ import torch
 from kvserve.shared.engine.kv.latency import LatencyStats
 from kvserve.shared.engine.kv.load import (
     BatchLoader,
+    Chain,
     LoadedBatch,
     LoadJob,
     WriteFrames,
@@ -196,12 +197,15 @@ class StoreConnector:
         write: WriteStacked,
         job: LoadJob,
         write_frames: WriteFrames | None = None,
+        chain: Chain | None = None,
     ) -> concurrent.futures.Future[FetchResult]:
         """A lookup's second stage: get `hashes`, verify each and write it into cache block
         `dst[i]` (`write_frames` where it takes a batch, else `write`; from worker threads,
-        under `job`); `res.loaded` says how many leading blocks were written. Counted."""
+        under `job`); `res.loaded` says how many leading blocks were written. Counted.
+        `chain`: the blocks' tokens and parents, where the caller knows them (their frames
+        are then checked by comparing bytes)."""
         return asyncio.run_coroutine_threadsafe(
-            self._load_into(res, list(hashes), root, list(dst), write, job, write_frames),
+            self._load_into(res, list(hashes), root, list(dst), write, job, write_frames, chain),
             self._loop,
         )
 
@@ -402,11 +406,13 @@ class StoreConnector:
         write: WriteStacked,
         job: LoadJob,
         write_frames: WriteFrames | None = None,
+        chain: Chain | None = None,
     ) -> FetchResult:
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(
-                self._load(hashes, root, dst, write, job, res, write_frames), self.fetch_timeout_s
+                self._load(hashes, root, dst, write, job, res, write_frames, chain),
+                self.fetch_timeout_s,
             )
         except TimeoutError:
             self.counters["fetch_timeouts"] += 1
@@ -451,6 +457,7 @@ class StoreConnector:
         job: LoadJob,
         res: FetchResult,
         write_frames: WriteFrames | None = None,
+        chain: Chain | None = None,
     ) -> None:
         """Get the blocks in batches of FETCH_BATCH, every batch's read sent at once
         (`stream_views`: on Redis one connection, the replies one after the other), each batch
@@ -464,7 +471,9 @@ class StoreConnector:
         loader then do not hand the GIL back and forth, which made a 2,048-token load 20-27%
         slower (`bench store --parts load`)."""
 
-        loader = BatchLoader(self.meta, self.cache_dtype, root, write, job, self.fmt, write_frames)
+        loader = BatchLoader(
+            self.meta, self.cache_dtype, root, write, job, self.fmt, write_frames, chain
+        )
         writes: list[asyncio.Future[LoadedBatch]] = []
         stream = self.store.stream_views(hashes, FETCH_BATCH)
         try:
@@ -476,14 +485,14 @@ class StoreConnector:
                 with self.latency.time("get"):
                     frames = await anext(stream)
                 part, out = hashes[at : at + FETCH_BATCH], dst[at : at + FETCH_BATCH]
-                at += FETCH_BATCH
                 if self.verify_on_loop:
-                    verified = loader.verify(part, frames)
+                    verified = loader.verify(part, frames, at)
                     writes.append(self._write_batch(frames, loader.write, verified, out))
                     if verified.got.miss is not None:
                         break
                 else:
-                    writes.append(self._write_batch(frames, loader.load, part, frames, out))
+                    writes.append(self._write_batch(frames, loader.load, part, frames, out, at))
+                at += FETCH_BATCH
         finally:
             await stream.aclose()
         done = await asyncio.gather(*writes)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.shared.engine.kv.connector import FetchResult, StoreConnector
-from kvserve.shared.engine.kv.load import LoadJob
+from kvserve.shared.engine.kv.load import Chain, LoadJob
 from kvserve.shared.engine.kv.tiers import Tiers
 from kvserve.shared.engine.sequence import BlockId, Sequence
 
@@ -136,10 +136,17 @@ class StoreFetches:
             res.decision, res.outcome = "recompute", "recompute"
             return False
         f.held, f.dst, f.job = held, dst, LoadJob()
-        want = hashes[len(held) : len(held) + len(dst)]
+        first, bs = len(held), self.block_size
+        want = hashes[first : first + len(dst)]
+        tokens = f.seq.token_ids
+        parent = hashes[first - 1] if first else f.seq.root_hash
+        chain = Chain(
+            [tokens[(first + i) * bs : (first + i + 1) * bs] for i in range(len(want))],
+            [parent, *want[:-1]],
+        )
         cache = tiers.cache
         f.future = self.connector.load(
-            res, want, f.seq.root_hash, dst, cache.write_stacked, f.job, cache.write_frames
+            res, want, f.seq.root_hash, dst, cache.write_stacked, f.job, cache.write_frames, chain
         )
         f.deadline = time.monotonic() + self.connector.fetch_timeout_s + 1.0
         return True

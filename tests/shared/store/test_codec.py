@@ -23,6 +23,7 @@ from kvserve.shared.store.codec import (
     MISS_REASONS,
     BlockMeta,
     DecodedBlock,
+    FrameTemplate,
     Miss,
     decode_block,
     decode_unchecked,
@@ -513,6 +514,102 @@ def test_an_unchecked_decode_leaves_exactly_the_checksum_to_its_caller(fmt: str)
     for bit in range(len(frame) * 8):
         flipped = decode_unchecked(_flip(frame, bit), SMALL, SMALL_KEY, SMALL_ROOT)
         assert flipped is None or not flipped[1].verifies(), (fmt, bit)
+
+
+def _chain(meta: BlockMeta, root: BlockHash, fmt: str, n: int, cache: torch.dtype | None = None):  # type: ignore[no-untyped-def]
+    """n chained frames in `fmt` (from `cache`'s own bytes and scales where given), with each
+    block's tokens, parent and hash."""
+    frames, tokens, parents, hashes, parent = [], [], [], [], root
+    for j in range(n):
+        toks = [50 * j + t for t in range(meta.block_size)]
+        k, v = _kv(meta, seed=j)
+        kw: dict[str, Any] = {}
+        if cache is not None:
+            q = BlockData.from_float(k, v, cache)
+            k, v, kw["scales"] = q.k, q.v, (q.k_scale, q.v_scale)
+        frames.append(encode_block(meta, toks, k, v, fmt, parent, **kw))
+        tokens.append(toks)
+        parents.append(parent)
+        parent = chain_hash(parent, toks)
+        hashes.append(parent)
+    return frames, tokens, parents, hashes
+
+
+TEMPLATED = [("native", None), ("int8", None), ("fp8", None), ("int8", torch.int8),
+             ("fp8", torch.float8_e4m3fn)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "cache"), TEMPLATED)
+def test_a_frame_template_reads_what_read_unchecked_reads(
+    fmt: str, cache: torch.dtype | None
+) -> None:
+    """The template made from a load's first frame reads the next ones, given their tokens
+    and parents, as read_unchecked does: the same fields, bytes, checksum and block."""
+    frames, tokens, parents, hashes = _chain(META, ROOT, fmt, 3, cache)
+    first = read_unchecked(frames[0], META, hashes[0], ROOT)
+    assert first is not None
+    template = FrameTemplate.of(META, first)
+    assert template is not None
+    for frame, toks, parent, h in zip(frames, tokens, parents, hashes, strict=True):
+        want = read_unchecked(frame, META, h, ROOT)
+        got = template.read(memoryview(frame), toks, parent, ROOT)
+        assert want is not None and got is not None
+        assert (got.fmt, got.stored, got.scales, got.shape) == (
+            want.fmt, want.stored, want.scales, want.shape,
+        )  # fmt: skip
+        assert bytes(got.payload) == bytes(want.payload)
+        assert got.checksum.head == want.checksum.head
+        assert got.checksum.digest == want.checksum.digest
+        assert got.checksum.verifies()
+        assert {**got.fields, "payload": b""} == {**want.fields, "payload": b""}
+        a, b = got.block(), want.block()
+        assert (a.token_ids, a.parent, a.is_first) == (b.token_ids, b.parent, b.is_first)
+        assert torch.equal(a.k.view(torch.uint8), b.k.view(torch.uint8))
+        assert a.scales is None or (b.scales is not None and torch.equal(a.scales, b.scales))
+
+
+@pytest.mark.parametrize("fmt", ["native", "int8", "fp8"])
+def test_a_frame_template_takes_only_the_expected_blocks_bytes(fmt: str) -> None:
+    """The template reads nothing but the frame its writer would have written for the block
+    the reader expects: other tokens, another parent, another stored dtype, a compressed
+    payload, a non-finite scale or a frame of another length are left to read_unchecked
+    (None), and every single-bit flip is either left to it or caught by the checksum."""
+    frames, tokens, parents, hashes = _chain(SMALL, SMALL_ROOT, fmt, 2)
+    first = read_unchecked(frames[0], SMALL, hashes[0], SMALL_ROOT)
+    assert first is not None
+    template = FrameTemplate.of(SMALL, first)
+    assert template is not None
+    frame, toks, parent = frames[1], tokens[1], parents[1]
+    assert template.read(frame, toks, parent, SMALL_ROOT) is not None
+    assert template.read(frame, [toks[0] + 1, *toks[1:]], parent, SMALL_ROOT) is None
+    assert template.read(frame, toks, SMALL_ROOT, SMALL_ROOT) is None
+    assert template.read(frame + b"\0", toks, parent, SMALL_ROOT) is None
+    assert template.read(frame[:-1], toks, parent, SMALL_ROOT) is None
+    k, v = _kv(SMALL, torch.bfloat16)
+    bf16 = encode_block(SMALL, toks, k, v, fmt, parent)
+    assert template.read(bf16, toks, parent, SMALL_ROOT) is None
+    k, v = _kv(SMALL)
+    zstd = encode_block(SMALL, toks, k, v, fmt, parent, compress=True)
+    assert template.read(zstd, toks, parent, SMALL_ROOT) is None
+    if fmt != "native":
+        data = BlockData.from_float(k, v, torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+        assert data.k_scale is not None and data.v_scale is not None
+        k_scale = data.k_scale.clone()
+        k_scale.view(-1)[1] = float("nan")
+        bad = encode_block(SMALL, toks, data.k, data.v, fmt, parent, scales=(k_scale, data.v_scale))
+        assert template.read(bad, toks, parent, SMALL_ROOT) is None
+    for bit in range(len(frame) * 8):
+        flipped = template.read(_flip(frame, bit), toks, parent, SMALL_ROOT)
+        assert flipped is None or not flipped.checksum.verifies(), (fmt, bit)
+
+
+def test_a_version_2_frame_makes_no_template() -> None:
+    """A template writes the current version's bytes: a load whose first frame is older reads
+    every frame with read_unchecked (which a version-2 frame, always zstd, does not take)."""
+    first = read_unchecked(FRAMES["int8"], META, KEY, ROOT)
+    assert first is not None
+    old = dataclasses.replace(first, fields={**first.fields, "v": 2})
+    assert FrameTemplate.of(META, old) is None
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

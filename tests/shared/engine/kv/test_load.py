@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvserve.shared.engine.kv import cache as kv_cache
 from kvserve.shared.engine.kv.cache import KVCache
-from kvserve.shared.engine.kv.load import BatchLoader, LoadJob
+from kvserve.shared.engine.kv.load import BatchLoader, Chain, LoadJob
 from kvserve.shared.store.codec import BlockMeta
 
 from tests.shared.engine.kv.test_cache import _encoded, assert_same_blocks
@@ -90,3 +90,67 @@ def test_compressed_and_plain_frames_of_one_batch_go_in_one_call(cache_dtype) ->
     staged = KVCache(CONFIG, 5, 4, cache_dtype, populate="lazy")
     assert _loader(staged, meta, root, one_call=False).load(hashes, frames, [1, 2, 3]).written == 3
     assert_same_blocks(direct, staged)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32])
+def test_a_load_given_its_chain_reads_frames_against_their_writers_bytes(cache_dtype) -> None:  # type: ignore[no-untyped-def]
+    """With the blocks' tokens and parents, every frame after the first is read by its
+    template (the first makes it): the blocks written equal those read_unchecked's reads
+    write, a frame that differs from its template (here: the chain names other tokens) is
+    still read, by read_unchecked, and a payload bit flipped under the template still ends
+    the run at that block."""
+    from kvserve.kernels import cpu_ops
+    from kvserve.shared.store import codec
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    kv_format = "float32" if cache_dtype == torch.float32 else "int8"
+    meta = BlockMeta("m", kv_format, 4, 2, CONFIG.num_kv_heads, CONFIG.head_dim)
+    n = 5
+    root, frames, hashes = _encoded(n, meta, "int8", cache_dtype)
+    tokens = [[100 * j + t for t in range(meta.block_size)] for j in range(n)]
+    chain = Chain(tokens, [root, *hashes[:-1]])
+    plain = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+    dst = list(range(1, n + 1))
+    assert _loader(plain, meta, root, one_call=True).load(hashes, frames, dst).written == n
+
+    templated: list[bool] = []
+    read = codec.FrameTemplate.read
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        out = read(self, *args)
+        templated.append(out is not None)
+        return out
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(codec.FrameTemplate, "read", counted)
+    try:
+        cache = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+        loader = _chained(cache, meta, root, chain)
+        for part in (slice(0, 3), slice(3, n)):  # two batches, as a load fetches them
+            got = loader.load(hashes[part], frames[part], dst[part], part.start)
+            assert (got.written, got.miss) == (part.stop - part.start, None)
+        assert templated == [True] * (n - 1)  # the first frame made the template
+        assert_same_blocks(cache, plain)
+
+        other = Chain([tokens[0], [7] * meta.block_size, *tokens[2:]], chain.parents)
+        cache = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+        templated.clear()
+        assert _chained(cache, meta, root, other).load(hashes, frames, dst).written == n
+        assert templated == [False, True, True, True]  # blocks 1-4: 1 read by read_unchecked
+        assert_same_blocks(cache, plain)
+
+        frames[3][-40] ^= 0x01  # inside block 3's payload
+        cache = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+        templated.clear()
+        got = _chained(cache, meta, root, chain).load(hashes, frames, dst)
+        assert (got.written, got.miss, got.bad) == (3, "bad_checksum", hashes[3])
+        assert templated[2]  # block 3 went to the write by its template, which caught it
+    finally:
+        monkey.undo()
+
+
+def _chained(cache: KVCache, meta: BlockMeta, root: bytes, chain: Chain) -> BatchLoader:
+    return BatchLoader(
+        meta, cache.dtype, root, cache.write_stacked, LoadJob(), "int8", cache.write_frames, chain
+    )

@@ -514,12 +514,23 @@ def test_quantized_frames_load_exactly(
 ) -> None:  # type: ignore[no-untyped-def]
     """An int8 / fp8 cache loads frames of its own format as a copy of their bytes and scales:
     bit for bit what the writing engine's cache held, with or without zstd. A float cache holds
-    exactly the frames' dequantized K/V."""
+    exactly the frames' dequantized K/V. Uncompressed frames after the first are read against
+    the bytes their writer wrote for the request's blocks (the engine gives the load their
+    tokens and parents)."""
     from kvserve.shared.store import codec
     from kvserve.shared.store.codec import DecodedBlock, decode_block
 
+    templated: list[bool] = []
+    read = codec.FrameTemplate.read
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        out = read(self, *args)
+        templated.append(out is not None)
+        return out
+
     monkey = pytest.MonkeyPatch()
     monkey.setitem(codec.COMPRESS, fmt, comp)
+    monkey.setattr(codec.FrameTemplate, "read", counted)
     try:
         for kv_dtype in ("auto", fmt):
             store = StoreConfig(f"file://{tmp_path / kv_dtype / str(comp)}", format=fmt)
@@ -532,9 +543,11 @@ def test_quantized_frames_load_exactly(
             frames = asyncio.run(disk.get_many(hashes))
             asyncio.run(disk.close())
             b = make_engine(store=store, kv_dtype=kv_dtype)
+            templated.clear()
             try:
                 _, cached = run_one(b, "b", prompts[0], GREEDY)
                 assert cached == len(hashes) * b.block_size
+                assert templated == ([] if comp else [True] * (len(hashes) - 1))
                 assert b.prefix_cache_stats["hits_tokens_store"] == cached
                 loaded = b.kv.cache.read_blocks([b.kv.pool.index.block_of(h) for h in hashes])
                 for h, frame, mine, theirs in zip(hashes, frames, loaded, written, strict=True):
