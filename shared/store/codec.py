@@ -548,16 +548,40 @@ class FrameTemplate:
     expected: BlockMeta
     fmt: str
     dtype: str
+    stored: torch.dtype
     scales_len: int
     payload_len: int
+    # The frame's bytes up to its scales, around the tokens and the parent; between the
+    # scales and the payload; and the checksum head's around the tokens and the parent.
+    before: tuple[bytes, bytes, bytes]
+    middle: bytes
+    hashed: tuple[bytes, bytes, bytes]
 
     @staticmethod
     def of(expected: BlockMeta, frame: UncheckedFrame) -> FrameTemplate | None:
         """The template of `frame`'s format and dtype; None for a frame of an older version."""
-        if frame.fields["v"] != FRAME_VERSION:
-            return None
         f = frame.fields
-        return FrameTemplate(expected, f["fmt"], f["dtype"], len(f["scales"]), len(f["payload"]))
+        if f["v"] != FRAME_VERSION:
+            return None
+        fmt, dtype = f["fmt"], f["dtype"]
+        scales_len, payload_len = len(f["scales"]), len(f["payload"])
+        pack = msgpack.packb
+        before = (
+            _frame_head(expected) + _TOKEN_KEY,
+            pack("parent") + _bin_head(32),
+            b"".join((pack("fmt"), pack(fmt), pack("dtype"), pack(dtype), pack("scales")))
+            + _bin_head(scales_len),
+        )
+        middle = pack("comp") + pack("none") + pack("payload") + _bin_head(payload_len)
+        count = sum(n not in _UNHASHED for n in FRAME_FIELDS)
+        hashed = (
+            bytes([0x90 | count]) + b"".join(pack(v) for v in _header(expected).values()),
+            _bin_head(32),
+            pack(fmt) + pack(dtype) + pack("none"),
+        )
+        return FrameTemplate(
+            expected, fmt, dtype, frame.stored, scales_len, payload_len, before, middle, hashed
+        )
 
     def read(
         self,
@@ -571,19 +595,20 @@ class FrameTemplate:
         of `root`; else None (`read_unchecked` then reads it). Never raises."""
         try:
             view = memoryview(data).cast("B")
-            before, middle, after, hashed = _template_parts(self)
+            before, middle = self.before, self.middle
             packed_tokens = msgpack.packb(tokens)
             head = b"".join((before[0], packed_tokens, before[1], parent, before[2]))
-            s, p = len(head), len(head) + self.scales_len + len(middle)
+            s = len(head)
+            p = s + self.scales_len + len(middle)
             end = p + self.payload_len
-            if len(view) != end + len(after) + CHECKSUM_LEN or view[:s] != head:
+            if len(view) != end + len(_CHECKSUM_KEY) + CHECKSUM_LEN or view[:s] != head:
                 return None
-            if view[s + self.scales_len : p] != middle or view[end : end + len(after)] != after:
+            if view[p - len(middle) : p] != middle or view[end:-CHECKSUM_LEN] != _CHECKSUM_KEY:
                 return None
             scales = bytes(view[s : s + self.scales_len])
             if self.fmt in _QUANTIZED and not np.isfinite(np.frombuffer(scales, np.float32)).all():
                 return None
-            payload, digest = view[p:end], bytes(view[end + len(after) :])
+            payload, digest = view[p:end], bytes(view[-CHECKSUM_LEN:])
         except (TypeError, ValueError):
             return None
         fields = {
@@ -597,41 +622,19 @@ class FrameTemplate:
             "payload": payload,
             "checksum": digest,
         }
+        hashed = self.hashed
         checksum_head = b"".join((hashed[0], packed_tokens, hashed[1], parent, hashed[2]))
         checksum = Checksum(checksum_head, digest, scales, payload)
-        stored = NATIVE_DTYPES[self.dtype] if self.fmt == "native" else _FMT_DTYPES[self.fmt]
         return UncheckedFrame(
-            self.fmt, stored, payload, scales, checksum, fields, self.expected.block_shape, root
+            self.fmt,
+            self.stored,
+            payload,
+            scales,
+            checksum,
+            fields,
+            self.expected.block_shape,
+            root,
         )
-
-
-@functools.lru_cache(maxsize=32)
-def _template_parts(
-    t: FrameTemplate,
-) -> tuple[tuple[bytes, bytes, bytes], bytes, bytes, tuple[bytes, bytes, bytes]]:
-    """A template's constant bytes: the frame's up to its scales (around the tokens and the
-    parent), between the scales and the payload, after the payload (before the digest); and
-    the checksum head's around the tokens and the parent."""
-    pack = msgpack.packb
-    before = (
-        _frame_head(t.expected) + _TOKEN_KEY,
-        pack("parent") + _bin_head(32),
-        pack("fmt")
-        + pack(t.fmt)
-        + pack("dtype")
-        + pack(t.dtype)
-        + pack("scales")
-        + _bin_head(t.scales_len),
-    )
-    middle = pack("comp") + pack("none") + pack("payload") + _bin_head(t.payload_len)
-    hashed_names = [n for n in FRAME_FIELDS if n not in _UNHASHED]
-    header = _header(t.expected)
-    hashed = (
-        bytes([0x90 | len(hashed_names)]) + b"".join(pack(header[n]) for n in header),
-        _bin_head(32),
-        pack(t.fmt) + pack(t.dtype) + pack("none"),
-    )
-    return before, middle, _CHECKSUM_KEY, hashed
 
 
 def _bin_head(n: int) -> bytes:
