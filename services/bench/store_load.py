@@ -4,8 +4,9 @@ store connector alone (no model step, no engine loop), for each load setting in 
 The blocks are a real prefill's (the first --prefix-tokens length), encoded as each arm says
 (format, zstd or not; an int8 / fp8 cache's frames are its own bytes and scales) and put into
 a namespace of their own; per repeat a fresh connector asks which blocks are stored (one round
-trip) and loads all of them into consecutive cache blocks. Medians of --repeats (after one
-unrecorded warm-up load) of: the presence round trip, the load's wall time, the loader's
+trip) and loads all of them into consecutive cache blocks, given their tokens and parents as
+the engine gives a load them (frames checked against their template). Medians of --repeats
+(after one unrecorded warm-up load) of: the presence round trip, the load's wall time, the loader's
 verification and write time (summed over its threads), and the load per block.
 """
 
@@ -110,7 +111,7 @@ def _frames(arm: LoadArm, src: _Source, meta: Any) -> list[tuple[Any, bytes]]:
 def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]:
     from kvserve.shared.engine.kv.cache import KVCache
     from kvserve.shared.engine.kv.connector import StoreConnector
-    from kvserve.shared.engine.kv.load import LoadJob
+    from kvserve.shared.engine.kv.load import Chain, LoadJob
     from kvserve.shared.store.backends import open_store
     from kvserve.shared.store.redis import RedisStore
 
@@ -136,6 +137,9 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
             load_threads=arm.load_threads,
             verify_on_loop=arm.verify_on_loop,
         )
+        # The blocks' tokens and parents, as the engine gives a load them.
+        tokens = [src.ids[i * 16 : (i + 1) * 16] for i in range(n)]
+        chain = Chain(tokens, [src.root, *src.hashes[:-1]])
         try:
             for r in range(repeats + 1):
                 got = conn.fetch(src.hashes, src.root, 1.0).result()
@@ -143,7 +147,7 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
                 direct = cache.write_frames if arm.one_call else None
                 dst = list(range(n))
                 res = conn.load(
-                    got, src.hashes, src.root, dst, cache.write_stacked, LoadJob(), direct
+                    got, src.hashes, src.root, dst, cache.write_stacked, LoadJob(), direct, chain
                 ).result()
                 wall = time.perf_counter() - t0
                 if res.loaded != n:
