@@ -100,7 +100,6 @@ def test_a_load_given_its_chain_reads_frames_against_their_writers_bytes(cache_d
     still read, by read_unchecked, and a payload bit flipped under the template still ends
     the run at that block."""
     from kvserve.kernels import cpu_ops
-    from kvserve.shared.store import codec
 
     if not cpu_ops.available():
         pytest.skip("no C++ toolchain")
@@ -114,16 +113,8 @@ def test_a_load_given_its_chain_reads_frames_against_their_writers_bytes(cache_d
     dst = list(range(1, n + 1))
     assert _loader(plain, meta, root, one_call=True).load(hashes, frames, dst).written == n
 
-    templated: list[bool] = []
-    read = codec.FrameTemplate.read
-
-    def counted(self, *args):  # type: ignore[no-untyped-def]
-        out = read(self, *args)
-        templated.append(out is not None)
-        return out
-
     monkey = pytest.MonkeyPatch()
-    monkey.setattr(codec.FrameTemplate, "read", counted)
+    templated = template_reads(monkey)
     try:
         cache = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
         loader = _chained(cache, meta, root, chain)
@@ -154,3 +145,20 @@ def _chained(cache: KVCache, meta: BlockMeta, root: bytes, chain: Chain) -> Batc
     return BatchLoader(
         meta, cache.dtype, root, cache.write_stacked, LoadJob(), "int8", cache.write_frames, chain
     )
+
+
+def template_reads(monkey: pytest.MonkeyPatch) -> list[bool]:
+    """From now until `monkey` is undone, whether each FrameTemplate.read read its frame (True)
+    or left it to read_unchecked (False), in call order."""
+    from kvserve.shared.store import codec
+
+    templated: list[bool] = []
+    read = codec.FrameTemplate.read
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        out = read(self, *args)
+        templated.append(out is not None)
+        return out
+
+    monkey.setattr(codec.FrameTemplate, "read", counted)
+    return templated

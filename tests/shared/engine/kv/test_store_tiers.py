@@ -520,17 +520,11 @@ def test_quantized_frames_load_exactly(
     from kvserve.shared.store import codec
     from kvserve.shared.store.codec import DecodedBlock, decode_block
 
-    templated: list[bool] = []
-    read = codec.FrameTemplate.read
-
-    def counted(self, *args):  # type: ignore[no-untyped-def]
-        out = read(self, *args)
-        templated.append(out is not None)
-        return out
+    from tests.shared.engine.kv.test_load import template_reads
 
     monkey = pytest.MonkeyPatch()
     monkey.setitem(codec.COMPRESS, fmt, comp)
-    monkey.setattr(codec.FrameTemplate, "read", counted)
+    templated = template_reads(monkey)
     try:
         for kv_dtype in ("auto", fmt):
             store = StoreConfig(f"file://{tmp_path / kv_dtype / str(comp)}", format=fmt)
