@@ -229,10 +229,12 @@ class BulkReader:
                         raise RedisConnectionError("data after the replies")
                     self._keep(conn)
                     kept = True
-                if error is None and values is not None:
+                if error is None and values is not None and any(v is not None for v in values):
                     yield values
-                else:
+                else:  # no value is a view of the buffer: it is free again now
                     self._give(reply.buf)
+                    if error is None and values is not None:
+                        yield values
         except BaseException:
             if not kept:
                 conn.close()

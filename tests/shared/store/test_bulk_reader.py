@@ -162,6 +162,23 @@ async def test_recycled_buffers_take_later_replies(local: tuple[aioredis.Redis, 
         reader.drop_idle()
 
 
+async def test_a_reply_of_no_values_keeps_its_buffer(local: tuple[aioredis.Redis, str]) -> None:
+    """A chunk whose keys hold nothing yields Nones, no view of its buffer: the buffer is the
+    reader's again at once (a load whose blocks were all evicted after its presence question
+    hands nothing back to `recycle`, and must not cost the reader one of its kept buffers)."""
+    _, prefix = local
+    reader = BulkReader(Endpoint(port=6379, db=15), max_buffers=2)
+    try:
+        await reader.open(reply_bytes=4096)
+        made = list(reader._buffers)
+        for _ in range(3):
+            assert await reader.mget([f"{prefix}:absent:{i}" for i in range(8)]) == [None] * 8
+            assert len(reader._buffers) == 2
+        assert all(any(b is m for m in made) for b in reader._buffers)
+    finally:
+        reader.drop_idle()
+
+
 async def test_store_get_views_equals_get_many_in_chunks(local: tuple[aioredis.Redis, str]) -> None:
     """RedisStore's loads read through the bulk reader, one MGET per `batch` keys."""
     _, prefix = local
