@@ -16,7 +16,8 @@ inside a reply. Errors: a transport failure raises redis's ConnectionError (or O
 error reply, redis's ResponseError (the connection stays usable).
 
 The replies are read into buffers the reader keeps: values a caller is done with go back with
-`recycle`, and their buffer takes a later reply. `open` can make them resident beforehand. A
+`recycle`, and their buffer takes a later reply (a reply of no values, every key empty, hands
+its buffer back itself). `open` can make them resident beforehand. A
 fresh buffer per reply had its pages faulted in, and zero-filled, while the reply waited: in a
 fresh engine's first load, ~2,300-3,900 faults, and 13-17 ms of the store thread's CPU per
 2,048-token load against 6-9 ms with kept buffers (docs/benchmarks.md, "Prefix store").
