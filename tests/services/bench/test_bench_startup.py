@@ -12,6 +12,7 @@ from kvserve.services.bench.startup import ENGINE_PARTS
 from kvserve.services.cli import main
 
 
+@pytest.mark.slow  # ~6-8 s: an engine and a server started and timed (2-core AVX2 machine)
 def test_startup_reports_every_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench", "startup", "--repeats", "1", "--max-tokens", "2", "--out", str(tmp_path)])
     assert rc == 0

@@ -78,6 +78,7 @@ def test_bench_store_ttft_grid(capsys, tmp_path) -> None:  # type: ignore[no-unt
     assert (tmp_path / "ttft.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # ~10 s: four engines and their loads (2-core AVX2 machine)
 @pytest.mark.redis
 def test_bench_store_breakeven_tiny(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """One block and four blocks, int8: every TTFT measured, the rule's choice named, the ratio

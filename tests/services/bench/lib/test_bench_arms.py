@@ -122,6 +122,7 @@ def test_llama_server_streams_a_token_id_completion(
     assert 0 < len(text_chunks) <= MAX_TOKENS
 
 
+@pytest.mark.slow  # ~4-5 s: a Redis server of its own, started and stopped (2-core AVX2 machine)
 @pytest.mark.redis
 def test_disagg_arm_brings_a_bounded_redis_and_takes_it_down(
     model_path: Path, tmp_path: Path

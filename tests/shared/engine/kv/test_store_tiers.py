@@ -508,7 +508,8 @@ def test_a_single_stored_block_is_recomputed(make_engine, prompts, tmp_path: Pat
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("comp", [False, True])
+# zstd frames (~7 s each: two engines; 2-core AVX2 machine) in the slow run only
+@pytest.mark.parametrize("comp", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_quantized_frames_load_exactly(
     make_engine, prompts, tmp_path: Path, fmt: str, comp: bool
 ) -> None:  # type: ignore[no-untyped-def]
