@@ -137,9 +137,7 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
             load_threads=arm.load_threads,
             verify_on_loop=arm.verify_on_loop,
         )
-        # The blocks' tokens and parents, as the engine gives a load them.
-        tokens = [src.ids[i * 16 : (i + 1) * 16] for i in range(n)]
-        chain = Chain(tokens, [src.root, *src.hashes[:-1]])
+        chain = Chain.of_run(src.ids, 16, 0, src.root, src.hashes)  # as the engine gives a load
         try:
             for r in range(repeats + 1):
                 got = conn.fetch(src.hashes, src.root, 1.0).result()

@@ -230,12 +230,10 @@ class BulkReader:
                         raise RedisConnectionError("data after the replies")
                     self._keep(conn)
                     kept = True
-                if error is None and values is not None and any(v is not None for v in values):
+                if not (error is None and values and any(v is not None for v in values)):
+                    self._give(reply.buf)  # no value is a view of it: free again now
+                if error is None and values is not None:
                     yield values
-                else:  # no value is a view of the buffer: it is free again now
-                    self._give(reply.buf)
-                    if error is None and values is not None:
-                        yield values
         except BaseException:
             if not kept:
                 conn.close()

@@ -136,14 +136,10 @@ class StoreFetches:
             res.decision, res.outcome = "recompute", "recompute"
             return False
         f.held, f.dst, f.job = held, dst, LoadJob()
-        first, bs = len(held), self.block_size
+        first = len(held)
         want = hashes[first : first + len(dst)]
-        tokens = f.seq.token_ids
         parent = hashes[first - 1] if first else f.seq.root_hash
-        chain = Chain(
-            [tokens[(first + i) * bs : (first + i + 1) * bs] for i in range(len(want))],
-            [parent, *want[:-1]],
-        )
+        chain = Chain.of_run(f.seq.token_ids, self.block_size, first, parent, want)
         cache = tiers.cache
         f.future = self.connector.load(
             res, want, f.seq.root_hash, dst, cache.write_stacked, f.job, cache.write_frames, chain

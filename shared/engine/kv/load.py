@@ -239,6 +239,20 @@ class Chain:
     tokens: Sequence[list[int]]
     parents: Sequence[BlockHash]
 
+    @staticmethod
+    def of_run(
+        token_ids: list[int],
+        block_size: int,
+        first: int,
+        parent: BlockHash,
+        hashes: Sequence[BlockHash],
+    ) -> Chain:
+        """The chain of `hashes`: blocks `first`, `first + 1`, ... of a sequence of `token_ids`,
+        block `first` following `parent`."""
+        starts = [(first + i) * block_size for i in range(len(hashes))]
+        tokens = [token_ids[s : s + block_size] for s in starts]
+        return Chain(tokens, [parent, *hashes[:-1]])
+
 
 @dataclass(frozen=True)
 class BatchLoader:
