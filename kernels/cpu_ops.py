@@ -178,6 +178,41 @@ def write_frames(
     return written
 
 
+def write_templated(
+    frames: Sequence[Buffer],  # whole frames, each laid out as the template says
+    heads: list[bytes],  # per frame: its bytes up to the scales
+    hashed: list[bytes],  # per frame: its checksum's head
+    middle: bytes,  # between the scales and the payload
+    tail: bytes,  # between the payload and the digest
+    scales_len: int,
+    payload_len: int,
+    stored: torch.dtype,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+    k_scale: list[torch.Tensor | None],
+    v_scale: list[torch.Tensor | None],
+    blocks: list[int],
+) -> tuple[int, int] | None:
+    """write_frames for whole frames laid out byte for byte as one template
+    (codec.FrameTemplate): frame j is heads[j], its finite scales, `middle`, the payload,
+    `tail` and its digest, its checksum taken over hashed[j], the scales and the payload. Each
+    frame's layout and checksum are checked just before its block is written, without the GIL.
+    (blocks written, why it stopped: 0 none did, 1 the next frame is laid out otherwise, 2 its
+    checksum fails); None (nothing written) where the kernel does not apply."""
+    ext = _extension()
+    if ext is None or not frames or not k_cache[0].is_cpu or stored not in _STORED_NAMES:
+        return None
+    cache = k_cache[0].dtype
+    if stored != cache and not (reference.is_quantized(stored) and cache == torch.float32):
+        return None
+    cache_scales = ([s for s in k_scale if s is not None], [s for s in v_scale if s is not None])
+    written, stop = ext.write_templated(
+        list(frames), heads, hashed, middle, tail, scales_len, payload_len,
+        _STORED_NAMES[stored], k_cache, v_cache, *cache_scales, blocks,
+    )  # fmt: skip
+    return int(written), int(stop)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes as a flat buffer (a copy only where it is not contiguous)."""
     flat: Any = t.contiguous().view(torch.uint8).reshape(-1).numpy()

@@ -16,6 +16,8 @@
 #include <array>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -105,91 +107,71 @@ static std::vector<const uint8_t*> buffers(const std::vector<pybind11::buffer>& 
   return out;
 }
 
-// k[j], v[j]: block j's K and V [num_layers, block_size, kvh, d] as stored (`stored_name`:
-// "int8", "fp8", "float32", "bfloat16" or "float16"), each a buffer of bytes (a frame's
-// payload halves, or a decoded block's tensors); scales[j] (int8 / fp8 only) its fp32 scales
-// [2, num_layers, block_size, kvh] (K's, V's). k_cache / v_cache: each layer's [num_blocks,
-// block_size, kvh, d] (k_scale / v_scale their [num_blocks, block_size, kvh] for an int8 /
-// fp8 cache); dst[j]: block j's cache block. Either the stored type is the cache's (a copy of
-// the bytes, scales too) or the frames are int8 / fp8 and the cache fp32 (dequantized).
-// heads[j] / digests[j] (none, or one per block; an empty digest: block j was verified
-// already): block j's checksum, checked before it is written. Returns how many leading blocks
-// were written: all of them, or up to the first whose checksum does not verify.
-int64_t write_frames(const std::vector<pybind11::buffer>& k, const std::vector<pybind11::buffer>& v,
-                     const std::vector<pybind11::buffer>& scales, const std::string& stored_name,
-                     const std::vector<torch::Tensor>& k_cache,
-                     const std::vector<torch::Tensor>& v_cache,
-                     const std::vector<torch::Tensor>& k_scale,
-                     const std::vector<torch::Tensor>& v_scale, const std::vector<int64_t>& dst,
-                     const std::vector<std::string>& heads,
-                     const std::vector<std::string>& digests) {
-  const int64_t n = static_cast<int64_t>(dst.size()), L = static_cast<int64_t>(k_cache.size());
-  TORCH_CHECK(n > 0 && L > 0 && static_cast<int64_t>(k.size()) == n &&
-                  static_cast<int64_t>(v.size()) == n && static_cast<int64_t>(v_cache.size()) == L,
-              "write_frames: one K and V per block, one cache tensor per layer");
-  const auto& like = k_cache[0];
-  TORCH_CHECK(like.dim() == 4, "write_frames: cache layers are [num_blocks, block_size, kvh, d]");
-  const int64_t num_blocks = like.size(0), rows = like.size(1) * like.size(2), d = like.size(3);
-  const auto cache = like.scalar_type();
-  const auto stored = stored_name == "int8"       ? torch::kChar
-                      : stored_name == "fp8"      ? torch::kFloat8_e4m3fn
-                      : stored_name == "float32"  ? torch::kFloat
-                      : stored_name == "bfloat16" ? torch::kBFloat16
-                      : stored_name == "float16"  ? torch::kHalf
-                                                  : torch::kByte;
-  TORCH_CHECK(stored != torch::kByte, "write_frames: no stored type ", stored_name);
-  const bool quantized = stored == torch::kChar || stored == torch::kFloat8_e4m3fn;
-  const bool copy = stored == cache;
-  TORCH_CHECK(copy || (quantized && cache == torch::kFloat),
-              "write_frames: frames must be in the cache's format, or int8 / fp8 into fp32");
-  const int64_t block = rows * d, esize = c10::elementSize(stored), block_bytes = block * esize;
-  const auto kp = buffers(k, L * block_bytes, "K");
-  const auto vp = buffers(v, L * block_bytes, "V");
-  std::vector<const uint8_t*> sp;
-  if (quantized) {
-    TORCH_CHECK(static_cast<int64_t>(scales.size()) == n, "write_frames: scales per block");
-    sp = buffers(scales, 2 * L * rows * static_cast<int64_t>(sizeof(float)), "scales");
-  }
-  const auto kc = layers(k_cache, like, "K cache"), vc = layers(v_cache, like, "V cache");
-  std::vector<uint8_t*> ksc, vsc;
-  if (quantized && copy) {
-    TORCH_CHECK(static_cast<int64_t>(k_scale.size()) == L &&
-                    static_cast<int64_t>(v_scale.size()) == L && k_scale[0].dim() == 3 &&
-                    k_scale[0].size(0) == num_blocks && k_scale[0].numel() == num_blocks * rows,
-                "write_frames: an int8 / fp8 cache's scales [num_blocks, block_size, kvh]");
-    ksc = layers(k_scale, k_scale[0], "K scales");
-    vsc = layers(v_scale, k_scale[0], "V scales");
-    TORCH_CHECK(k_scale[0].scalar_type() == torch::kFloat, "write_frames: fp32 scales");
-  }
-  for (int64_t b : dst) TORCH_CHECK(b >= 0 && b < num_blocks, "write_frames: block ", b);
-  const bool checked = !digests.empty();
-  TORCH_CHECK(!checked || (static_cast<int64_t>(digests.size()) == n &&
-                           static_cast<int64_t>(heads.size()) == n),
-              "write_frames: a head and a digest per block, or none");
-  const auto& fp8 = cpu_ops::fp8_values();
+// The cache a load writes into: each layer's K and V (and an int8 / fp8 cache's scales), and
+// how a block stored as `stored_name` ("int8", "fp8", "float32", "bfloat16" or "float16") goes
+// into it: a copy of its bytes (and scales) where that is the cache's own type, else int8 / fp8
+// dequantized into an fp32 cache. Checked with the GIL held; `put` runs without it.
+struct Target {
+  int64_t num_blocks, L, rows, d, block, block_bytes, scale_bytes;
+  c10::ScalarType stored;
+  bool quantized, copy;
+  std::vector<uint8_t*> kc, vc, ksc, vsc;
 
-  pybind11::gil_scoped_release no_gil;
-  const int64_t scale_bytes = rows * static_cast<int64_t>(sizeof(float));
-  for (int64_t j = 0; j < n; ++j) {
-    const bool unchecked = !checked || digests[j].empty();
-    if (!unchecked && !checksum_matches(heads[j], quantized ? sp[j] : nullptr,
-                                        quantized ? 2 * L * scale_bytes : 0, kp[j], vp[j],
-                                        L * block_bytes, digests[j])) {
-      _mm_sfence();
-      return j;
+  Target(const std::string& stored_name, const std::vector<torch::Tensor>& k_cache,
+         const std::vector<torch::Tensor>& v_cache, const std::vector<torch::Tensor>& k_scale,
+         const std::vector<torch::Tensor>& v_scale) {
+    L = static_cast<int64_t>(k_cache.size());
+    TORCH_CHECK(L > 0 && static_cast<int64_t>(v_cache.size()) == L,
+                "write_frames: one cache tensor per layer");
+    const auto& like = k_cache[0];
+    TORCH_CHECK(like.dim() == 4, "write_frames: cache layers are [num_blocks, block_size, kvh, d]");
+    num_blocks = like.size(0), rows = like.size(1) * like.size(2), d = like.size(3);
+    const auto cache = like.scalar_type();
+    stored = stored_name == "int8"       ? torch::kChar
+             : stored_name == "fp8"      ? torch::kFloat8_e4m3fn
+             : stored_name == "float32"  ? torch::kFloat
+             : stored_name == "bfloat16" ? torch::kBFloat16
+             : stored_name == "float16"  ? torch::kHalf
+                                         : torch::kByte;
+    TORCH_CHECK(stored != torch::kByte, "write_frames: no stored type ", stored_name);
+    quantized = stored == torch::kChar || stored == torch::kFloat8_e4m3fn;
+    copy = stored == cache;
+    TORCH_CHECK(copy || (quantized && cache == torch::kFloat),
+                "write_frames: frames must be in the cache's format, or int8 / fp8 into fp32");
+    block = rows * d;
+    block_bytes = block * static_cast<int64_t>(c10::elementSize(stored));
+    scale_bytes = rows * static_cast<int64_t>(sizeof(float));
+    kc = layers(k_cache, like, "K cache"), vc = layers(v_cache, like, "V cache");
+    if (quantized && copy) {
+      TORCH_CHECK(static_cast<int64_t>(k_scale.size()) == L &&
+                      static_cast<int64_t>(v_scale.size()) == L && k_scale[0].dim() == 3 &&
+                      k_scale[0].size(0) == num_blocks && k_scale[0].numel() == num_blocks * rows,
+                  "write_frames: an int8 / fp8 cache's scales [num_blocks, block_size, kvh]");
+      ksc = layers(k_scale, k_scale[0], "K scales");
+      vsc = layers(v_scale, k_scale[0], "V scales");
+      TORCH_CHECK(k_scale[0].scalar_type() == torch::kFloat, "write_frames: fp32 scales");
     }
-    const int64_t at = dst[j];
+  }
+
+  // The bytes of a frame's scales: [2, L, block_size, kvh] fp32 (K's, V's); none for floats.
+  int64_t frame_scale_bytes() const { return quantized ? 2 * L * scale_bytes : 0; }
+
+  void check_blocks(const std::vector<int64_t>& dst) const {
+    for (int64_t b : dst) TORCH_CHECK(b >= 0 && b < num_blocks, "write_frames: block ", b);
+  }
+
+  // Block `at` from K's and V's bytes [L, block_size, kvh, d] as stored (and the scales).
+  void put(const uint8_t* k, const uint8_t* v, const uint8_t* scales, int64_t at) const {
+    const auto& fp8 = cpu_ops::fp8_values();
     for (int64_t l = 0; l < L; ++l) {
-      const uint8_t* src[2] = {kp[j] + l * block_bytes, vp[j] + l * block_bytes};
+      const uint8_t* src[2] = {k + l * block_bytes, v + l * block_bytes};
       uint8_t* out[2] = {kc[l], vc[l]};
       for (int kv = 0; kv < 2; ++kv) {
-        const float* s = quantized
-            ? reinterpret_cast<const float*>(sp[j]) + (kv * L + l) * rows
-            : nullptr;
+        const float* s =
+            quantized ? reinterpret_cast<const float*>(scales) + (kv * L + l) * rows : nullptr;
         if (copy) {
           std::memcpy(out[kv] + at * block_bytes, src[kv], block_bytes);
-          if (quantized)
-            std::memcpy((kv ? vsc : ksc)[l] + at * scale_bytes, s, scale_bytes);
+          if (quantized) std::memcpy((kv ? vsc : ksc)[l] + at * scale_bytes, s, scale_bytes);
         } else if (stored == torch::kChar) {
           const auto* codes = reinterpret_cast<const int8_t*>(src[kv]);
           float* rows_out = reinterpret_cast<float*>(out[kv]) + at * block;
@@ -203,8 +185,123 @@ int64_t write_frames(const std::vector<pybind11::buffer>& k, const std::vector<p
       }
     }
   }
+};
+
+// k[j], v[j]: block j's K and V [num_layers, block_size, kvh, d] as stored (`stored_name`),
+// each a buffer of bytes (a frame's payload halves, or a decoded block's tensors); scales[j]
+// (int8 / fp8 only) its fp32 scales [2, num_layers, block_size, kvh] (K's, V's). k_cache /
+// v_cache: each layer's [num_blocks, block_size, kvh, d] (k_scale / v_scale their
+// [num_blocks, block_size, kvh] for an int8 / fp8 cache); dst[j]: block j's cache block (see
+// Target). heads[j] / digests[j] (none, or one per block; an empty digest: block j was verified
+// already): block j's checksum, checked before it is written. Returns how many leading blocks
+// were written: all of them, or up to the first whose checksum does not verify.
+int64_t write_frames(const std::vector<pybind11::buffer>& k, const std::vector<pybind11::buffer>& v,
+                     const std::vector<pybind11::buffer>& scales, const std::string& stored_name,
+                     const std::vector<torch::Tensor>& k_cache,
+                     const std::vector<torch::Tensor>& v_cache,
+                     const std::vector<torch::Tensor>& k_scale,
+                     const std::vector<torch::Tensor>& v_scale, const std::vector<int64_t>& dst,
+                     const std::vector<std::string>& heads,
+                     const std::vector<std::string>& digests) {
+  const int64_t n = static_cast<int64_t>(dst.size());
+  TORCH_CHECK(n > 0 && static_cast<int64_t>(k.size()) == n && static_cast<int64_t>(v.size()) == n,
+              "write_frames: one K and V per block");
+  const Target t(stored_name, k_cache, v_cache, k_scale, v_scale);
+  const auto kp = buffers(k, t.L * t.block_bytes, "K");
+  const auto vp = buffers(v, t.L * t.block_bytes, "V");
+  std::vector<const uint8_t*> sp(n, nullptr);
+  if (t.quantized) {
+    TORCH_CHECK(static_cast<int64_t>(scales.size()) == n, "write_frames: scales per block");
+    sp = buffers(scales, t.frame_scale_bytes(), "scales");
+  }
+  t.check_blocks(dst);
+  const bool checked = !digests.empty();
+  TORCH_CHECK(!checked || (static_cast<int64_t>(digests.size()) == n &&
+                           static_cast<int64_t>(heads.size()) == n),
+              "write_frames: a head and a digest per block, or none");
+
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t j = 0; j < n; ++j) {
+    if (checked && !digests[j].empty() &&
+        !checksum_matches(heads[j], sp[j], t.frame_scale_bytes(), kp[j], vp[j],
+                          t.L * t.block_bytes, digests[j])) {
+      _mm_sfence();
+      return j;
+    }
+    t.put(kp[j], vp[j], sp[j], dst[j]);
+  }
   _mm_sfence();  // the streaming stores, ordered before whoever reads the blocks next
   return n;
+}
+
+static bool all_finite(const uint8_t* f32, int64_t bytes) {
+  for (int64_t i = 0; i + 4 <= bytes; i += 4) {
+    uint32_t bits;
+    std::memcpy(&bits, f32 + i, 4);
+    if ((bits & 0x7f800000u) == 0x7f800000u) return false;  // inf or nan (-ffast-math: no isfinite)
+  }
+  return true;
+}
+
+// Whole frames laid out as one template (codec.FrameTemplate): frame j is heads[j], the
+// scales (`scale_len` bytes, finite), `middle`, the payload (`payload_len` bytes: K's then V's),
+// `tail` and a 16-byte digest, nothing else (lengths other than the cache's: no frame is). Its checksum: xxh3-128 over hashed[j], the scales'
+// length, the scales and the payload (as write_frames checks it). Block j goes into dst[j]
+// once its frame is so laid out and its checksum verifies. Returns (blocks written, why it
+// stopped): 0 all written, 1 frame `written` is not laid out as the template (it is left to
+// whoever reads frames otherwise), 2 its checksum does not verify.
+std::tuple<int64_t, int64_t> write_templated(
+    const std::vector<pybind11::buffer>& frames, const std::vector<std::string>& heads,
+    const std::vector<std::string>& hashed, const std::string& middle, const std::string& tail,
+    int64_t scale_len, int64_t payload_len, const std::string& stored_name, const std::vector<torch::Tensor>& k_cache,
+    const std::vector<torch::Tensor>& v_cache, const std::vector<torch::Tensor>& k_scale,
+    const std::vector<torch::Tensor>& v_scale, const std::vector<int64_t>& dst) {
+  const int64_t n = static_cast<int64_t>(dst.size());
+  TORCH_CHECK(n > 0 && static_cast<int64_t>(frames.size()) == n &&
+                  static_cast<int64_t>(heads.size()) == n &&
+                  static_cast<int64_t>(hashed.size()) == n,
+              "write_templated: a frame, a head and a hashed head per block");
+  const Target t(stored_name, k_cache, v_cache, k_scale, v_scale);
+  t.check_blocks(dst);
+  const int64_t half = t.L * t.block_bytes;
+  constexpr int64_t digest_len = 16;
+  if (scale_len != t.frame_scale_bytes() || payload_len != 2 * half) return {0, 1};
+  std::vector<std::pair<const uint8_t*, int64_t>> fp;
+  fp.reserve(n);
+  for (const auto& f : frames) {
+    const pybind11::buffer_info info = f.request();
+    TORCH_CHECK(info.ndim == 1 && info.itemsize == 1 &&
+                    (info.strides.empty() || info.strides[0] == 1),
+                "write_templated: every frame must be contiguous bytes");
+    fp.emplace_back(static_cast<const uint8_t*>(info.ptr), info.size);
+  }
+
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t j = 0; j < n; ++j) {
+    const auto [data, size] = fp[j];
+    const auto& head = heads[j];
+    const int64_t s = static_cast<int64_t>(head.size());
+    const int64_t p = s + scale_len + static_cast<int64_t>(middle.size()), end = p + payload_len;
+    const bool laid_out =
+        size == end + static_cast<int64_t>(tail.size()) + digest_len &&
+        std::memcmp(data, head.data(), s) == 0 &&
+        std::memcmp(data + s + scale_len, middle.data(), middle.size()) == 0 &&
+        std::memcmp(data + end, tail.data(), tail.size()) == 0 &&
+        all_finite(data + s, scale_len);
+    if (!laid_out) {
+      _mm_sfence();
+      return {j, 1};
+    }
+    const std::string digest(reinterpret_cast<const char*>(data + size - digest_len), digest_len);
+    if (!checksum_matches(hashed[j], data + s, scale_len, data + p, data + p + half, half,
+                          digest)) {
+      _mm_sfence();
+      return {j, 2};
+    }
+    t.put(data + p, data + p + half, t.quantized ? data + s : nullptr, dst[j]);
+  }
+  _mm_sfence();
+  return {n, 0};
 }
 
 }  // namespace cpu_load

@@ -64,4 +64,5 @@ PYBIND11_MODULE(KVSERVE_MODULE, m) {
   m.def("decode_tokens", &cpu_decode_step::decode_tokens);
   m.def("decode_timing", &cpu_decode_step::timing);
   m.def("write_frames", &cpu_load::write_frames);
+  m.def("write_templated", &cpu_load::write_templated);
 }

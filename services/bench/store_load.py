@@ -143,10 +143,12 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
                 got = conn.fetch(src.hashes, src.root, 1.0).result()
                 t0 = time.perf_counter()
                 direct = cache.write_frames if arm.one_call else None
+                templated = cache.write_templated if arm.one_call else None
                 dst = list(range(n))
                 res = conn.load(
-                    got, src.hashes, src.root, dst, cache.write_stacked, LoadJob(), direct, chain
-                ).result()
+                    got, src.hashes, src.root, dst, cache.write_stacked, LoadJob(), direct, chain,
+                    templated,
+                ).result()  # fmt: skip
                 wall = time.perf_counter() - t0
                 if res.loaded != n:
                     raise RuntimeError(f"{arm.name}: loaded {res.loaded} of {n} blocks")

@@ -52,7 +52,7 @@ import hmac
 import math
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, ParamSpec
 
@@ -595,9 +595,9 @@ class FrameTemplate:
         of `root`; else None (`read_unchecked` then reads it). Never raises."""
         try:
             view = memoryview(data).cast("B")
-            before, middle = self.before, self.middle
+            middle = self.middle
             packed_tokens = msgpack.packb(tokens)
-            head = b"".join((before[0], packed_tokens, before[1], parent, before[2]))
+            head, checksum_head = self._heads(packed_tokens, parent)
             s = len(head)
             p = s + self.scales_len + len(middle)
             end = p + self.payload_len
@@ -622,8 +622,6 @@ class FrameTemplate:
             "payload": payload,
             "checksum": digest,
         }
-        hashed = self.hashed
-        checksum_head = b"".join((hashed[0], packed_tokens, hashed[1], parent, hashed[2]))
         checksum = Checksum(checksum_head, digest, scales, payload)
         return UncheckedFrame(
             self.fmt,
@@ -635,6 +633,27 @@ class FrameTemplate:
             self.expected.block_shape,
             root,
         )
+
+    def heads(
+        self, tokens: Sequence[list[int]], parents: Sequence[BlockHash]
+    ) -> tuple[list[bytes], list[bytes]]:
+        """For each block of `tokens` after its parent: its frame's bytes up to the scales, and
+        its checksum's head, as this template's writer would have written them (what `read`
+        compares a frame with; kernels/cpu_ops.write_templated takes them)."""
+        out = [self._heads(msgpack.packb(t), p) for t, p in zip(tokens, parents, strict=True)]
+        return [h for h, _ in out], [c for _, c in out]
+
+    def _heads(self, packed_tokens: bytes, parent: BlockHash) -> tuple[bytes, bytes]:
+        before, hashed = self.before, self.hashed
+        return (
+            b"".join((before[0], packed_tokens, before[1], parent, before[2])),
+            b"".join((hashed[0], packed_tokens, hashed[1], parent, hashed[2])),
+        )
+
+    @property
+    def tail(self) -> bytes:
+        """The bytes between a frame's payload and its digest."""
+        return _CHECKSUM_KEY
 
 
 def _bin_head(n: int) -> bytes:

@@ -15,6 +15,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from kvserve.kernels import cpu_ops
@@ -22,6 +23,9 @@ from kvserve.shared.config import POPULATE_MODES, ModelConfig
 from kvserve.shared.model import huge_pages
 from kvserve.shared.model.huge_pages import make_resident
 from kvserve.shared.store.block_data import QUANTIZED_KV_DTYPES, BlockData
+
+if TYPE_CHECKING:
+    from kvserve.shared.store.codec import FrameTemplate
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +262,33 @@ class KVCache:
             self.v_scale,
             list(blocks),
             checksums,
+        )
+
+    def write_templated(
+        self,
+        blocks: Sequence[int],
+        frames: Sequence[cpu_ops.Buffer],
+        template: FrameTemplate,
+        heads: tuple[list[bytes], list[bytes]],
+    ) -> tuple[int, int] | None:
+        """write_frames for whole frames that `template` reads (`heads`: each one's bytes up to
+        its scales and its checksum's head, FrameTemplate.heads): each frame's layout and
+        checksum checked just before its block is written, in one C++ call. (blocks written,
+        why it stopped: 0 none did, 1 the next frame is laid out otherwise, 2 its checksum
+        fails); None (nothing written) where that kernel does not apply."""
+        return cpu_ops.write_templated(
+            frames,
+            *heads,
+            template.middle,
+            template.tail,
+            template.scales_len,
+            template.payload_len,
+            template.stored,
+            self.k,
+            self.v,
+            self.k_scale,
+            self.v_scale,
+            list(blocks),
         )
 
     def _dequantize_into(

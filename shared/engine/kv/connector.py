@@ -58,6 +58,7 @@ from kvserve.shared.engine.kv.load import (
     LoadJob,
     WriteFrames,
     WriteStacked,
+    WriteTemplated,
     block_data,
     loader_pool,
 )
@@ -198,16 +199,18 @@ class StoreConnector:
         job: LoadJob,
         write_frames: WriteFrames | None = None,
         chain: Chain | None = None,
+        write_templated: WriteTemplated | None = None,
     ) -> concurrent.futures.Future[FetchResult]:
         """A lookup's second stage: get `hashes`, verify each and write it into cache block
         `dst[i]` (`write_frames` where it takes a batch, else `write`; from worker threads,
         under `job`); `res.loaded` says how many leading blocks were written. Counted.
         `chain`: the blocks' tokens and parents, where the caller knows them (their frames
-        are then checked by comparing bytes)."""
-        return asyncio.run_coroutine_threadsafe(
-            self._load_into(res, list(hashes), root, list(dst), write, job, write_frames, chain),
-            self._loop,
+        are then checked by comparing bytes; with `write_templated`, by the write itself once
+        the first frame has made their template)."""
+        load = self._load_into(
+            res, list(hashes), root, list(dst), write, job, write_frames, chain, write_templated
         )
+        return asyncio.run_coroutine_threadsafe(load, self._loop)
 
     def abandon(self, res: FetchResult) -> None:
         """The engine did not load what `fetch` chose to (no room, or its own cache now holds
@@ -407,13 +410,14 @@ class StoreConnector:
         job: LoadJob,
         write_frames: WriteFrames | None = None,
         chain: Chain | None = None,
+        write_templated: WriteTemplated | None = None,
     ) -> FetchResult:
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(
-                self._load(hashes, root, dst, write, job, res, write_frames, chain),
-                self.fetch_timeout_s,
+            load = self._load(
+                hashes, root, dst, write, job, res, write_frames, chain, write_templated
             )
+            await asyncio.wait_for(load, self.fetch_timeout_s)
         except TimeoutError:
             self.counters["fetch_timeouts"] += 1
             self.latency.error("get")
@@ -458,6 +462,7 @@ class StoreConnector:
         res: FetchResult,
         write_frames: WriteFrames | None = None,
         chain: Chain | None = None,
+        write_templated: WriteTemplated | None = None,
     ) -> None:
         """Get the blocks in batches of FETCH_BATCH, every batch's read sent at once
         (`stream_views`: on Redis one connection, the replies one after the other), each batch
@@ -472,8 +477,9 @@ class StoreConnector:
         slower (`bench store --parts load`)."""
 
         loader = BatchLoader(
-            self.meta, self.cache_dtype, root, write, job, self.fmt, write_frames, chain
-        )
+            self.meta, self.cache_dtype, root, write, job, self.fmt, write_frames, chain,
+            write_templated,
+        )  # fmt: skip
         writes: list[asyncio.Future[LoadedBatch]] = []
         stream = self.store.stream_views(hashes, FETCH_BATCH)
         try:

@@ -142,8 +142,9 @@ class StoreFetches:
         chain = Chain.of_run(f.seq.token_ids, self.block_size, first, parent, want)
         cache = tiers.cache
         f.future = self.connector.load(
-            res, want, f.seq.root_hash, dst, cache.write_stacked, f.job, cache.write_frames, chain
-        )
+            res, want, f.seq.root_hash, dst, cache.write_stacked, f.job, cache.write_frames, chain,
+            cache.write_templated,
+        )  # fmt: skip
         f.deadline = time.monotonic() + self.connector.fetch_timeout_s + 1.0
         return True
 

@@ -141,24 +141,163 @@ def test_a_load_given_its_chain_reads_frames_against_their_writers_bytes(cache_d
         monkey.undo()
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32])
+def test_batches_after_the_template_are_checked_whole_by_the_write(cache_dtype) -> None:  # type: ignore[no-untyped-def]
+    """Once the first batch has made the template, a later batch's frames go to the write as
+    they are (KVCache.write_templated checks each against the template, then its checksum):
+    the blocks equal those read_unchecked's reads write. A frame laid out otherwise (the chain
+    names other tokens) and the rest of its batch are read as before, by read_unchecked where
+    the template does not take them; a payload bit flipped ends the run at that block."""
+    from kvserve.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    kv_format = "float32" if cache_dtype == torch.float32 else "int8"
+    meta = BlockMeta("m", kv_format, 4, 2, CONFIG.num_kv_heads, CONFIG.head_dim)
+    n = 6
+    root, frames, hashes = _encoded(n, meta, "int8", cache_dtype)
+    tokens = [[100 * j + t for t in range(meta.block_size)] for j in range(n)]
+    chain = Chain(tokens, [root, *hashes[:-1]])
+    plain = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+    dst = list(range(1, n + 1))
+    assert _loader(plain, meta, root, one_call=True).load(hashes, frames, dst).written == n
+    parts = (slice(0, 2), slice(2, n))
+
+    def load(c: Chain, cache: KVCache) -> list[tuple[int, str | None, bytes | None]]:
+        loader = _chained(cache, meta, root, c)
+        out = []
+        for part in parts:
+            verified = loader.verify(hashes[part], frames[part], part.start)
+            assert bool(verified.raw) == (part.start > 0)  # whole frames once templated
+            got = loader.write(verified, dst[part])
+            out.append((got.written, got.miss, got.bad))
+        return out
+
+    monkey = pytest.MonkeyPatch()
+    templated = template_reads(monkey)
+    try:
+        cache = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+        assert load(chain, cache) == [(2, None, None), (4, None, None)]
+        assert templated == [True] * (n - 1)
+        assert_same_blocks(cache, plain)
+
+        other = Chain([*tokens[:3], [7] * meta.block_size, *tokens[4:]], chain.parents)
+        cache, templated[:] = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy"), []
+        assert load(other, cache) == [(2, None, None), (4, None, None)]
+        assert templated == [True, True, False, True, True]  # block 3 by read_unchecked
+        assert_same_blocks(cache, plain)
+
+        frames[4][-40] ^= 0x01  # inside block 4's payload
+        cache, templated[:] = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy"), []
+        assert load(chain, cache) == [(2, None, None), (2, "bad_checksum", hashes[4])]
+        assert templated == [True] * 4  # blocks 1-4 by the template, 4 caught by the checksum
+        frames[4][-40] ^= 0x01
+
+        gone = [*frames[:4], None, frames[5]]
+        cache = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+        loader = _chained(cache, meta, root, chain)
+        loader.write(loader.verify(hashes[:2], frames[:2]), dst[:2])
+        got = loader.write(loader.verify(hashes[2:], gone[2:], 2), dst[2:])
+        assert (got.written, got.miss) == (2, "gone")  # blocks 2-3, then the missing one
+    finally:
+        monkey.undo()
+
+
+WHOLE = [("int8", torch.int8), ("int8", torch.float32), ("fp8", torch.float8_e4m3fn),
+         ("native", torch.float32)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "cache_dtype"), WHOLE, ids=lambda x: str(x).replace("torch.", ""))
+def test_the_write_takes_whole_frames_as_their_template_reads_them(fmt, cache_dtype) -> None:  # type: ignore[no-untyped-def]
+    """KVCache.write_templated writes a frame's block only if FrameTemplate.read takes the
+    frame and its checksum verifies: other tokens, another parent, a byte more or less, a
+    compressed payload or a scale that is not finite leave it laid out otherwise (1, nothing
+    written); for every single-bit flip the write refuses the frame, saying "laid out
+    otherwise" exactly where the template does not read it and "bad checksum" elsewhere."""
+    from kvserve.kernels import cpu_ops
+    from kvserve.shared.store.block_data import BlockData
+    from kvserve.shared.store.codec import FrameTemplate, encode_block, read_unchecked
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    kv_format = "float32" if cache_dtype == torch.float32 else fmt
+    meta = BlockMeta("m", kv_format, 4, 2, CONFIG.num_kv_heads, CONFIG.head_dim)
+    root, frames, hashes = _encoded(2, meta, fmt, cache_dtype)
+    first = read_unchecked(frames[0], meta, hashes[0], root)
+    assert first is not None
+    template = FrameTemplate.of(meta, first)
+    assert template is not None
+    toks, parent, frame = [100 + t for t in range(meta.block_size)], hashes[0], frames[1]
+    cache = KVCache(CONFIG, 3, 4, cache_dtype, populate="lazy")
+
+    def write(data: bytes | bytearray, t: list[int] = toks, p: bytes = parent) -> tuple[int, int]:
+        out = cache.write_templated([1], [data], template, template.heads([t], [p]))
+        assert out is not None and (out[0] == 1) == (out == (1, 0))
+        return out
+
+    k, v = (torch.randn(meta.block_shape, generator=torch.Generator().manual_seed(9)),) * 2
+    zstd_kw: dict = {"compress": True}
+    if fmt != "native":
+        q = BlockData.from_float(k, v, _QUANTIZED[fmt])
+        assert q.k_scale is not None and q.v_scale is not None
+        zstd_kw["scales"] = (q.k_scale, q.v_scale)
+        k, v = q.k, q.v
+        nan = q.k_scale.clone()
+        nan.view(-1)[1] = float("nan")
+        scales = (nan, q.v_scale)
+        bad = encode_block(meta, toks, k, v, fmt, parent, scales=scales)
+        assert template.read(bad, toks, parent, root) is None and write(bad) == (0, 1)
+    zstd = encode_block(meta, toks, k, v, fmt, parent, **zstd_kw)
+    others = [(frame, [7] * 4, parent), (frame, toks, root), (frame + b"\0", toks, parent),
+              (frame[:-1], toks, parent), (zstd, toks, parent)]  # fmt: skip
+    for data, t, p in others:
+        assert template.read(data, t, p, root) is None and write(data, t, p) == (0, 1)
+    assert not any(kv_cache.raw_view(b.k).any() for b in cache.read_blocks([1]))
+    for bit in range(len(frame) * 8):
+        flipped = bytearray(frame)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        read = template.read(flipped, toks, parent, root)
+        assert write(flipped) == ((0, 1) if read is None else (0, 2)), bit
+    assert write(frame) == (1, 0)
+    want = KVCache(CONFIG, 3, 4, cache_dtype, populate="lazy")
+    assert _loader(want, meta, root, one_call=True).load(hashes, frames, [0, 1]).written == 2
+    raw = kv_cache.raw_view
+    a, b = cache.read_blocks([1])[0], want.read_blocks([1])[0]
+    assert torch.equal(raw(a.k), raw(b.k)) and torch.equal(raw(a.v), raw(b.v))
+
+
+_QUANTIZED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
 def _chained(cache: KVCache, meta: BlockMeta, root: bytes, chain: Chain) -> BatchLoader:
     return BatchLoader(
-        meta, cache.dtype, root, cache.write_stacked, LoadJob(), "int8", cache.write_frames, chain
-    )
+        meta, cache.dtype, root, cache.write_stacked, LoadJob(), "int8", cache.write_frames, chain,
+        cache.write_templated,
+    )  # fmt: skip
 
 
 def template_reads(monkey: pytest.MonkeyPatch) -> list[bool]:
-    """From now until `monkey` is undone, whether each FrameTemplate.read read its frame (True)
-    or left it to read_unchecked (False), in call order."""
+    """From now until `monkey` is undone, whether each frame a template was tried on was read
+    by it (True: by FrameTemplate.read, or checked whole against it by
+    KVCache.write_templated) or left to read_unchecked (False), in call order."""
     from kvserve.shared.store import codec
 
     templated: list[bool] = []
     read = codec.FrameTemplate.read
+    write = KVCache.write_templated
 
     def counted(self, *args):  # type: ignore[no-untyped-def]
         out = read(self, *args)
         templated.append(out is not None)
         return out
 
+    def written(self, *args):  # type: ignore[no-untyped-def]
+        out = write(self, *args)
+        if out is not None:
+            n, stop = out
+            templated.extend([True] * (n + (stop == 2)))  # a bad checksum: taken, then caught
+        return out
+
     monkey.setattr(codec.FrameTemplate, "read", counted)
+    monkey.setattr(KVCache, "write_templated", written)
     return templated
