@@ -3,10 +3,12 @@ store connector alone (no model step, no engine loop), for each load setting in 
 
 The blocks are a real prefill's (the first --prefix-tokens length), encoded as each arm says
 (format, zstd or not; an int8 / fp8 cache's frames are its own bytes and scales) and put into
-a namespace of their own; per repeat a fresh connector asks which blocks are stored (one round
-trip) and loads all of them into consecutive cache blocks, given their tokens and parents as
-the engine gives a load them (frames checked against their template). Medians of --repeats
-(after one unrecorded warm-up load) of: the presence round trip, the load's wall time, the loader's
+a namespace of their own, with a KV cache and a store connector per arm. Each load asks which
+blocks are stored (one round trip) and loads all of them into consecutive cache blocks, given
+their tokens and parents as the engine gives a load them (frames checked against their
+template). Every arm is set up first and each repeat loads once in every arm in turn, so that
+a drift in the machine's speed meets all arms alike. Medians of --repeats (after one
+unrecorded warm-up load each) of: the presence round trip, the load's wall time, the loader's
 verification and write time (summed over its threads), and the load per block.
 """
 
@@ -33,6 +35,7 @@ class LoadArm:
     compress: bool = False
     load_threads: int = 1
     one_call: bool = True  # KVCache.write_frames where it applies (else staged, per layer)
+    whole_frames: bool = True  # batches after the first checked in the write (write_templated)
     verify_on_loop: bool = True
     in_place: bool = True  # gets read into one buffer (RedisStore.bulk), else through redis-py
 
@@ -45,6 +48,8 @@ LOAD_ARMS = (
     LoadArm("fp8 -> fp8 cache", "fp8", "fp8"),
     LoadArm("int8 -> int8, staged copies", "int8", "int8", one_call=False),
     LoadArm("int8 -> fp32, staged copies", "int8", "auto", one_call=False),
+    LoadArm("int8 -> int8, template on the loop", "int8", "int8", whole_frames=False),
+    LoadArm("int8 -> fp32, template on the loop", "int8", "auto", whole_frames=False),
     LoadArm("int8 -> int8, verified on the loader", "int8", "int8", verify_on_loop=False),
     LoadArm("int8 -> fp32, verified on the loader", "int8", "auto", verify_on_loop=False),
     LoadArm("int8 -> fp32, zstd frames", "int8", "auto", compress=True),
@@ -70,7 +75,7 @@ def load_bench(make: Any, redis: str, prefix_tokens: int, repeats: int) -> dict[
     blocks = engine.runner.cache.read_blocks([engine.kv.cached_block(h) for h in hashes])
     source = _Source(engine.kv.identity.meta, engine.model_config, root, ids, hashes, blocks)
     engine.close()
-    rows = [_arm(arm, source, redis, repeats) for arm in LOAD_ARMS]
+    rows = _arms(source, redis, repeats)
     print(f"{'load (' + str(n) + ' blocks)':>34} {'B/token':>8} {'load ms':>16} {'ms/block':>8} "
           f"{'verify':>7} {'write':>6} {'presence':>8}")  # fmt: skip
     for r in rows:
@@ -108,28 +113,32 @@ def _frames(arm: LoadArm, src: _Source, meta: Any) -> list[tuple[Any, bytes]]:
     return out
 
 
-def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]:
-    from kvserve.shared.engine.kv.cache import KVCache
-    from kvserve.shared.engine.kv.connector import StoreConnector
-    from kvserve.shared.engine.kv.load import Chain, LoadJob
-    from kvserve.shared.store.backends import open_store
-    from kvserve.shared.store.redis import RedisStore
+class _Rig:
+    """One arm set up: its frames in a namespace of their own, a KV cache and a connector."""
 
-    dtype = _DTYPES[arm.cache]
-    meta = dataclasses.replace(src.meta, kv_format="float32" if arm.cache == "auto" else arm.cache)
-    frames = _frames(arm, src, meta)
-    ns = fresh_namespace("load")
-    url = f"{redis}?namespace={ns}&timeout=5"
-    rows = []
-    try:
-        store = open_store(url)
-        asyncio.run(_put(store, frames))
-        n = len(frames)
-        cache = KVCache(src.config, n + 8, 16, dtype, populate="eager")
+    def __init__(self, arm: LoadArm, src: _Source, redis: str) -> None:
+        from kvserve.shared.engine.kv.cache import KVCache
+        from kvserve.shared.engine.kv.connector import StoreConnector
+        from kvserve.shared.engine.kv.load import Chain
+        from kvserve.shared.store.backends import open_store
+        from kvserve.shared.store.redis import RedisStore
+
+        self.arm, self.src, self.redis = arm, src, redis
+        self.rows: list[dict[str, Any]] = []
+        dtype = _DTYPES[arm.cache]
+        kv_format = "float32" if arm.cache == "auto" else arm.cache
+        meta = dataclasses.replace(src.meta, kv_format=kv_format)
+        frames = _frames(arm, src, meta)
+        self.n = len(frames)
+        self.bytes_per_token = sum(len(f) for _, f in frames) / (16 * self.n)
+        self.ns = fresh_namespace("load")
+        url = f"{redis}?namespace={self.ns}&timeout=5"
+        asyncio.run(_put(open_store(url), frames))
+        self.cache = KVCache(src.config, self.n + 8, 16, dtype, populate="eager")
         reads = open_store(url)
         if not arm.in_place and isinstance(reads, RedisStore):
             reads.bulk = None
-        conn = StoreConnector(
+        self.conn = StoreConnector(
             reads,
             meta,
             arm.fmt,
@@ -137,29 +146,51 @@ def _arm(arm: LoadArm, src: _Source, redis: str, repeats: int) -> dict[str, Any]
             load_threads=arm.load_threads,
             verify_on_loop=arm.verify_on_loop,
         )
-        chain = Chain.of_run(src.ids, 16, 0, src.root, src.hashes)  # as the engine gives a load
+        self.chain = Chain.of_run(src.ids, 16, 0, src.root, src.hashes)  # as the engine gives it
+
+    def load(self, recorded: bool = True) -> None:
+        """One load of every block (the presence question first, as the engine asks it)."""
+        from kvserve.shared.engine.kv.load import LoadJob
+
+        arm, src, cache = self.arm, self.src, self.cache
+        got = self.conn.fetch(src.hashes, src.root, 1.0).result()
+        t0 = time.perf_counter()
+        direct = cache.write_frames if arm.one_call else None
+        templated = cache.write_templated if arm.one_call and arm.whole_frames else None
+        res = self.conn.load(
+            got, src.hashes, src.root, list(range(self.n)), cache.write_stacked, LoadJob(),
+            direct, self.chain, templated,
+        ).result()  # fmt: skip
+        wall = time.perf_counter() - t0
+        if res.loaded != self.n:
+            raise RuntimeError(f"{arm.name}: loaded {res.loaded} of {self.n} blocks")
+        if recorded:
+            self.rows.append({"wall": wall, **res.timings, **got.timings})
+
+    def close(self) -> None:
         try:
-            for r in range(repeats + 1):
-                got = conn.fetch(src.hashes, src.root, 1.0).result()
-                t0 = time.perf_counter()
-                direct = cache.write_frames if arm.one_call else None
-                templated = cache.write_templated if arm.one_call else None
-                dst = list(range(n))
-                res = conn.load(
-                    got, src.hashes, src.root, dst, cache.write_stacked, LoadJob(), direct, chain,
-                    templated,
-                ).result()  # fmt: skip
-                wall = time.perf_counter() - t0
-                if res.loaded != n:
-                    raise RuntimeError(f"{arm.name}: loaded {res.loaded} of {n} blocks")
-                if r:  # the first is a warm-up
-                    rows.append({"wall": wall, **res.timings, **got.timings})
+            self.conn.close()
+            self.cache.close()
         finally:
-            conn.close()
-            cache.close()
+            drop_namespace(self.redis, self.ns)
+
+
+def _arms(src: _Source, redis: str, repeats: int) -> list[dict[str, Any]]:
+    """Every arm set up first, then each repeat loads once in every arm in turn (after one
+    unrecorded load each): a drift in the machine's speed meets all arms alike."""
+    rigs: list[_Rig] = []
+    try:
+        for arm in LOAD_ARMS:
+            rigs.append(_Rig(arm, src, redis))
+        for rig in rigs:
+            rig.load(recorded=False)
+        for _ in range(repeats):
+            for rig in rigs:
+                rig.load()
+        return [_summary(r.arm, r.rows, r.bytes_per_token, r.n) for r in rigs]
     finally:
-        drop_namespace(redis, ns)
-    return _summary(arm, rows, sum(len(f) for _, f in frames) / (16 * len(frames)), len(frames))
+        for rig in rigs:
+            rig.close()
 
 
 async def _put(store: Any, frames: list[tuple[Any, bytes]]) -> None:

@@ -77,8 +77,8 @@ FETCH_BATCH = 8
 # reads into buffers the writes hand back: beyond them, each batch's pages are new ones).
 LOAD_WINDOW = 4
 # Threads that verify and write a load's batches: one. On two cores the store's server and this
-# process's reads take most of one core while a load runs; a second loader thread only contends
-# for the other (and for the GIL) and made loads slower (docs/architecture.md).
+# process's reads take most of one core while a load runs; a second loader thread made fresh
+# engines' loads no faster (docs/architecture.md).
 LOAD_THREADS = 1
 TAIL_TTL_S = 30  # an abandoned hand-off's tail key expires after this
 # A single stored block is recomputed: a fetch's fixed costs (two round trips, a thread hop,
