@@ -223,7 +223,7 @@ class Engine:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "prompt must not be empty")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:  # C loops, not Python
             raise InvalidRequestError("prompt", f"prompt token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
