@@ -6,7 +6,8 @@
 // the event loop receives the next batch. A frame whose checksum the reader left to the copy
 // (codec.read_unchecked) is hashed just before its block is written, while its bytes are in
 // the core's cache for the copy that follows: the first one that does not verify ends the
-// write.
+// write. write_templated takes whole frames and also makes the reader's comparison with the
+// load's template (codec.FrameTemplate) itself, frame by frame, before the checksum.
 #pragma once
 
 #include <torch/extension.h>
@@ -244,18 +245,20 @@ static bool all_finite(const uint8_t* f32, int64_t bytes) {
 }
 
 // Whole frames laid out as one template (codec.FrameTemplate): frame j is heads[j], the
-// scales (`scale_len` bytes, finite), `middle`, the payload (`payload_len` bytes: K's then V's),
-// `tail` and a 16-byte digest, nothing else (lengths other than the cache's: no frame is). Its checksum: xxh3-128 over hashed[j], the scales'
-// length, the scales and the payload (as write_frames checks it). Block j goes into dst[j]
-// once its frame is so laid out and its checksum verifies. Returns (blocks written, why it
-// stopped): 0 all written, 1 frame `written` is not laid out as the template (it is left to
-// whoever reads frames otherwise), 2 its checksum does not verify.
+// scales (`scale_len` bytes, finite), `middle`, the payload (`payload_len` bytes: K's then
+// V's), `tail` and a 16-byte digest, nothing else (lengths other than the cache's: no frame
+// is). Its checksum: xxh3-128 over hashed[j], the scales' length, the scales and the payload
+// (as write_frames checks it). Block j goes into dst[j] once its frame is so laid out and its
+// checksum verifies. Returns (blocks written, why it stopped): 0 all written, 1 frame
+// `written` is not laid out as the template (it is left to whoever reads frames otherwise),
+// 2 its checksum does not verify.
 std::tuple<int64_t, int64_t> write_templated(
     const std::vector<pybind11::buffer>& frames, const std::vector<std::string>& heads,
     const std::vector<std::string>& hashed, const std::string& middle, const std::string& tail,
-    int64_t scale_len, int64_t payload_len, const std::string& stored_name, const std::vector<torch::Tensor>& k_cache,
-    const std::vector<torch::Tensor>& v_cache, const std::vector<torch::Tensor>& k_scale,
-    const std::vector<torch::Tensor>& v_scale, const std::vector<int64_t>& dst) {
+    int64_t scale_len, int64_t payload_len, const std::string& stored_name,
+    const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache,
+    const std::vector<torch::Tensor>& k_scale, const std::vector<torch::Tensor>& v_scale,
+    const std::vector<int64_t>& dst) {
   const int64_t n = static_cast<int64_t>(dst.size());
   TORCH_CHECK(n > 0 && static_cast<int64_t>(frames.size()) == n &&
                   static_cast<int64_t>(heads.size()) == n &&
