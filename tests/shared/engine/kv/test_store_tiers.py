@@ -565,3 +565,51 @@ def test_quantized_frames_load_exactly(
 def _raw_parts(block):  # type: ignore[no-untyped-def]
     return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
             for t in (block.k, block.v, block.k_scale, block.v_scale)]  # fmt: skip
+
+
+def test_a_prefix_longer_than_a_batch_loads_its_later_batches_whole(
+    make_engine, prompts, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A prefix of more blocks than one fetch batch, into an int8 cache from its own frames: the
+    batches after the first go to the cache whole (KVCache.write_templated checks each frame
+    against the template, then its checksum), every frame after the first is read by the
+    template, and the blocks are the writing engine's bit for bit."""
+    from kvserve.shared.engine.kv.cache import KVCache
+    from kvserve.shared.engine.kv.connector import FETCH_BATCH
+
+    from tests.shared.engine.kv.test_load import template_reads
+
+    prompt = prompts[0] + prompts[1]  # two chats: 15 full blocks of 16
+    store = StoreConfig(f"file://{tmp_path}", format="int8")
+    monkey = pytest.MonkeyPatch()
+    templated = template_reads(monkey)
+    whole: list[int] = []
+    write = KVCache.write_templated
+
+    def counted(self, blocks, *args):  # type: ignore[no-untyped-def]
+        whole.append(len(blocks))
+        return write(self, blocks, *args)
+
+    monkey.setattr(KVCache, "write_templated", counted)
+    try:
+        a = make_engine(store=store, kv_dtype="int8")
+        want, _ = run_one(a, "a", prompt, GREEDY)
+        _, hashes = _root_and_hashes(a, prompt)
+        written = a.kv.cache.read_blocks([a.kv.pool.index.block_of(h) for h in hashes])
+        a.close()
+        assert len(hashes) > FETCH_BATCH
+        b = make_engine(store=store, kv_dtype="int8")
+        templated.clear()
+        try:
+            got, cached = run_one(b, "b", prompt, GREEDY)
+            assert cached == len(hashes) * b.block_size and got == want
+            assert whole == [len(hashes) - FETCH_BATCH]  # the second batch, in one call
+            assert templated == [True] * (len(hashes) - 1)
+            loaded = b.kv.cache.read_blocks([b.kv.pool.index.block_of(h) for h in hashes])
+            for mine, theirs in zip(loaded, written, strict=True):
+                for x, y in zip(_raw_parts(mine), _raw_parts(theirs), strict=True):
+                    assert torch.equal(x, y)
+        finally:
+            b.close()
+    finally:
+        monkey.undo()
