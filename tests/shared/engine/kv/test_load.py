@@ -99,19 +99,9 @@ def test_a_load_given_its_chain_reads_frames_against_their_writers_bytes(cache_d
     write, a frame that differs from its template (here: the chain names other tokens) is
     still read, by read_unchecked, and a payload bit flipped under the template still ends
     the run at that block."""
-    from kvserve.kernels import cpu_ops
-
-    if not cpu_ops.available():
-        pytest.skip("no C++ toolchain")
-    kv_format = "float32" if cache_dtype == torch.float32 else "int8"
-    meta = BlockMeta("m", kv_format, 4, 2, CONFIG.num_kv_heads, CONFIG.head_dim)
     n = 5
-    root, frames, hashes = _encoded(n, meta, "int8", cache_dtype)
-    tokens = [[100 * j + t for t in range(meta.block_size)] for j in range(n)]
-    chain = Chain(tokens, [root, *hashes[:-1]])
-    plain = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+    meta, root, frames, hashes, tokens, chain, plain = _a_chain(n, cache_dtype)
     dst = list(range(1, n + 1))
-    assert _loader(plain, meta, root, one_call=True).load(hashes, frames, dst).written == n
 
     monkey = pytest.MonkeyPatch()
     templated = template_reads(monkey)
@@ -148,19 +138,9 @@ def test_batches_after_the_template_are_checked_whole_by_the_write(cache_dtype) 
     the blocks equal those read_unchecked's reads write. A frame laid out otherwise (the chain
     names other tokens) and the rest of its batch are read as before, by read_unchecked where
     the template does not take them; a payload bit flipped ends the run at that block."""
-    from kvserve.kernels import cpu_ops
-
-    if not cpu_ops.available():
-        pytest.skip("no C++ toolchain")
-    kv_format = "float32" if cache_dtype == torch.float32 else "int8"
-    meta = BlockMeta("m", kv_format, 4, 2, CONFIG.num_kv_heads, CONFIG.head_dim)
     n = 6
-    root, frames, hashes = _encoded(n, meta, "int8", cache_dtype)
-    tokens = [[100 * j + t for t in range(meta.block_size)] for j in range(n)]
-    chain = Chain(tokens, [root, *hashes[:-1]])
-    plain = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+    meta, root, frames, hashes, tokens, chain, plain = _a_chain(n, cache_dtype)
     dst = list(range(1, n + 1))
-    assert _loader(plain, meta, root, one_call=True).load(hashes, frames, dst).written == n
     parts = (slice(0, 2), slice(2, n))
 
     def load(c: Chain, cache: KVCache) -> list[tuple[int, str | None, bytes | None]]:
@@ -267,6 +247,25 @@ def test_the_write_takes_whole_frames_as_their_template_reads_them(fmt, cache_dt
 
 
 _QUANTIZED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def _a_chain(n: int, cache_dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """n chained int8 frames (an int8 cache's own), their blocks' Chain, and a cache holding
+    them as read_unchecked's reads write them (blocks 1..n): what a templated load must equal.
+    Skips without the C++ kernels."""
+    from kvserve.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain")
+    kv_format = "float32" if cache_dtype == torch.float32 else "int8"
+    meta = BlockMeta("m", kv_format, 4, 2, CONFIG.num_kv_heads, CONFIG.head_dim)
+    root, frames, hashes = _encoded(n, meta, "int8", cache_dtype)
+    tokens = [[100 * j + t for t in range(meta.block_size)] for j in range(n)]
+    chain = Chain(tokens, [root, *hashes[:-1]])
+    plain = KVCache(CONFIG, n + 1, 4, cache_dtype, populate="lazy")
+    loaded = _loader(plain, meta, root, one_call=True).load(hashes, frames, list(range(1, n + 1)))
+    assert loaded.written == n
+    return meta, root, frames, hashes, tokens, chain, plain
 
 
 def _chained(cache: KVCache, meta: BlockMeta, root: bytes, chain: Chain) -> BatchLoader:
