@@ -74,14 +74,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, nr, k).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor | None:
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, any_rows: bool = False
+) -> torch.Tensor | None:
     """x [M, K] @ W.T for W packed by `pack`, or None where this input is not for the kernel
-    (not fp32 on the CPU, more than max_rows() rows, no compiled kernel)."""
+    (not fp32 on the CPU, more than max_rows() rows unless `any_rows`, no compiled kernel)."""
     ext = _extension()
     if ext is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2:
         return None
     limit = max_rows()
-    if limit is not None and x.shape[0] > limit:
+    if limit is not None and x.shape[0] > limit and not any_rows:
         return None
     out: torch.Tensor = ext.linear(x.contiguous(), packed, out_features)
     return out

@@ -22,13 +22,30 @@ def _can_prepack(weight: torch.Tensor) -> bool:
     )
 
 
+def _same_sums(panels: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> bool:
+    """Whether oneDNN's matmul over `packed` gives every output bit for bit as cpu_linear's over
+    `panels` (the same weight), on a probe of more rows than cpu_linear.max_rows(): so that
+    where a call of many rows goes to oneDNN, a row's result still does not depend on the
+    batch. Each sums a row's products in its own order (oneDNN on AVX2 splits K = 1,536 into
+    1,024 + 512, cpu_linear does not): where the orders agree every input agrees, where they
+    differ almost every output of a random probe does."""
+    rows = (cpu_linear.max_rows() or 0) + 8
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
+    ours = cpu_linear.linear(x, panels, n, any_rows=True)
+    theirs = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return ours is not None and torch.equal(ours, theirs)
+
+
 class Linear(nn.Module):
     """y = x @ W.T. fp32 on the CPU: kernels.cpu_linear's GEMM over the weight packed once into
     column panels (faster than oneDNN at decode batch sizes, and a row's result does not depend
     on the batch). Where that does not apply (bf16 matmuls, no compiler, more rows than
     cpu_linear.max_rows() on an AVX2 machine) the weight prepacked for oneDNN (what
     torch.compile's CPU backend does with frozen weights; faster than F.linear's BLAS path);
-    elsewhere plain F.linear. Only the copies a path needs are kept.
+    elsewhere plain F.linear. Only the copies a path needs are kept. On an AVX2 machine a weight
+    whose oneDNN sums differ from the panels' (`_same_sums`) keeps the panels for every call:
+    a token's result is then the same however many rows its call had (a prompt computed whole,
+    or only its question after a cached prefix).
 
     A weight in its GGUF file's blocks (QuantizedWeight, or StackedBlocks of several formats:
     one panel matrix per part) is packed for kernels.cpu_qlinear,
@@ -48,6 +65,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
         self.int8_activations = False
+        self.panels_only = False  # the panels take calls of any number of rows
         if isinstance(weight, QuantizedWeight | StackedBlocks):
             self.out_features, self.in_features = weight.out_features, weight.in_features
             self.compute_dtype = torch.float32
@@ -69,6 +87,11 @@ class Linear(nn.Module):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
             except RuntimeError:  # a torch build without the op's kernel
                 self.packed = None
+        if self.panels is not None and (
+            self.packed is None or not _same_sums(self.panels, self.packed, *weight.shape)
+        ):
+            self.packed, self.panels_only = None, True
+            return
         if self.packed is None:
             self.weight = weight.contiguous()
 
@@ -125,7 +148,7 @@ class Linear(nn.Module):
                 outs.append(part)
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if y is None and self.panels is not None:
-            y = cpu_linear.linear(x, self.panels, self.out_features)
+            y = cpu_linear.linear(x, self.panels, self.out_features, self.panels_only)
         if y is None and self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, None, "none", [], ""

@@ -93,3 +93,21 @@ def test_model_linear_agrees_across_paths(rows: int) -> None:
     bf16 = Linear(w, torch.bfloat16)
     assert bf16.panels is None  # bf16 matmuls stay on oneDNN
     torch.testing.assert_close(bf16(x), x @ w.T, atol=0.2, rtol=0.05)
+
+
+@pytest.mark.parametrize("shape", [(576, 1536), (960, 576)])
+def test_a_model_row_does_not_depend_on_how_many_rows_its_call_had(
+    shape: tuple[int, int],
+) -> None:
+    """The model's fp32 Linear: a row computed in a call of more rows than max_rows (on AVX2
+    oneDNN's, where its sums are the panels' bit for bit) equals the same row computed in a
+    call of a few rows (the panels'), for a K that oneDNN splits (1,536) and one it does not: a
+    question's tokens get the same K/V after a cached prefix as in the whole prompt."""
+    torch.manual_seed(shape[1])
+    w = torch.randn(*shape) * 0.05
+    lin = Linear(w)
+    many = (cpu_linear.max_rows() or 64) + 85
+    x = torch.randn(many, shape[1])
+    together = lin(x)
+    for a, b in ((0, 1), (many - 21, many), (7, 30)):
+        assert torch.equal(lin(x[a:b].clone()), together[a:b])
