@@ -16,6 +16,10 @@ other rows share the call: a sequence's result is bit-identical alone or in any 
 With AVX-512 it is faster than oneDNN's prepacked GEMM at decode batch sizes and as fast at
 prefill sizes, so it takes every input; with AVX2 oneDNN is faster above MAX_ROWS rows, so
 those go to oneDNN there (`max_rows()`; figures in docs/benchmarks.md, engine decision records).
+With AVX2 the sum over k is also taken as oneDNN takes it there, in runs of 1,024 k whose sums
+are then added in turn, so that a row gets the same bits from either (a K of 1,536 summed in
+one run differed from oneDNN's in ~94% of the outputs, and an int8 KV cache turned that into
+another greedy answer for a question after a cached prefix than for the whole prompt).
 `available()` is False where the kernel cannot be built: the caller uses oneDNN.
 """
 

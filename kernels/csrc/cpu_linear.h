@@ -18,10 +18,19 @@ namespace cpu_linear {
 #if VW == 16
 constexpr int NV = 3, MR = 8;
 constexpr int64_t MAX_ROWS = -1;  // any number
+constexpr int64_t KC = 0;         // K summed in one run
 #else
 constexpr int NV = 2, MR = 6;
 constexpr int64_t MAX_ROWS = 64;
+// K summed in runs of KC, the runs' sums then added in order: oneDNN's order (AVX2), which
+// takes the calls of more than MAX_ROWS rows, so that a row's result is the same whichever
+// of the two computed it (shared/model/linear.py checks each weight's sums agree).
+constexpr int64_t KC = 1024;
 #endif
+// The runs of k: [k0, run_end(k0, K)), from k0 = 0 in steps of KC.
+static inline int64_t run_end(int64_t k0, int64_t K) {
+  return KC == 0 ? K : std::min(K, k0 + KC);
+}
 constexpr int NR = NV * VW;  // output columns per panel
 constexpr int ROW_PANELS = 4;
 
@@ -30,16 +39,21 @@ constexpr int ROW_PANELS = 4;
 template <int PN>
 static __attribute__((noinline)) void row_panels(const float* x, const float* panel, int64_t K,
                                                  float* y) {
-  vf acc[PN][NV];
-  for (int q = 0; q < PN; ++q)
-    for (int v = 0; v < NV; ++v) acc[q][v] = vf{};
-  for (int64_t k = 0; k < K; ++k) {
-    const float xk = x[k];
+  vf sum[PN][NV];
+  for (int64_t k0 = 0; k0 < K; k0 = run_end(k0, K)) {
+    vf acc[PN][NV];
     for (int q = 0; q < PN; ++q)
-      for (int v = 0; v < NV; ++v) acc[q][v] += xk * loadv(panel + (q * K + k) * NR + v * VW);
+      for (int v = 0; v < NV; ++v) acc[q][v] = vf{};
+    for (int64_t k = k0; k < run_end(k0, K); ++k) {
+      const float xk = x[k];
+      for (int q = 0; q < PN; ++q)
+        for (int v = 0; v < NV; ++v) acc[q][v] += xk * loadv(panel + (q * K + k) * NR + v * VW);
+    }
+    for (int q = 0; q < PN; ++q)
+      for (int v = 0; v < NV; ++v) sum[q][v] = k0 == 0 ? acc[q][v] : sum[q][v] + acc[q][v];
   }
   for (int q = 0; q < PN; ++q)
-    for (int v = 0; v < NV; ++v) storev(y + q * NR + v * VW, acc[q][v]);
+    for (int v = 0; v < NV; ++v) storev(y + q * NR + v * VW, sum[q][v]);
 }
 
 // R rows of x (row stride ldx) times one panel [K][NR] into y (row stride ldy, `cols` <= NR
@@ -49,21 +63,26 @@ template <int R>
 static __attribute__((noinline)) void tile(const float* x, int64_t ldx, const float* panel,
                                            int64_t K, float* y, int64_t ldy, int64_t cols,
                                            const float* pf, int64_t nlines) {
-  vf acc[R][NV];
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = vf{};
+  vf sum[R][NV];
   const int64_t per_k = (nlines + K - 1) / K;
-  for (int64_t k = 0; k < K; ++k) {
-    vf w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = loadv(panel + k * NR + v * VW);
-    for (int64_t j = k * per_k; j < (k + 1) * per_k && j < nlines; ++j)
-      __builtin_prefetch(pf + 16 * j, 0, 2);
-    for (int i = 0; i < R; ++i) {
-      const float xi = x[i * ldx + k];
-      for (int v = 0; v < NV; ++v) acc[i][v] += xi * w[v];
+  for (int64_t k0 = 0; k0 < K; k0 = run_end(k0, K)) {
+    vf acc[R][NV];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = vf{};
+    for (int64_t k = k0; k < run_end(k0, K); ++k) {
+      vf w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = loadv(panel + k * NR + v * VW);
+      for (int64_t j = k * per_k; j < (k + 1) * per_k && j < nlines; ++j)
+        __builtin_prefetch(pf + 16 * j, 0, 2);
+      for (int i = 0; i < R; ++i) {
+        const float xi = x[i * ldx + k];
+        for (int v = 0; v < NV; ++v) acc[i][v] += xi * w[v];
+      }
     }
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < NV; ++v) sum[i][v] = k0 == 0 ? acc[i][v] : sum[i][v] + acc[i][v];
   }
-  for (int i = 0; i < R; ++i) store_row(y + i * ldy, acc[i], cols);
+  for (int i = 0; i < R; ++i) store_row(y + i * ldy, sum[i], cols);
 }
 
 // x [M, K] contiguous f32; packed [P, K, NR] f32 -> y [M, N].

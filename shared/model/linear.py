@@ -26,9 +26,10 @@ def _same_sums(panels: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> bo
     """Whether oneDNN's matmul over `packed` gives every output bit for bit as cpu_linear's over
     `panels` (the same weight), on a probe of more rows than cpu_linear.max_rows(): so that
     where a call of many rows goes to oneDNN, a row's result still does not depend on the
-    batch. Each sums a row's products in its own order (oneDNN on AVX2 splits K = 1,536 into
-    1,024 + 512, cpu_linear does not): where the orders agree every input agrees, where they
-    differ almost every output of a random probe does."""
+    batch. Both sum a row's products in the same order (on AVX2 runs of 1,024 k, the runs'
+    sums added in turn: cpu_linear follows oneDNN), which the probe checks on this machine's
+    oneDNN: where the orders agree every input agrees, where they differ almost every output
+    of a random probe does."""
     rows = (cpu_linear.max_rows() or 0) + 8
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
     ours = cpu_linear.linear(x, panels, n, any_rows=True)
@@ -43,9 +44,9 @@ class Linear(nn.Module):
     cpu_linear.max_rows() on an AVX2 machine) the weight prepacked for oneDNN (what
     torch.compile's CPU backend does with frozen weights; faster than F.linear's BLAS path);
     elsewhere plain F.linear. Only the copies a path needs are kept. On an AVX2 machine a weight
-    whose oneDNN sums differ from the panels' (`_same_sums`) keeps the panels for every call:
-    a token's result is then the same however many rows its call had (a prompt computed whole,
-    or only its question after a cached prefix).
+    whose oneDNN sums differ from the panels' (`_same_sums`; none of the model's do) keeps the
+    panels for every call: a token's result is the same however many rows its call had (a
+    prompt computed whole, or only its question after a cached prefix).
 
     A weight in its GGUF file's blocks (QuantizedWeight, or StackedBlocks of several formats:
     one panel matrix per part) is packed for kernels.cpu_qlinear,

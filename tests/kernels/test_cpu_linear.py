@@ -111,3 +111,20 @@ def test_a_model_row_does_not_depend_on_how_many_rows_its_call_had(
     together = lin(x)
     for a, b in ((0, 1), (many - 21, many), (7, 30)):
         assert torch.equal(lin(x[a:b].clone()), together[a:b])
+
+
+@pytest.mark.skipif(cpu_linear.max_rows() is None, reason="the panels take every call here")
+@pytest.mark.parametrize("k", [576, 1024, 1025, 1536, 2560])
+def test_the_panels_sum_as_onednn_where_it_takes_the_long_calls(k: int) -> None:
+    """AVX2: oneDNN takes the calls of more than max_rows rows, and the panels sum over k as it
+    does (runs of 1,024, then the runs' sums in turn), bit for bit; so the model's Linear keeps
+    oneDNN for those calls (none of its weights falls back to the panels for every call)."""
+    torch.manual_seed(k)
+    w = torch.randn(300, k) * 0.05
+    x = torch.randn(cpu_linear.max_rows() + 9, k)  # type: ignore[operator]
+    ours = cpu_linear.linear(x, cpu_linear.pack(w), 300, any_rows=True)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    theirs = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    assert ours is not None and torch.equal(ours, theirs)
+    lin = Linear(w)
+    assert lin.packed is not None and not lin.panels_only
