@@ -22,6 +22,11 @@ def _can_prepack(weight: torch.Tensor) -> bool:
     )
 
 
+# (out, in features) -> whether oneDNN's sums are the panels' for weights of that shape: the
+# order of a row's sums depends on the kernels and the shape, not on the weight's values.
+_SAME_SUMS: dict[tuple[int, int], bool] = {}
+
+
 def _same_sums(panels: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> bool:
     """Whether oneDNN's matmul over `packed` gives every output bit for bit as cpu_linear's over
     `panels` (the same weight), on a probe of more rows than cpu_linear.max_rows(): so that
@@ -30,11 +35,13 @@ def _same_sums(panels: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> bo
     sums added in turn: cpu_linear follows oneDNN), which the probe checks on this machine's
     oneDNN: where the orders agree every input agrees, where they differ almost every output
     of a random probe does."""
-    rows = (cpu_linear.max_rows() or 0) + 8
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
-    ours = cpu_linear.linear(x, panels, n, any_rows=True)
-    theirs = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return ours is not None and torch.equal(ours, theirs)
+    if (n, k) not in _SAME_SUMS:
+        rows = (cpu_linear.max_rows() or 0) + 8
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
+        ours = cpu_linear.linear(x, panels, n, any_rows=True)
+        theirs = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        _SAME_SUMS[n, k] = ours is not None and torch.equal(ours, theirs)
+    return _SAME_SUMS[n, k]
 
 
 class Linear(nn.Module):
