@@ -51,9 +51,10 @@ class Linear(nn.Module):
     cpu_linear.max_rows() on an AVX2 machine) the weight prepacked for oneDNN (what
     torch.compile's CPU backend does with frozen weights; faster than F.linear's BLAS path);
     elsewhere plain F.linear. Only the copies a path needs are kept. On an AVX2 machine a weight
-    whose oneDNN sums differ from the panels' (`_same_sums`; none of the model's do) keeps the
-    panels for every call: a token's result is the same however many rows its call had (a
-    prompt computed whole, or only its question after a cached prefix).
+    whose oneDNN sums differ from the panels' (`_same_sums`; none of the model's do), or that
+    oneDNN cannot take, keeps the panels for every call: a token's result is the same however
+    many rows its call had (a prompt computed whole, or only its question after a cached
+    prefix).
 
     A weight in its GGUF file's blocks (QuantizedWeight, or StackedBlocks of several formats:
     one panel matrix per part) is packed for kernels.cpu_qlinear,
