@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -85,15 +86,34 @@ def load_model(
     with phase("tokenizer"):
         tokenizer = tokenizer or KVTokenizer.from_path(config.model_path)
     with phase("weight_packing"):
-        # Weights go to the device first: the model prepacks them for that device.
-        on_device = {
-            k: v if isinstance(v, QuantizedWeight) else v.to(config.device)
-            for k, v in loaded.weights.items()
-        }
-        model = LlamaModel(loaded.config, on_device, DTYPES[matmul]).eval()
+        model = _model(loaded, DTYPES[matmul], config.device, shared=weights is not None)
     if model.int8_activations:
         fingerprint = hashlib.sha256(f"{fingerprint}/activations=int8".encode()).hexdigest()
     return LoadedModel(loaded, model, tokenizer, fingerprint)
+
+
+_BUILDING = threading.Lock()  # one build at a time of a model whose weights are shared
+
+
+def _model(loaded: LoadedWeights, matmul: torch.dtype, device: str, shared: bool) -> LlamaModel:
+    """The model on `device`, its weights prepacked for its kernels. Where the caller gave the
+    weights (one load shared between engines), a replica of the model built first on them:
+    the packing (0.3-0.6 s on 2 cores) is done once and the packed weights are held once."""
+    if not shared:
+        return _build(loaded, matmul, device)
+    key = (str(matmul), str(torch.device(device)))
+    with _BUILDING:
+        if key not in loaded.models:
+            loaded.models[key] = _build(loaded, matmul, device)
+        return loaded.models[key].replica()
+
+
+def _build(loaded: LoadedWeights, matmul: torch.dtype, device: str) -> LlamaModel:
+    # Weights go to the device first: the model prepacks them for that device.
+    on_device = {
+        k: v if isinstance(v, QuantizedWeight) else v.to(device) for k, v in loaded.weights.items()
+    }
+    return LlamaModel(loaded.config, on_device, matmul).eval()
 
 
 def build_kv_manager(

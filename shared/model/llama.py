@@ -9,6 +9,7 @@ A pure decode step runs its layers as one C++ call where the backend offers it
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -205,6 +206,19 @@ class LlamaModel(nn.Module):
         self.token_weights = self._token_weights()
         self._bound: tuple[PagedKV, Any] | None = None  # (the cache, its decode_model object)
         self.decode_in_cpp = True  # False: every step's layers from Python (profiling, tests)
+
+    def replica(self) -> LlamaModel:
+        """A model over the same weights, with state of its own: the cache its C++ step is
+        bound to, `decode_in_cpp`, the RoPE tables. The layers are this model's (read-only in a
+        forward pass); an attribute or submodule set on the replica leaves this model's alone."""
+        twin = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, dict):  # nn.Module's modules, parameters, buffers and hooks
+                twin.__dict__[name] = type(value)(value)
+        twin.rope = RotaryEmbedding(self.config)
+        twin._bound = None
+        twin.decode_in_cpp = True
+        return twin
 
     @property
     def int8_activations(self) -> bool:

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from kvserve.shared.config import FETCH_MODEL_COMMAND, ModelConfig
 from kvserve.shared.model.gguf_file import gguf_model_config, open_gguf
 from kvserve.shared.model.quantized import QuantizedWeight, Weight, dequantize
+
+if TYPE_CHECKING:
+    from kvserve.shared.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,11 @@ class LoadedWeights:
     config: ModelConfig
     weights: dict[str, Weight]  # expanded tensors, or the file's blocks (QuantizedWeight)
     fingerprint: str  # hex sha256 over sorted (name, shape, bytes) of the weights as stored
+    # The models built on these weights, by (matmul dtype, device): the engines given one
+    # LoadedWeights share their packed weights (startup.load_model).
+    models: dict[tuple[str, str], LlamaModel] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def quantized(self) -> dict[str, str]:
