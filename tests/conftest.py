@@ -41,6 +41,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Everything back in the collector's view for the interpreter's last collection (frozen
+    cycles left for exit made nanobind report Triton's objects as leaked)."""
+    gc.unfreeze()
+
+
 _repository_root_last()
 torch.set_num_threads(2)
 if not torch.cuda.is_available():  # Triton kernels run under the interpreter on the CPU
